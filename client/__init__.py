@@ -1,0 +1,53 @@
+"""Python client of code2wav-sidecar: what a generation runner imports.
+
+``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``
+(the two meet only on the wire, see ``proto/README.md``).
+
+    from client import SidecarClient
+    with SidecarClient("ipc:///run/code2wav/sidecar.sock", timeout_s=30) as c:
+        s = c.open_stream("req-1", mode="window", left_context_frames=25)
+        wav = s.decode(codes)            # float32 [(n - context_frames) * U] on CPU
+        wav = await asyncio.wrap_future(s.submit(codes))   # from asyncio
+"""
+
+from __future__ import annotations
+
+from .client import DEFAULT_ADDRESS, BatchItem, SidecarClient
+from .errors import (
+    AlreadyExists,
+    Busy,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfOrder,
+    SidecarError,
+    StreamLost,
+    Unavailable,
+    VersionMismatch,
+    error_from,
+)
+from .stream import Stream
+from .transport import CodesLike, InlineTransport, TensorTransport
+
+__all__ = [
+    "SidecarClient",
+    "Stream",
+    "DEFAULT_ADDRESS",
+    "BatchItem",
+    "CodesLike",
+    "TensorTransport",
+    "InlineTransport",
+    "SidecarError",
+    "InvalidArgument",
+    "NotFound",
+    "AlreadyExists",
+    "OutOfOrder",
+    "Busy",
+    "DeadlineExceeded",
+    "Unavailable",
+    "Internal",
+    "VersionMismatch",
+    "StreamLost",
+    "error_from",
+]

@@ -1,0 +1,409 @@
+"""The connection: one background I/O thread that alone owns the ZeroMQ DEALER socket.
+
+``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
+
+Other threads hand the I/O thread ``Call``s through a deque and wake it through
+an ``os.pipe`` registered in its ``zmq.Poller`` (no sleeps, no polling
+intervals). The thread sends, receives, matches replies to calls by
+request_id, enforces each call's deadline (``DeadlineExceeded``), sends
+``ping`` when it has heard nothing for ``heartbeat_interval_s``, declares the
+server dead after ``DEAD_AFTER_INTERVALS`` silent intervals (``Unavailable``),
+and notices a server restart (boot epoch change): it then bumps
+``generation`` (calls on older streams fail with ``StreamLost``) and says
+``hello`` again so new streams work.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from proto import (
+    PROTOCOL_VERSION,
+    Bye,
+    Error,
+    Hello,
+    Ping,
+    Pong,
+    ProtocolError,
+    ServerMessage,
+    Welcome,
+    decode_server_message,
+    encode,
+)
+
+from ._call import RECEIVE_LIMITS, Call, OnFailure, Outcome
+from .errors import (
+    DeadlineExceeded,
+    Internal,
+    SidecarError,
+    StreamLost,
+    Unavailable,
+    VersionMismatch,
+    error_from,
+)
+
+__all__ = ["Call", "Connection", "Outcome", "DEAD_AFTER_INTERVALS"]
+
+log = logging.getLogger("code2wav.client")
+
+DEAD_AFTER_INTERVALS = 3.0
+"""Silent heartbeat intervals after which the server is considered dead."""
+_BYE_LINGER_MS = 100
+"""How long closing waits for the ``bye`` to leave (bounded; 0 once the server is dead)."""
+_RECEIVE_BATCH = 256
+@dataclass
+class _State:
+    welcome: Welcome | None = None
+    boot_epoch: str | None = None
+    generation: int = 0
+    dead_reason: str | None = None
+    broken: SidecarError | None = None
+    last_rx: float = field(default_factory=time.monotonic)
+    last_ping_tx: float = 0.0
+    recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
+    rehello_pending: bool = False
+
+
+class Connection:
+    """Owns the DEALER socket and the I/O thread. Thread-safe entry points: ``submit``, ``close``."""
+
+    def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any]) -> None:
+        self.address = address
+        self.client_id = client_id
+        self._capabilities = dict(capabilities)
+        self._ids = itertools.count(1)
+        self._inbox: collections.deque[Call | None] = collections.deque()  # None = close
+        self._pending: dict[int, Call] = {}
+        self._unsent: collections.deque[Call] = collections.deque()
+        self._deadlines: list[tuple[float, int]] = []
+        self._state = _State()
+        self._closed = threading.Event()
+        self._submit_lock = threading.Lock()  # orders submit() against close()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue towards a peer that is not connected
+        self._sock.setsockopt(zmq.ROUTING_ID, routing_id)  # stable across reconnects: keeps the session
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._sock.connect(address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._thread = threading.Thread(target=self._run, name="code2wav-client-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def welcome(self) -> Welcome | None:
+        return self._state.welcome
+
+    @property
+    def generation(self) -> int:
+        return self._state.generation
+
+    @property
+    def boot_epoch(self) -> str | None:
+        return self._state.boot_epoch
+
+    @property
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, call: Call) -> None:
+        """Queue ``call``; its callbacks fire on the I/O thread (or here, if closed)."""
+        with self._submit_lock:
+            if not self._closed.is_set():
+                self._inbox.append(call)
+                self._wake()
+                return
+        call.on_failure(Unavailable(f"client for {self.address} is closed"), "not_sent")
+
+    def hello_call(self, timeout_s: float, on_welcome: Callable[[Welcome], None],
+                   on_failure: OnFailure) -> Call:
+        """A ``hello`` call; on success the connection adopts the welcome before ``on_welcome``."""
+        request_id = self.next_request_id()
+        msg = Hello(request_id, PROTOCOL_VERSION, self.client_id, self._capabilities)
+
+        def on_reply(reply: ServerMessage, frames: list[memoryview]) -> None:
+            if not isinstance(reply, Welcome):
+                raise Internal(f"expected welcome, got {reply.TYPE}")
+            self._adopt_welcome(reply)
+            on_welcome(reply)
+
+        return Call(request_id, encode(msg), timeout_s, on_reply, on_failure, internal=True)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        with self._submit_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            self._inbox.append(None)
+            self._wake()
+        if not self.on_io_thread:
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (already woken) or closed
+
+    # ------------------------------------------------------------------ I/O thread only
+
+    def _run(self) -> None:
+        try:
+            while self._intake():
+                self._flush()
+                flags = zmq.POLLIN | (zmq.POLLOUT if self._unsent else 0)
+                self._poller.register(self._sock, flags)
+                events = dict(self._poller.poll(self._poll_timeout_ms()))
+                if self._wake_r in events:
+                    self._drain_wake_pipe()
+                if events.get(self._sock, 0) & zmq.POLLIN:
+                    self._receive()
+                now = time.monotonic()
+                self._expire(now)
+                self._heartbeat(now)
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            log.exception("sidecar client I/O thread failed")
+            self._fail_all(Internal(f"client I/O thread failed: {exc!r}"), include_internal=True)
+        finally:
+            self._shutdown()
+
+    def _intake(self) -> bool:
+        """Move submitted calls into the send queue; False once close was requested."""
+        while self._inbox:
+            call = self._inbox.popleft()
+            if call is None:
+                return False
+            self._accept(call, front=False)
+        return True
+
+    def _accept(self, call: Call, front: bool) -> None:
+        state = self._state
+        failure: SidecarError | None = state.broken
+        if failure is None and state.dead_reason is not None and not call.internal:
+            failure = Unavailable(state.dead_reason)
+        if failure is None and call.generation is not None and call.generation != state.generation:
+            failure = self._lost_error()
+        if failure is not None:
+            self._settle_failure(call, failure, "not_sent")
+            return
+        call.deadline = time.monotonic() + call.timeout_s
+        self._pending[call.request_id] = call
+        heapq.heappush(self._deadlines, (call.deadline, call.request_id))
+        if front:
+            self._unsent.appendleft(call)
+        else:
+            self._unsent.append(call)
+
+    def _flush(self) -> None:
+        while self._unsent:
+            call = self._unsent[0]
+            if call.generation is not None and call.generation != self._state.generation:
+                self._unsent.popleft()
+                self._pending.pop(call.request_id, None)
+                self._settle_failure(call, self._lost_error(), "not_sent")
+                continue
+            try:
+                self._sock.send_multipart(call.frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # not connected or at the high-water mark: wait for POLLOUT
+            self._unsent.popleft()
+            call.sent = True
+            call.frames = []  # zmq holds what it still needs
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        wake_at = self._deadlines[0][0] if self._deadlines else now + 3600.0
+        state = self._state
+        if state.welcome is not None and state.broken is None:
+            interval_s = state.welcome.heartbeat_interval_s
+            wake_at = min(wake_at, max(state.last_rx, state.last_ping_tx) + interval_s)
+            if state.dead_reason is None:
+                wake_at = min(wake_at, state.last_rx + DEAD_AFTER_INTERVALS * interval_s)
+        return max(0, int((wake_at - now) * 1000.0) + 1)
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _receive(self) -> None:
+        for _ in range(_RECEIVE_BATCH):
+            try:
+                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._state.last_rx = time.monotonic()
+            if self._state.dead_reason is not None:
+                log.info("sidecar at %s answers again", self.address)
+                self._state.dead_reason = None
+            self._dispatch([part.buffer for part in parts])
+
+    def _dispatch(self, frames: list[memoryview]) -> None:
+        try:
+            msg = decode_server_message(frames, RECEIVE_LIMITS)
+        except ProtocolError as exc:
+            call = self._pending.pop(exc.request_id, None) if exc.request_id is not None else None
+            if call is None:
+                log.warning("dropping malformed message from %s: %s", self.address, exc)
+                return
+            self._settle_failure(call, Internal(f"malformed reply from the server: {exc.message}"), "unknown")
+            return
+        if isinstance(msg, Pong):
+            self._observe_epoch(msg.boot_epoch, via_welcome=False)
+        if isinstance(msg, Error) and msg.request_id in self._state.recent_ping_ids:
+            # A server that refuses our ping does not know this connection (it restarted, or it
+            # dropped our session): say hello again; the welcome's boot epoch tells which.
+            log.warning("ping refused by %s (%s): %s", self.address, msg.code.value, msg.message)
+            self._rehello()
+            return
+        if msg.request_id is None:
+            log.warning("error from %s not tied to a request: %s", self.address, getattr(msg, "message", msg))
+            return
+        call = self._pending.pop(msg.request_id, None)
+        if call is None:
+            return  # a late reply to a call that already timed out, or a ping we stopped waiting for
+        if isinstance(msg, Error):
+            self._settle_failure(call, error_from(msg.code, msg.message), "rejected")
+            return
+        try:
+            call.on_reply(msg, frames)
+        except SidecarError as exc:
+            self._settle_failure(call, exc, "unknown")
+        except Exception as exc:
+            log.exception("reply handler failed")
+            self._settle_failure(call, Internal(f"could not handle the {msg.TYPE} reply: {exc!r}"), "unknown")
+
+    def _adopt_welcome(self, welcome: Welcome) -> None:
+        self._state.welcome = welcome
+        self._observe_epoch(welcome.boot_epoch, via_welcome=True)
+
+    def _observe_epoch(self, boot_epoch: str, via_welcome: bool) -> None:
+        state = self._state
+        if state.boot_epoch is None or state.boot_epoch == boot_epoch:
+            state.boot_epoch = boot_epoch
+            return
+        old_epoch, state.boot_epoch = state.boot_epoch, boot_epoch
+        state.generation += 1
+        log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
+                    self.address, old_epoch, boot_epoch)
+        self._fail_all(self._lost_error(old_epoch), include_internal=False)
+        if not via_welcome:
+            self._rehello()
+
+    def _lost_error(self, old_epoch: str | None = None) -> StreamLost:
+        detail = f" (boot epoch {old_epoch} -> {self._state.boot_epoch})" if old_epoch else ""
+        return StreamLost(f"the sidecar at {self.address} restarted{detail}; streams opened before are gone")
+
+    def _rehello(self) -> None:
+        if self._state.rehello_pending:
+            return
+        self._state.rehello_pending = True
+
+        def on_welcome(welcome: Welcome) -> None:
+            self._state.rehello_pending = False
+            log.info("re-handshake with %s done (server %s)", self.address, welcome.server_id)
+
+        def on_failure(error: SidecarError, outcome: Outcome) -> None:
+            self._state.rehello_pending = False
+            if isinstance(error, VersionMismatch):
+                self._state.broken = error  # the new server speaks another version
+            log.warning("re-handshake with %s failed: %s", self.address, error)
+
+        interval_s = self._state.welcome.heartbeat_interval_s if self._state.welcome else 0.5
+        call = self.hello_call(max(1.0, DEAD_AFTER_INTERVALS * interval_s), on_welcome, on_failure)
+        self._accept(call, front=True)  # goes out before anything queued after the restart
+
+    def _heartbeat(self, now: float) -> None:
+        state = self._state
+        if state.welcome is None or state.broken is not None:
+            return
+        interval_s = state.welcome.heartbeat_interval_s
+        silent_s = now - state.last_rx
+        if silent_s >= DEAD_AFTER_INTERVALS * interval_s and state.dead_reason is None:
+            state.dead_reason = (
+                f"the sidecar at {self.address} has not answered for {silent_s:.1f}s "
+                f"(heartbeat interval {interval_s}s); is `code2wav-sidecar serve` still running?"
+            )
+            log.warning("%s", state.dead_reason)
+            self._fail_all(Unavailable(state.dead_reason), include_internal=False)
+        if silent_s >= interval_s and now - state.last_ping_tx >= interval_s:
+            state.last_ping_tx = now
+            request_id = self.next_request_id()
+            state.recent_ping_ids.append(request_id)
+            try:  # straight to the socket: a ping that cannot leave now is simply skipped
+                self._sock.send_multipart(encode(Ping(request_id)), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            call = self._pending.pop(request_id, None)
+            if call is None:
+                continue
+            if call.sent:
+                error = DeadlineExceeded(f"no reply from {self.address} within {call.timeout_s:g}s")
+            else:
+                self._unsent.remove(call)
+                error = DeadlineExceeded(
+                    f"could not send to {self.address} within {call.timeout_s:g}s (not connected)"
+                )
+            self._settle_failure(call, error, "unknown" if call.sent else "not_sent")
+
+    def _fail_all(self, error: SidecarError, include_internal: bool) -> None:
+        for call in list(self._pending.values()):
+            if call.internal and not include_internal:
+                continue
+            del self._pending[call.request_id]
+            if not call.sent:
+                self._unsent.remove(call)
+            self._settle_failure(call, error, "unknown" if call.sent else "not_sent")
+
+    def _settle_failure(self, call: Call, error: SidecarError, outcome: Outcome) -> None:
+        try:
+            call.on_failure(error, outcome)
+        except Exception:
+            log.exception("failure handler raised")
+
+    def _shutdown(self) -> None:
+        state = self._state
+        linger_ms = 0
+        if state.welcome is not None and state.dead_reason is None and state.broken is None:
+            try:
+                self._sock.send_multipart(encode(Bye(self.next_request_id())), zmq.NOBLOCK)
+                linger_ms = _BYE_LINGER_MS
+            except zmq.ZMQError:
+                pass
+        closed = Unavailable(f"client for {self.address} is closed")
+        self._fail_all(closed, include_internal=True)
+        while self._inbox:
+            call = self._inbox.popleft()
+            if call is not None:
+                self._settle_failure(call, closed, "not_sent")
+        self._sock.close(linger=linger_ms)
+        os.close(self._wake_r)
+

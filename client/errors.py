@@ -1,0 +1,113 @@
+"""Exceptions raised by the client: one class per protocol error code.
+
+``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
+"""
+
+from __future__ import annotations
+
+from proto import ErrorCode, ProtocolError
+
+__all__ = [
+    "SidecarError",
+    "InvalidArgument",
+    "NotFound",
+    "AlreadyExists",
+    "OutOfOrder",
+    "Busy",
+    "DeadlineExceeded",
+    "Unavailable",
+    "Internal",
+    "VersionMismatch",
+    "StreamLost",
+    "error_from",
+]
+
+
+class SidecarError(Exception):
+    """Base class; ``code`` is the protocol ``ErrorCode``, ``message`` the server's text."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)  # args stay (message,), so errors pickle and re-raise intact
+        self.message: str = message
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"
+
+
+class InvalidArgument(SidecarError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class NotFound(SidecarError):
+    code = ErrorCode.NOT_FOUND
+
+
+class AlreadyExists(SidecarError):
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class OutOfOrder(SidecarError):
+    code = ErrorCode.OUT_OF_ORDER
+
+
+class Busy(SidecarError):
+    code = ErrorCode.BUSY
+
+
+class DeadlineExceeded(SidecarError):
+    """The reply did not arrive in time. The outcome on the server is unknown."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(SidecarError):
+    """The server is unreachable, stopped answering heartbeats, or is shutting down."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class Internal(SidecarError):
+    code = ErrorCode.INTERNAL
+
+
+class VersionMismatch(SidecarError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class StreamLost(SidecarError):
+    """The server restarted (its boot epoch changed): streams opened before are gone."""
+
+    code = ErrorCode.STREAM_LOST
+
+
+_BY_CODE: dict[ErrorCode, type[SidecarError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        OutOfOrder,
+        Busy,
+        DeadlineExceeded,
+        Unavailable,
+        Internal,
+        VersionMismatch,
+        StreamLost,
+    )
+}
+
+
+def error_from(code: ErrorCode | str, message: str) -> SidecarError:
+    """The exception for ``code`` (an unknown code string gives ``Internal``)."""
+    try:
+        error_code = ErrorCode(code)
+    except ValueError:
+        return Internal(f"[unknown error code {code!r}] {message}")
+    return _BY_CODE[error_code](message)
+
+
+def from_protocol_error(error: ProtocolError, context: str) -> SidecarError:
+    """Wrap a ``ProtocolError`` raised while decoding a server message."""
+    return error_from(error.code, f"{context}: {error.message}")

@@ -1,0 +1,99 @@
+"""Tensors <-> wire: codes into (descriptor, frames), audio frames into torch tensors.
+
+``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
+
+The seam for CUDA IPC is ``TensorTransport.pack``: it turns a tensor into a
+descriptor plus the frames to append to the message. ``InlineTransport`` (the
+only one so far) puts the bytes in the message. A CUDA IPC transport (later)
+will copy codes into a registered device region and return a ``CudaIpcLoc``
+descriptor with no frames.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol, Sequence, Union
+
+import numpy as np
+import torch
+
+from proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
+
+from .errors import InvalidArgument
+
+__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "audio_from_frames"]
+
+CodesLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
+
+_TORCH_WIRE_INTS = {torch.int16, torch.int32, torch.int64}
+_FLOAT32_ALIGN = 4
+
+
+def as_wire_codes(codes: CodesLike) -> np.ndarray:
+    """Return codes as a C-contiguous little-endian int16/int32/int64 numpy array ``[Q, n]``.
+
+    No copy when ``codes`` already is one (a contiguous CPU torch tensor or numpy
+    array of int16/int32/int64): the returned array shares its memory, so the
+    caller must not modify ``codes`` until the chunk's reply arrived. Other
+    integer dtypes are widened to int64 (a copy); floats and bools are refused.
+    """
+    if isinstance(codes, torch.Tensor):
+        tensor = codes.detach()
+        if tensor.device.type != "cpu":
+            # Documented fallback until CUDA IPC regions land (a CudaIpcTransport will
+            # send device tensors as CudaIpcLoc descriptors): copy to host memory.
+            tensor = tensor.cpu()
+        if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+            raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
+        if tensor.dtype not in _TORCH_WIRE_INTS:
+            tensor = tensor.to(torch.int64)
+        array = tensor.contiguous().numpy()
+    else:
+        array = np.asarray(codes)
+        if array.dtype.kind not in "iu":
+            raise InvalidArgument(f"codes must be an integer array, got dtype {array.dtype}")
+        if array.dtype.name not in INTEGER_DTYPES:
+            array = array.astype(np.int64)
+        array = np.ascontiguousarray(array)
+    if array.ndim != 2:
+        raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(array.shape)}")
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array
+
+
+class TensorTransport(Protocol):
+    """Turns a host array into a descriptor and the frames that carry its bytes."""
+
+    def pack(self, array: np.ndarray, first_frame: int) -> tuple[TensorDesc, list[Any]]:
+        """``first_frame`` is the message frame index the first returned frame will have."""
+        ...
+
+
+class InlineTransport:
+    """Bytes travel in the message itself, one frame per tensor, without a copy."""
+
+    def pack(self, array: np.ndarray, first_frame: int) -> tuple[TensorDesc, list[Any]]:
+        desc = TensorDesc(dtype=array.dtype.name, shape=tuple(int(d) for d in array.shape), loc=InlineLoc(first_frame))
+        # memoryview keeps ``array`` alive until zmq has sent the frame (copy=False).
+        frame: Any = memoryview(array).cast("B") if array.nbytes else b""
+        return desc, [frame]
+
+
+def audio_from_frames(desc: TensorDesc, frames: Sequence[Any]) -> torch.Tensor:
+    """Build the float32 audio tensor of an inline descriptor, without a copy when possible.
+
+    ``frames`` are the received message's buffers (``zmq.Frame.buffer``
+    memoryviews); the tensor keeps its frame alive. A copy is made only when
+    the frame is read-only (torch tensors must be writable), misaligned for
+    float32 (ZeroMQ may place small messages at any offset of its receive
+    buffer), or the host is big-endian.
+    """
+    view = inline_view(desc, frames)
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.float32)
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    if view.readonly or address % _FLOAT32_ALIGN != 0 or sys.byteorder != "little":
+        samples = np.frombuffer(view, dtype="<f4").astype(np.float32)  # the copy
+        return torch.from_numpy(samples)
+    return torch.frombuffer(view, dtype=torch.float32)

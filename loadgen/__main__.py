@@ -1,0 +1,18 @@
+import sys
+
+USAGE = "usage: python -m loadgen {demo,bench} [options]"
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "bench"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    command, argv = sys.argv[1], sys.argv[2:]
+    if command == "demo":
+        from .demo import main as run
+    else:
+        from .bench import main as run
+    return run(argv)
+
+
+raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""In-process baselines on the same device and model as the sidecar under test, so every sidecar figure is
+also a ratio against them:
+
+- ``window-eager-b1``: what vLLM-Omni does per request today: each 25-frame chunk decoded again with 25
+  frames of left context (a 50-frame stateless forward), batch 1, eager.
+- ``exact-eager-b1``: the sidecar's exact mode without the wire: 25 new frames against carried state.
+- ``exact-eager-bN``: the same at batch N (throughput class of cross-request batching).
+- ``exact-graph-bN`` (CUDA only): the same through a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sidecar.engine import DecodeItem, Engine
+from sidecar.models import LoadedModel
+from sidecar.state_store import StateArena
+
+from .traffic import synthetic_codes
+
+
+@dataclass
+class BaselineResult:
+    name: str
+    batch: int
+    new_frames: int
+    latency_ms_p50: float
+    latency_ms_p95: float
+    audio_s_per_s: float
+    iters: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _result(name: str, batch: int, new_frames: int, times_s: list[float], model: LoadedModel) -> BaselineResult:
+    times_s = sorted(times_s)
+    p50 = statistics.median(times_s)
+    p95 = times_s[min(len(times_s) - 1, int(0.95 * len(times_s)))]
+    audio_s = batch * new_frames * model.samples_per_frame / model.sample_rate_hz
+    return BaselineResult(name, batch, new_frames, p50 * 1e3, p95 * 1e3, audio_s / p50, len(times_s))
+
+
+def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames: int = 25, iters: int = 20,
+                  warmup: int = 3, batch_sizes: tuple[int, ...] = (1,)) -> list[BaselineResult]:
+    slots_needed = max(batch_sizes)
+    arena = StateArena(model.module.state_layout(), slots_needed, model.dtype, model.device)
+    engine = Engine(model, arena, max_forward_frames=max(256, new_frames + left_context_frames))
+    codes = synthetic_codes(model.num_quantizers, new_frames + left_context_frames, model.codebook_size, seed=1)
+    results = []
+
+    window = [DecodeItem(codes=codes, slot=None, skip_frames=left_context_frames)]
+    times = _time_calls(lambda: engine.decode(window), model.device, iters, warmup)
+    results.append(_result("window-eager-b1", 1, new_frames, times, model))
+
+    for batch in batch_sizes:
+        slots = [arena.allocate() for _ in range(batch)]
+        items = [DecodeItem(codes=codes[:, :new_frames], slot=s, skip_frames=0) for s in slots]
+        times = _time_calls(lambda: engine.decode(items), model.device, iters, warmup)
+        results.append(_result(f"exact-eager-b{batch}", batch, new_frames, times, model))
+        for s in slots:
+            arena.release(s)
+    if model.device.type == "cuda":
+        results += _graph_baselines(model, arena, codes[:, :new_frames], new_frames, iters, warmup, batch_sizes)
+    return results
+
+
+def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: int, iters: int, warmup: int,
+                     batch_sizes: tuple[int, ...]) -> list[BaselineResult]:
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.graphs.manager import GraphManager
+    from sidecar.graphs.plan import BucketKey
+    from sidecar.metrics import Metrics
+    from sidecar.models.routine import StreamRoutine
+
+    buckets = tuple(BucketKey("exact", b, new_frames) for b in batch_sizes)
+    routine = StreamRoutine(model, arena, max(batch_sizes), new_frames)
+    manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()))
+    manager.capture_startup()
+    results = []
+    for key in buckets:
+        if not manager.ready(key):
+            continue
+        slots = [arena.allocate() for _ in range(key.batch)]
+        items = [DecodeItem(codes=codes, slot=s, skip_frames=0) for s in slots]
+        times = _time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
+        results.append(_result(f"exact-graph-b{key.batch}", key.batch, new_frames, times, model))
+        for s in slots:
+            arena.release(s)
+    return results

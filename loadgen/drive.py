@@ -1,0 +1,149 @@
+"""Drive a running sidecar with concurrent synthetic streams and measure what a runner sees."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import SidecarClient
+from client.errors import SidecarError
+
+from .traffic import chunk_sizes, synthetic_codes
+
+FRAME_S = 0.08  # 12.5 frames per second
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    mode: str
+    arrival: str
+    chunks: int
+    errors: int
+    wall_s: float
+    audio_s: float
+    chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
+    first_chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
+    mean_batch_size: float | None = None
+    graph_hit_rate: float | None = None
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def audio_s_per_s(self) -> float:
+        return self.audio_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def scrape_counters(text: str) -> dict[str, float]:
+    """Sum every sample of the metrics the bench reads, by sample name (labels summed over)."""
+    wanted = ("code2wav_sidecar_batch_size", "code2wav_sidecar_graph_replays", "code2wav_sidecar_graph_misses")
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith(wanted):
+            continue
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+async def _one_stream(client: SidecarClient, stream_id: str, mode: str, codes, sizes: list[int], arrival: str,
+                      start_at_s: float, sample_rate_hz: int, result: LevelResult) -> None:
+    stream = await asyncio.get_running_loop().run_in_executor(None, lambda: client.open_stream(stream_id, mode=mode))
+    now = time.perf_counter()
+    if start_at_s > now:
+        await asyncio.sleep(start_at_s - now)
+    t_start = time.perf_counter()
+    frames_done = 0
+    for i, n in enumerate(sizes):
+        t0 = time.perf_counter()
+        if arrival == "realtime":
+            # Open loop: the talker emits a frame every 80 ms, so a chunk exists once its last frame does.
+            # Latency counts from that moment, also when the previous reply came late (overload shows up).
+            t0 = t_start + (frames_done + n) * FRAME_S
+            delay = t0 - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        try:
+            wav = await asyncio.wrap_future(
+                stream.submit(codes[:, frames_done:frames_done + n], final=(i == len(sizes) - 1)))
+        except SidecarError as exc:
+            result.errors += 1
+            if len(result.error_samples) < 5:
+                result.error_samples.append(f"{type(exc).__name__}: {exc}")
+            return
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        (result.first_chunk_latency_ms if i == 0 else result.chunk_latency_ms).append(latency_ms)
+        result.chunks += 1
+        result.audio_s += wav.numel() / sample_rate_hz
+        frames_done += n
+
+
+async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, num_frames: int,
+                    first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
+                    tag: str) -> LevelResult:
+    info = clients[0].models[0]
+    sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
+    result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
+                         audio_s=0.0)
+    before = _scrape(metrics_url)
+    rng = random.Random(concurrency)
+    t0 = time.perf_counter()
+    stagger_s = 2.0 if arrival == "realtime" else 0.0
+    tasks = []
+    for i in range(concurrency):
+        codes = synthetic_codes(info.num_quantizers, num_frames, info.codebook_size, seed=i)
+        tasks.append(_one_stream(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, codes, sizes, arrival,
+                                 t0 + rng.random() * stagger_s, info.sample_rate, result))
+    await asyncio.gather(*tasks)
+    result.wall_s = time.perf_counter() - t0
+    after = _scrape(metrics_url)
+    if before is not None and after is not None:
+        count = _delta(after, before, "code2wav_sidecar_batch_size_count")
+        if count:
+            result.mean_batch_size = _delta(after, before, "code2wav_sidecar_batch_size_sum") / count
+        hits = _delta(after, before, "code2wav_sidecar_graph_replays_total")
+        misses = _delta(after, before, "code2wav_sidecar_graph_misses_total")
+        if hits + misses:
+            result.graph_hit_rate = hits / (hits + misses)
+    return result
+
+
+def _scrape(metrics_url: str | None) -> dict[str, float] | None:
+    if metrics_url is None:
+        return None
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+            return scrape_counters(resp.read().decode())
+    except OSError:
+        return None
+
+
+def summarize(result: LevelResult) -> dict:
+    lat, first = result.chunk_latency_ms, result.first_chunk_latency_ms
+    return {
+        "concurrency": result.concurrency, "mode": result.mode, "arrival": result.arrival,
+        "chunks": result.chunks, "errors": result.errors, "error_samples": result.error_samples,
+        "chunk_latency_ms_p50": percentile(lat, 50), "chunk_latency_ms_p95": percentile(lat, 95),
+        "chunk_latency_ms_p99": percentile(lat, 99),
+        "first_chunk_latency_ms_p50": percentile(first, 50), "first_chunk_latency_ms_p99": percentile(first, 99),
+        "audio_s_per_s": result.audio_s_per_s, "realtime_streams": int(result.audio_s_per_s),
+        "mean_batch_size": result.mean_batch_size, "graph_hit_rate": result.graph_hit_rate,
+        "wall_s": result.wall_s, "mean_chunk_latency_ms": statistics.fmean(lat) if lat else None,
+    }

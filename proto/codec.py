@@ -1,0 +1,149 @@
+"""Encode and decode whole messages (sans-IO): frames in, dataclasses out, and back.
+
+Rules: sans-IO; imports only the standard library and msgpack; never zmq,
+torch or numpy; imports nothing outside ``proto``. Never pickle.
+
+A message is a list of frames: frame 0 is a msgpack map (the header), frames
+1.. are raw little-endian C-contiguous tensor bytes referenced by inline tensor
+descriptors. ``encode`` passes buffers through untouched (zero-copy); the
+decoders check sizes before parsing anything, parse the header with explicit
+msgpack limits, and type-check every field. Any failure raises
+``ProtocolError`` carrying the request id whenever it could be read, so a
+server can scope its error reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import msgpack
+
+from . import _decode_client, _decode_server
+from ._check import UINT64_MAX, as_map, invalid, is_int, type_name
+from .errors import ProtocolError
+from .limits import DEFAULT_LIMITS, Limits
+from .messages import ClientMessage, ServerMessage
+
+__all__ = ["encode", "decode_client_message", "decode_server_message", "read_header", "Buffer"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+_MAX_MAP_LEN = 256
+_MIN_ARRAY_LEN = 1024
+
+_ClientParser = Callable[[dict[str, Any], Limits, Sequence[Any]], ClientMessage]
+_ServerParser = Callable[[dict[str, Any], Limits, Sequence[Any]], ServerMessage]
+
+_CLIENT_PARSERS: dict[str, _ClientParser] = {
+    "hello": _decode_client.parse_hello,
+    "open_stream": _decode_client.parse_open_stream,
+    "decode": _decode_client.parse_decode,
+    "finish": _decode_client.parse_finish,
+    "abort": _decode_client.parse_abort,
+    "ping": _decode_client.parse_ping,
+    "bye": _decode_client.parse_bye,
+}
+
+_SERVER_PARSERS: dict[str, _ServerParser] = {
+    "welcome": _decode_server.parse_welcome,
+    "opened": _decode_server.parse_opened,
+    "decode_result": _decode_server.parse_decode_result,
+    "finished": _decode_server.parse_finished,
+    "aborted": _decode_server.parse_aborted,
+    "pong": _decode_server.parse_pong,
+    "error": _decode_server.parse_error,
+}
+
+
+def encode(msg: ClientMessage | ServerMessage, buffers: Sequence[Buffer] = ()) -> list[Buffer]:
+    """Return ``[msgpack header, *buffers]``; buffers are passed through without copies.
+
+    Inline tensor descriptors in ``msg`` must name the buffers' frame indices
+    (the first buffer is frame 1).
+    """
+    to_wire = getattr(msg, "to_wire", None)
+    if to_wire is None or not hasattr(msg, "TYPE"):
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    header: bytes = msgpack.packb(to_wire(), use_bin_type=True)
+    return [header, *buffers]
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    invalid(f"msgpack extension types are not allowed (got ext type {code})")
+
+
+def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Check the message's size limits and unpack frame 0 into a header map."""
+    num_frames = len(frames)
+    if num_frames == 0:
+        invalid("empty message: expected a msgpack header frame")
+    if num_frames > limits.max_frames_per_message:
+        invalid(f"message has {num_frames} frames; the limit is {limits.max_frames_per_message}")
+    total_nbytes = 0
+    for frame in frames:
+        try:
+            total_nbytes += memoryview(frame).nbytes
+        except TypeError:
+            invalid(f"frame of type {type_name(frame)} is not a bytes-like object")
+    if total_nbytes > limits.max_message_bytes:
+        invalid(f"message is {total_nbytes} bytes; the limit is {limits.max_message_bytes}")
+    header_nbytes = memoryview(frames[0]).nbytes
+    if header_nbytes > limits.max_header_bytes:
+        invalid(f"header is {header_nbytes} bytes; the limit is {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(
+            frames[0],
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=limits.max_header_bytes,
+            max_bin_len=0,
+            max_array_len=max(limits.max_chunks_per_message, limits.max_rank, _MIN_ARRAY_LEN),
+            max_map_len=_MAX_MAP_LEN,
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types; all mean "bad header"
+        invalid(f"header is not a valid msgpack document ({type(exc).__name__}: {exc})")
+    return as_map(header, "header")
+
+
+def _peek_request_id(header: dict[str, Any]) -> int | None:
+    value = header.get("request_id")
+    if is_int(value) and 0 <= value <= UINT64_MAX:
+        return int(value)
+    return None
+
+
+def _message_type(header: dict[str, Any], known: Sequence[str]) -> str:
+    msg_type = header.get("type")
+    if not isinstance(msg_type, str):
+        invalid(f"header key 'type' must be a string, got {type_name(msg_type)}")
+    if msg_type not in known:
+        invalid(f"unknown message type {msg_type!r} (known: {', '.join(known)})")
+    return msg_type
+
+
+def decode_client_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ClientMessage:
+    """Parse and validate a client -> server message (strict: unknown keys are rejected)."""
+    header = read_header(frames, limits)
+    request_id = _peek_request_id(header)
+    try:
+        parser = _CLIENT_PARSERS[_message_type(header, tuple(_CLIENT_PARSERS))]
+        return parser(header, limits, frames)
+    except ProtocolError as exc:
+        raise exc.with_request_id(request_id) from None
+
+
+def decode_server_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ServerMessage:
+    """Parse and validate a server -> client message (unknown keys are ignored)."""
+    header = read_header(frames, limits)
+    request_id = _peek_request_id(header)
+    try:
+        parser = _SERVER_PARSERS[_message_type(header, tuple(_SERVER_PARSERS))]
+        return parser(header, limits, frames)
+    except ProtocolError as exc:
+        raise exc.with_request_id(request_id) from None
+

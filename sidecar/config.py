@@ -1,0 +1,128 @@
+"""Server configuration: typed, validated once at load; unknown keys are rejected by name with a hint.
+
+Sources, later wins: defaults < ``--config FILE`` (YAML) < command-line flags.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+def default_address() -> str:
+    """An ipc:// socket in a private per-user directory (created 0700 at bind time)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/code2wav-sidecar-{os.getuid()}"
+    return f"ipc://{base}/code2wav/sidecar.sock"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamsConfig(_Section):
+    max_streams: int | None = Field(None, ge=1, description="stream slots in the state arena; None = from memory")
+    state_memory_bytes: int = Field(2 << 30, ge=1 << 20, description="arena budget when max_streams is None")
+    ttl_s: float = Field(600.0, gt=0, description="streams idle longer than this are reaped")
+    default_left_context_frames: int = Field(25, ge=0)
+
+
+class SchedulerConfig(_Section):
+    max_batch_size: int = Field(64, ge=1)
+    batch_window_us: int = Field(200, ge=0, description="how long a lone chunk waits for company")
+    max_pending_chunks: int = Field(4096, ge=1, description="queued chunks beyond this get a busy error")
+
+
+class EngineConfig(_Section):
+    max_forward_frames: int = Field(256, ge=1, description="longer chunks are decoded in exact slices")
+
+
+class GraphsConfig(_Section):
+    enabled: bool = Field(True, description="capture CUDA graphs (ignored on CPU: eager)")
+    mode: Literal["startup", "startup_lazy", "lazy"] = "startup"
+    exact_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    exact_frames: tuple[int, ...] = (1, 25)
+    window_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    window_frames: tuple[int, ...] = (50,)
+    max_lazy_captures: int = Field(8, ge=0)
+    max_graph_memory_bytes: int | None = Field(None, ge=0)
+    allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
+
+
+class LimitsConfig(_Section):
+    max_message_bytes: int = Field(64 << 20, ge=1024)
+    max_chunk_frames: int = Field(8192, ge=1)
+    max_chunks_per_message: int = Field(1024, ge=1)
+    max_streams_per_client: int = Field(16384, ge=1)
+    max_left_context_frames: int = Field(1024, ge=0)
+
+
+class ServerConfig(_Section):
+    address: str = Field(default_factory=default_address)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(9464, ge=0, le=65535, description="0 picks a free port")
+    model: str = "default"
+    model_name: str = "qwen3-tts-12hz"
+    device: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    streams: StreamsConfig = StreamsConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    engine: EngineConfig = EngineConfig()
+    graphs: GraphsConfig = GraphsConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        dotted = ".".join(str(p) for p in loc)
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(ServerConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
+            lines.append(f"unknown key '{dotted}' ({hint})")
+        else:
+            lines.append(f"{dotted}: {err['msg']} (got {err.get('input')!r})")
+    return f"invalid configuration in {source}: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data.update(loaded)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+            source = f"{source} + command line" if "command line" not in source else source
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None

@@ -1,0 +1,187 @@
+"""CUDA graph manager (mechanism): capture, replay and account for graphs; trusts the bucket key it is given.
+
+- Capture largest first into one shared memory pool, after warm-up on the capture stream. Each bucket is
+  first profiled in a temporary pool (its standalone size), then captured for real; both sizes are logged
+  and exported. ``max_graph_memory_bytes`` is honoured: a bucket that would push the pool past it is
+  dropped, with a message naming it.
+- A capture failure leaves that bucket eager, logged with the reason and counted. Nothing captures while
+  another stream capture is active on the device.
+- ``run`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
+  next replay cannot overwrite them. An error after replay started propagates: no silent eager retry.
+- Modes: ``startup`` (all configured buckets at start), ``startup_lazy`` (plus up to ``max_lazy_captures``
+  extra buckets on demand), ``lazy`` (configured buckets on first use, extras as above).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from .plan import BucketKey
+
+log = logging.getLogger(__name__)
+
+CAPTURE_MODES = ("startup", "startup_lazy", "lazy")
+
+
+class Routine(Protocol):
+    def prime(self, batch: int, frames: int) -> None: ...
+    def copy_in(self, batch: int, frames: int, items: list) -> None: ...
+    def forward(self, batch: int, frames: int) -> Tensor: ...
+    def copy_out(self, out: Tensor, items: list) -> list: ...
+
+
+@dataclass
+class BucketState:
+    key: BucketKey
+    status: str = "pending"  # pending | captured | eager (capture failed) | skipped (memory budget)
+    reason: str = ""
+    capture_s: float = 0.0
+    profile_bytes: int = 0  # standalone, measured in a temporary pool
+    pool_bytes: int = 0  # what it added to the shared pool
+    graph: Any = None
+    output: Tensor | None = None
+
+
+class GraphManager:
+    def __init__(self, routines: dict[str, Routine], buckets: tuple[BucketKey, ...], device: torch.device,
+                 metrics: Any, mode: str = "startup", max_lazy_captures: int = 8,
+                 max_graph_memory_bytes: int | None = None, warmup_iters: int = 2) -> None:
+        if mode not in CAPTURE_MODES:
+            raise ValueError(f"graphs.mode must be one of {CAPTURE_MODES}, got {mode!r}")
+        self.routines = routines
+        self.device = device
+        self.metrics = metrics
+        self.mode = mode
+        self.max_lazy_captures = max_lazy_captures
+        self.max_graph_memory_bytes = max_graph_memory_bytes
+        self.warmup_iters = warmup_iters
+        self.buckets: dict[BucketKey, BucketState] = {k: BucketState(k) for k in buckets}
+        self.lazy_captures = 0
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capture_stream = torch.cuda.Stream(device)
+        self.pool_bytes = 0
+
+    # ------------------------------------------------------------------ capture
+    def capture_startup(self) -> None:
+        if self.mode == "lazy":
+            log.info("graphs: lazy mode, %d buckets will be captured on first use", len(self.buckets))
+            return
+        t0 = time.perf_counter()
+        for key in sorted(self.buckets, key=lambda k: (-k.cost, -k.batch)):
+            self._capture(self.buckets[key])
+        captured = [b for b in self.buckets.values() if b.status == "captured"]
+        log.info("graphs: %d/%d buckets captured in %.1fs, pool %.1f MiB", len(captured), len(self.buckets),
+                 time.perf_counter() - t0, self.pool_bytes / 2**20)
+
+    def capture_extra(self, key: BucketKey) -> bool:
+        """Lazily capture a bucket outside the configured set, within ``max_lazy_captures``."""
+        if self.mode == "startup" or key.mode not in self.routines:
+            return False
+        if key in self.buckets:
+            return self.buckets[key].status == "captured"
+        if self.lazy_captures >= self.max_lazy_captures:
+            return False
+        self.lazy_captures += 1
+        state = self.buckets[key] = BucketState(key)
+        self._capture(state)
+        return state.status == "captured"
+
+    def _capture(self, state: BucketState) -> None:
+        key = state.key
+        labels = {"component": key.mode, "bucket": key.label}
+        if torch.cuda.is_current_stream_capturing():
+            state.status, state.reason = "eager", "another stream capture is active"
+            self.metrics.graph_capture_failures.labels(**labels).inc()
+            log.warning("graph %s %s: not captured: %s", key.mode, key.label, state.reason)
+            return
+        routine = self.routines[key.mode]
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._warmup(routine, key)
+                state.profile_bytes = self._profile(routine, key)
+                before = torch.cuda.memory_reserved(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                    output = routine.forward(key.batch, key.frames)
+                torch.cuda.synchronize(self.device)
+                added = torch.cuda.memory_reserved(self.device) - before
+        except Exception as exc:  # capture failure: this bucket stays eager
+            torch.cuda.synchronize(self.device)
+            state.status, state.reason = "eager", f"{type(exc).__name__}: {exc}"
+            self.metrics.graph_capture_failures.labels(**labels).inc()
+            log.warning("graph %s %s: capture failed, bucket stays eager: %s", key.mode, key.label, state.reason)
+            return
+        if self.max_graph_memory_bytes is not None and self.pool_bytes + added > self.max_graph_memory_bytes:
+            del graph, output
+            torch.cuda.synchronize(self.device)
+            state.status = "skipped"
+            state.reason = (f"would grow graph memory to {(self.pool_bytes + added) / 2**20:.1f} MiB, over "
+                            f"max_graph_memory_bytes {self.max_graph_memory_bytes / 2**20:.1f} MiB")
+            log.warning("graph %s %s: skipped: %s; it runs eager", key.mode, key.label, state.reason)
+            return
+        state.graph, state.output = graph, output
+        state.status = "captured"
+        state.capture_s = time.perf_counter() - t0
+        state.pool_bytes = max(0, added)
+        self.pool_bytes += state.pool_bytes
+        self.metrics.graph_captures.labels(**labels).inc()
+        self.metrics.graph_capture_seconds.labels(**labels).set(state.capture_s)
+        self.metrics.graph_bytes.labels(**labels).set(state.pool_bytes)
+        self.metrics.graph_pool_bytes.set(self.pool_bytes)
+        log.info("graph %-6s %-10s captured in %.2fs: profile %.1f MiB, pool +%.1f MiB (total %.1f MiB)",
+                 key.mode, key.label, state.capture_s, state.profile_bytes / 2**20, state.pool_bytes / 2**20,
+                 self.pool_bytes / 2**20)
+
+    def _warmup(self, routine: Routine, key: BucketKey) -> None:
+        self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.capture_stream):
+            routine.prime(key.batch, key.frames)
+            for _ in range(self.warmup_iters):
+                routine.forward(key.batch, key.frames)
+        torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
+        torch.cuda.synchronize(self.device)
+
+    def _profile(self, routine: Routine, key: BucketKey) -> int:
+        """Standalone graph memory of ``key``: capture into a temporary pool, measure, release."""
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.capture_stream):
+            output = routine.forward(key.batch, key.frames)
+        torch.cuda.synchronize(self.device)
+        nbytes = torch.cuda.memory_reserved(self.device) - before
+        del graph, output
+        torch.cuda.empty_cache()
+        return max(0, nbytes)
+
+    # ------------------------------------------------------------------ replay
+    def ready(self, key: BucketKey) -> bool:
+        """Captured (capturing now on first use in lazy mode)."""
+        state = self.buckets.get(key)
+        if state is None:
+            return False
+        if state.status == "pending" and self.mode == "lazy":
+            self._capture(state)
+        return state.status == "captured"
+
+    def run(self, key: BucketKey, items: list) -> list:
+        """Replay ``key``'s graph for ``items``. The caller checked ``ready(key)``."""
+        state = self.buckets[key]
+        routine = self.routines[key.mode]
+        routine.copy_in(key.batch, key.frames, items)
+        state.graph.replay()
+        outputs = routine.copy_out(state.output, items)  # copied out before any later replay
+        self.metrics.graph_replays.labels(component=key.mode, bucket=key.label).inc()
+        return outputs
+
+    def summary(self) -> list[dict]:
+        return [{"mode": s.key.mode, "bucket": s.key.label, "status": s.status, "reason": s.reason,
+                 "capture_s": round(s.capture_s, 3), "profile_bytes": s.profile_bytes, "pool_bytes": s.pool_bytes}
+                for s in sorted(self.buckets.values(), key=lambda s: (s.key.mode, -s.key.cost))]

@@ -1,0 +1,81 @@
+"""Graph plan (policy): which ``(batch, frames)`` buckets exist, and which bucket a runtime batch uses.
+
+Pure functions, computed once, tested on CPU. The mechanism (``manager.py``) trusts the key it is handed.
+
+- exact mode: buckets over ``(batch, new_frames)``. vLLM-Omni sends a 1-frame first chunk, then 25-frame
+  chunks, so the defaults are ``frames in {1, 25}`` for every batch size up to the largest.
+- window mode: buckets over ``(batch, window_frames)``: 25 new + 25 left context = 50, and the offline
+  ``chunked_decode`` shape 300 + 25 = 325.
+A batch maps to the smallest bucket with ``batch >= rows`` and ``frames >= longest chunk``; the difference
+is padding (rows that use the scratch slot, frames past each row's length). No bucket: a reason, eager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_EXACT_FRAMES = (1, 25)
+DEFAULT_WINDOW_FRAMES = (50,)
+MODES = ("exact", "window")
+
+
+@dataclass(frozen=True, order=True)
+class BucketKey:
+    mode: str
+    batch: int
+    frames: int
+
+    @property
+    def label(self) -> str:
+        return f"b{self.batch}xt{self.frames}"
+
+    @property
+    def cost(self) -> int:
+        return self.batch * self.frames
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The bucket a batch runs in, with its padding; or ``key is None`` and the reason it runs eager."""
+
+    key: BucketKey | None
+    padding_rows: int = 0
+    padded_frames: int = 0
+    reason: str = ""
+
+
+def build_buckets(mode: str, batch_sizes: tuple[int, ...], frames: tuple[int, ...]) -> tuple[BucketKey, ...]:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    if any(b < 1 for b in batch_sizes) or any(f < 1 for f in frames):
+        raise ValueError("bucket batch sizes and frame counts must be >= 1")
+    return tuple(sorted({BucketKey(mode, b, f) for b in batch_sizes for f in frames}, key=lambda k: -k.cost))
+
+
+def dispatch(buckets: tuple[BucketKey, ...], mode: str, num_rows: int, row_frames: list[int]) -> Dispatch:
+    """Smallest bucket of ``mode`` that holds ``num_rows`` rows of up to ``max(row_frames)`` frames."""
+    if num_rows < 1:
+        return Dispatch(None, reason="empty")
+    longest = max(row_frames)
+    candidates = [k for k in buckets if k.mode == mode]
+    if not candidates:
+        return Dispatch(None, reason="no_buckets")
+    fitting = [k for k in candidates if k.batch >= num_rows and k.frames >= longest]
+    if not fitting:
+        if all(k.batch < num_rows for k in candidates):
+            return Dispatch(None, reason="batch_too_large")
+        return Dispatch(None, reason="frames_too_long")
+    best = min(fitting, key=lambda k: (k.cost, k.batch))
+    padded = sum(best.frames - f for f in row_frames) + (best.batch - num_rows) * best.frames
+    return Dispatch(best, padding_rows=best.batch - num_rows, padded_frames=padded)
+
+
+def extra_bucket(mode: str, num_rows: int, longest_frames: int, max_batch: int, max_frames: int) -> BucketKey | None:
+    """A bucket to capture lazily for a batch no configured bucket holds: rows rounded up to a power of two,
+    frames rounded up to a multiple of 8; None when it would exceed the configured maxima."""
+    batch = 1 << max(0, (num_rows - 1).bit_length())
+    frames = -(-longest_frames // 8) * 8
+    if batch > max_batch or frames > max_frames:
+        return None
+    return BucketKey(mode, batch, frames)

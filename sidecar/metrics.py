@@ -1,0 +1,106 @@
+"""Prometheus metrics (one registry per server, passed around; no module globals) and the HTTP endpoint.
+
+Names are prefixed ``code2wav_sidecar_``. Labels are bounded sets (model, mode, code, component, bucket);
+never request or stream ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.012, 0.016, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        p = "code2wav_sidecar_"
+        self.chunks = Counter(p + "chunks", "Chunks decoded successfully", ["model", "mode"], registry=r)
+        self.frames = Counter(p + "frames", "Codec frames decoded (context frames included)", ["model", "mode"],
+                              registry=r)
+        self.audio_seconds = Counter(p + "audio_seconds", "Seconds of audio returned", ["model", "mode"], registry=r)
+        self.chunk_latency = Histogram(p + "chunk_latency_seconds", "Chunk arrival to reply", ["mode"],
+                                       buckets=LATENCY_BUCKETS_S, registry=r)
+        self.errors = Counter(p + "errors", "Errors returned to clients, by code", ["code"], registry=r)
+        self.active_streams = Gauge(p + "active_streams", "Streams open now", registry=r)
+        self.streams_opened = Counter(p + "streams_opened", "Streams opened", ["mode"], registry=r)
+        self.streams_closed = Counter(p + "streams_closed", "Streams closed, by reason", ["reason"], registry=r)
+        self.clients = Gauge(p + "connected_clients", "Clients that completed the handshake", registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Chunks waiting for the engine", registry=r)
+        self.batch_size = Histogram(p + "batch_size", "Chunks per engine forward", ["mode"], buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.batch_wait = Histogram(p + "batch_wait_seconds", "Time a chunk waited for its batch",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.step_seconds = Histogram(p + "engine_step_seconds", "Engine forward time per batch", ["mode"],
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.state_bytes_per_stream = Gauge(p + "state_bytes_per_stream", "Decoder state bytes per stream",
+                                            ["model"], registry=r)
+        self.arena_slots = Gauge(p + "arena_slots", "State arena slots", ["model", "kind"], registry=r)
+        self.ready = Gauge(p + "ready", "1 once the model is loaded and the socket bound", registry=r)
+        graph = ["component", "bucket"]
+        self.graph_replays = Counter(p + "graph_replays", "CUDA graph replays", graph, registry=r)
+        self.graph_misses = Counter(p + "graph_misses", "Batches that ran eager, by reason", ["component", "reason"],
+                                    registry=r)
+        self.graph_captures = Counter(p + "graph_captures", "CUDA graphs captured", graph, registry=r)
+        self.graph_capture_failures = Counter(p + "graph_capture_failures", "Captures that failed (bucket eager)",
+                                              graph, registry=r)
+        self.graph_capture_seconds = Gauge(p + "graph_capture_seconds", "Capture time per bucket", graph, registry=r)
+        self.graph_bytes = Gauge(p + "graph_bytes", "Graph pool bytes added by each bucket", graph, registry=r)
+        self.graph_pool_bytes = Gauge(p + "graph_pool_bytes", "Bytes held by the shared graph pool", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    """Minimal HTTP/1.1 server for ``/metrics``, ``/healthz`` and ``/readyz`` on the event loop."""
+
+    def __init__(self, metrics: Metrics, is_ready: Callable[[], bool]) -> None:
+        self.metrics = metrics
+        self.is_ready = is_ready
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
+            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
+                pass  # headers are not needed
+            parts = request_line.decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+            if path == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.metrics.exposition()
+            elif path == "/healthz":
+                status, ctype, body = "200 OK", "text/plain", b"ok\n"
+            elif path == "/readyz":
+                ready = self.is_ready()
+                status = "200 OK" if ready else "503 Service Unavailable"
+                ctype, body = "text/plain", b"ready\n" if ready else b"not ready\n"
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode("latin-1") + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()

@@ -1,0 +1,140 @@
+"""Convolutional building blocks of the Qwen3-TTS 12 Hz decoder, written for streaming.
+
+Each block's ``forward(x, lengths, ctx)`` takes ``x`` ``[B, C, T]`` and the per-row valid lengths ``[B]``
+and returns ``(y, lengths_out)``. With a zero state the result equals the block's stateless (left
+zero-padded) definition; with a carried state it continues a stream exactly. Parameter names match the
+checkpoint (``.conv``, ``alpha``, ``beta``, ``dwconv``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .streaming import StatefulBlock, StreamCtx, gather_tail
+
+
+class CausalConv(StatefulBlock):
+    """Stride-1 causal ``Conv1d`` (``.conv``): keeps the last ``(k-1)*d`` input columns as state."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
+                 groups: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
+        self.num_state_cols = (kernel_size - 1) * dilation
+
+    def state_shape(self) -> tuple[int, ...] | None:
+        return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        if not self.num_state_cols:
+            return self.conv(x), lengths
+        x_cat = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
+        ctx.state_out[self.state_key] = gather_tail(x_cat, lengths, self.num_state_cols)  # [B, C, P]
+        return self.conv(x_cat), lengths  # [B, C_out, T]
+
+
+class CausalTransConv(StatefulBlock):
+    """``ConvTranspose1d(k, stride s)`` (``.conv``) with the last ``k - s`` samples dropped.
+
+    Output block ``t`` depends on inputs ``t - P .. t`` with ``P = ceil(k / s) - 1``; those ``P`` input
+    columns are the state. ``T`` inputs give ``T * s`` samples.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride = stride
+        self.num_state_cols = math.ceil(kernel_size / stride) - 1
+
+    def state_shape(self) -> tuple[int, ...] | None:
+        return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        num_in = x.shape[2]
+        num_prev = self.num_state_cols
+        if num_prev:
+            x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
+            ctx.state_out[self.state_key] = gather_tail(x, lengths, num_prev)  # [B, C, P]
+        y = self.conv(x)  # [B, C_out, (P + T - 1) * s + k]
+        start = num_prev * self.stride
+        return y[:, :, start:start + num_in * self.stride], lengths * self.stride  # [B, C_out, T * s]
+
+
+class SnakeBeta(nn.Module):
+    """``x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2`` per channel; stateless."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        alpha = torch.exp(self.alpha)[None, :, None]  # [1, C, 1]
+        inv_beta = 1.0 / (torch.exp(self.beta)[None, :, None] + 1e-9)  # [1, C, 1]
+        return x + inv_beta * torch.sin(x * alpha).pow(2), lengths
+
+
+class ConvNeXt(nn.Module):
+    """Causal depthwise conv k7 -> LayerNorm(eps 1e-6) -> Linear 4x -> GELU -> Linear -> * gamma -> + x."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConv(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        h, _ = self.dwconv(x, lengths, ctx)  # [B, C, T]
+        h = self.norm(h.transpose(1, 2))  # [B, T, C]
+        h = self.pwconv2(F.gelu(self.pwconv1(h))) * self.gamma  # [B, T, C]
+        return x + h.transpose(1, 2), lengths  # [B, C, T]
+
+
+class ResidualUnit(nn.Module):
+    """``x + conv2(act2(conv1(act1(x))))`` with ``conv1`` causal k7 dilation ``d`` and ``conv2`` k1."""
+
+    def __init__(self, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv(dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv(dim, dim, 1)
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        h, _ = self.act1(x, lengths, ctx)
+        h, _ = self.conv1(h, lengths, ctx)
+        h, _ = self.act2(h, lengths, ctx)
+        h, _ = self.conv2(h, lengths, ctx)
+        return x + h, lengths
+
+
+class StreamSequential(nn.ModuleList):
+    """Runs its blocks in order, threading ``(x, lengths)`` through. Indexed names like ``block.0``."""
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        for module in self:
+            x, lengths = module(x, lengths, ctx)
+        return x, lengths
+
+
+class DecoderBlock(nn.Module):
+    """``block = [SnakeBeta, CausalTransConv(2r, r), ResidualUnit d=1, d=3, d=9]``."""
+
+    def __init__(self, in_dim: int, out_dim: int, rate: int) -> None:
+        super().__init__()
+        self.block = StreamSequential([
+            SnakeBeta(in_dim),
+            CausalTransConv(in_dim, out_dim, 2 * rate, rate),
+            ResidualUnit(out_dim, 1),
+            ResidualUnit(out_dim, 3),
+            ResidualUnit(out_dim, 9),
+        ])
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        return self.block(x, lengths, ctx)

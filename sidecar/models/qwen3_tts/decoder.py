@@ -1,0 +1,151 @@
+"""The Qwen3-TTS 12 Hz codec decoder as one streaming network.
+
+``Qwen3TTSDecoder.forward_stream(codes, num_frames, state, start_positions)`` decodes a batch of chunks,
+each row continuing its own stream from ``state``; a zero state and position 0 give the one-shot decode.
+Parameter names (under the checkpoint prefix ``decoder.``) match ``speech_tokenizer/model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
+from .config import DecoderConfig
+from .streaming import StatefulBlock, StreamCtx
+from .transformer import PreTransformer
+
+
+class Codebook(nn.Module):
+    def __init__(self, codebook_size: int, dim: int) -> None:
+        super().__init__()
+        self.embedding_sum = nn.Parameter(torch.zeros(codebook_size, dim))
+        self.cluster_usage = nn.Parameter(torch.ones(codebook_size))
+
+    def embedding(self) -> Tensor:
+        return self.embedding_sum / torch.clamp(self.cluster_usage, min=1e-5)[:, None]  # [K, d]
+
+
+class VQLayer(nn.Module):
+    def __init__(self, codebook_size: int, dim: int) -> None:
+        super().__init__()
+        self._codebook = Codebook(codebook_size, dim)
+
+
+class VQStack(nn.Module):
+    def __init__(self, num_layers: int, codebook_size: int, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([VQLayer(codebook_size, dim) for _ in range(num_layers)])
+
+
+class VQGroup(nn.Module):
+    """One group of the split residual VQ: ``vq.layers.j._codebook``, ``input_proj`` (unused), ``output_proj``."""
+
+    def __init__(self, num_layers: int, codebook_size: int, codebook_dim: int) -> None:
+        super().__init__()
+        half = codebook_dim // 2
+        self.vq = VQStack(num_layers, codebook_size, half)
+        self.input_proj = nn.Conv1d(codebook_dim, half, 1, bias=False)  # encoder side; loaded, not used
+        self.output_proj = nn.Conv1d(half, codebook_dim, 1, bias=False)
+
+
+class SplitRVQ(nn.Module):
+    """``rvq_first`` takes quantizer 0, ``rvq_rest`` quantizers 1..Q-1; groups summed after ``output_proj``."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.rvq_first = VQGroup(1, cfg.codebook_size, cfg.codebook_dim)
+        self.rvq_rest = VQGroup(cfg.num_quantizers - 1, cfg.codebook_size, cfg.codebook_dim)
+        self.codebook_size = cfg.codebook_size
+
+    def tables(self) -> Tensor:
+        """All codebooks as one lookup table ``[Q * K, d]`` (quantizer-major)."""
+        books = [layer._codebook.embedding() for g in (self.rvq_first, self.rvq_rest) for layer in g.vq.layers]
+        return torch.cat(books, dim=0)
+
+    def forward(self, codes: Tensor, table: Tensor) -> Tensor:
+        num_q = codes.shape[1]
+        offsets = torch.arange(num_q, device=codes.device)[None, :, None] * self.codebook_size  # [1, Q, 1]
+        emb = nn.functional.embedding(codes + offsets, table)  # [B, Q, T, d]
+        first = emb[:, 0].transpose(1, 2)  # [B, d, T]
+        rest = emb[:, 1:].sum(dim=1).transpose(1, 2)  # [B, d, T]
+        return self.rvq_first.output_proj(first) + self.rvq_rest.output_proj(rest)  # [B, codebook_dim, T]
+
+
+class DecoderNet(nn.Module):
+    """Everything under the checkpoint prefix ``decoder.``."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.quantizer = SplitRVQ(cfg)
+        self.pre_conv = CausalConv(cfg.codebook_dim, cfg.latent_dim, 3)
+        self.pre_transformer = PreTransformer(cfg)
+        self.upsample = nn.ModuleList([
+            StreamSequential([CausalTransConv(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXt(cfg.latent_dim)])
+            for r in cfg.upsampling_ratios
+        ])
+        layers: list[nn.Module] = [CausalConv(cfg.latent_dim, cfg.decoder_dim, 7)]
+        dim = cfg.decoder_dim
+        for rate in cfg.upsample_rates:
+            layers.append(DecoderBlock(dim, dim // 2, rate))
+            dim //= 2
+        layers += [SnakeBeta(dim), CausalConv(dim, 1, 7)]
+        self.decoder = StreamSequential(layers)
+
+
+class Qwen3TTSDecoder(nn.Module):
+    """Streaming wrapper: owns ``decoder`` (the checkpoint's ``decoder.*``) and a cached codebook table."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.decoder = DecoderNet(cfg)
+        self.samples_per_frame = cfg.samples_per_frame
+        self._stateful: dict[str, StatefulBlock] = {}
+        for name, module in self.decoder.named_modules():
+            if isinstance(module, StatefulBlock) and module.state_shape() is not None:
+                module.state_key = name
+                self._stateful[name] = module
+        self.register_buffer("codebook_table", torch.empty(0), persistent=False)
+
+    def refresh_codebooks(self) -> None:
+        """Recompute the lookup table after weights change (load, dtype or device move)."""
+        with torch.no_grad():
+            self.codebook_table = self.decoder.quantizer.tables().detach()
+
+    def state_layout(self) -> dict[str, tuple[int, ...]]:
+        """Per-row shape of every state entry (stored in the model's dtype)."""
+        return {name: block.state_shape() for name, block in self._stateful.items()}  # type: ignore[misc]
+
+    def zero_state(self, batch: int) -> dict[str, Tensor]:
+        p = next(self.parameters())
+        return {k: torch.zeros((batch, *shape), dtype=p.dtype, device=p.device)
+                for k, shape in self.state_layout().items()}
+
+    def forward_stream(self, codes: Tensor, num_frames: Tensor, state: dict[str, Tensor],
+                       start_positions: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Decode ``codes`` ``[B, Q, T]`` continuing each row's stream.
+
+        ``num_frames`` ``[B]``: valid frames per row (the rest is right padding, never reaching the state);
+        ``state``: ``{key: [B, ...]}``; ``start_positions`` ``[B]``: frames the stream decoded before.
+        Returns the float32 waveform ``[B, T * U]`` (row ``b`` is valid for ``num_frames[b] * U`` samples)
+        and the new state after each row's last valid frame.
+        """
+        net = self.decoder
+        ctx = StreamCtx(state_in=state)
+        dtype = self.codebook_table.dtype
+        x = net.quantizer(codes, self.codebook_table).to(dtype)  # [B, codebook_dim, T]
+        x, lengths = net.pre_conv(x, num_frames, ctx)  # [B, latent, T]
+        x = net.pre_transformer(x.transpose(1, 2), start_positions, lengths, ctx).transpose(1, 2)  # [B, latent, T]
+        for stage in net.upsample:
+            x, lengths = stage(x, lengths, ctx)  # [B, latent, T * r]
+        wav, _ = net.decoder(x, lengths, ctx)  # [B, 1, T * U]
+        return wav.clamp(-1.0, 1.0).float()[:, 0], ctx.state_out  # [B, T * U]
+
+    def forward(self, codes: Tensor) -> Tensor:
+        """One-shot decode: ``codes`` ``[B, Q, T]`` -> ``[B, 1, T * U]`` float32."""
+        batch, _, num_frames = codes.shape
+        lengths = torch.full((batch,), num_frames, dtype=torch.long, device=codes.device)
+        starts = torch.zeros(batch, dtype=torch.long, device=codes.device)
+        wav, _ = self.forward_stream(codes, lengths, self.zero_state(batch), starts)
+        return wav[:, None]

@@ -1,0 +1,79 @@
+"""The model side of CUDA graphs: how a streaming decoder runs on static buffers.
+
+A ``StreamRoutine`` allocates its static inputs once at the largest bucket and slices them per bucket; copies a
+batch in (codes, valid frames per row, slot indices; padding rows point at the arena's scratch slot and have
+zero valid frames); runs the forward for capture (state gather -> decode -> state scatter, all on device);
+and takes outputs out with an explicit length contract: row ``b`` returns exactly samples
+``[skip_b * U, n_b * U)``, never the padded length. The graph manager never looks inside.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..state_store import StateArena
+from ..work import DecodeItem
+from . import LoadedModel
+
+
+class StreamRoutine:
+    def __init__(self, model: LoadedModel, arena: StateArena | None, max_batch: int, max_frames: int) -> None:
+        self.model = model
+        self.module = model.module
+        self.arena = arena  # None: stateless (window mode) rows decode from a zero state at position 0
+        self.stateful = arena is not None
+        self.max_batch = max_batch
+        self.max_frames = max_frames
+        device = model.device
+        pin = device.type == "cuda"
+        num_q = model.num_quantizers
+        self.scratch_slot = arena.scratch_slot if arena is not None else 0
+        self.codes = torch.zeros((max_batch, num_q, max_frames), dtype=torch.long, device=device)  # [Bmax, Q, Tmax]
+        self.num_frames = torch.zeros(max_batch, dtype=torch.long, device=device)  # [Bmax]
+        self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)  # [Bmax]
+        self._codes_host = torch.zeros((max_batch, num_q, max_frames), dtype=torch.long, pin_memory=pin)
+        self._meta_host = torch.zeros((2, max_batch), dtype=torch.long, pin_memory=pin)  # num_frames, slots
+
+    def prime(self, batch: int, frames: int) -> None:
+        """Safe inputs for warm-up and capture: every row on the scratch slot, zero codes."""
+        self.codes[:batch, :, :frames].zero_()
+        self.num_frames[:batch].fill_(frames)
+        self.slots[:batch].fill_(self.scratch_slot)
+
+    def copy_in(self, batch: int, frames: int, items: list[DecodeItem]) -> None:
+        host = self._codes_host[:batch, :, :frames]
+        host.zero_()
+        meta = self._meta_host[:, :batch]
+        meta[0].zero_()
+        meta[1].fill_(self.scratch_slot)  # padding rows: scratch slot, no valid frames
+        for b, item in enumerate(items):
+            n = item.codes.shape[1]
+            host[b, :, :n] = item.codes
+            meta[0, b] = n
+            if self.stateful:
+                meta[1, b] = item.slot
+        self.codes[:batch, :, :frames].copy_(host, non_blocking=True)
+        self.num_frames[:batch].copy_(meta[0], non_blocking=True)
+        self.slots[:batch].copy_(meta[1], non_blocking=True)
+
+    def forward(self, batch: int, frames: int) -> Tensor:
+        """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``."""
+        codes = self.codes[:batch, :, :frames]  # [B, Q, T]
+        num_frames = self.num_frames[:batch]  # [B]
+        if self.stateful:
+            slots = self.slots[:batch]  # [B]
+            state, positions = self.arena.gather(slots)
+        else:
+            state = self.module.zero_state(batch)
+            positions = torch.zeros(batch, dtype=torch.long, device=codes.device)
+        wav, new_state = self.module.forward_stream(codes, num_frames, state, positions)  # [B, T * U]
+        if self.stateful:
+            self.arena.scatter(slots, new_state, positions + num_frames)
+        return wav
+
+    def copy_out(self, wav: Tensor, items: list[DecodeItem]) -> list[Tensor]:
+        """Exact samples per row, copied out of graph-owned memory (to CPU) before any later replay."""
+        spf = self.model.samples_per_frame
+        host = wav[: len(items)].cpu()  # [rows, T * U]; synchronous copy, done before returning
+        return [host[b, it.skip_frames * spf: it.codes.shape[1] * spf] for b, it in enumerate(items)]

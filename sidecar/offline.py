@@ -1,0 +1,73 @@
+"""Offline decoding for the ``decode`` command: exact (one forward over all frames) or window (vLLM-Omni's
+stateless chunked decode), plus WAV/NPY output. Uses the same Engine code path as the server."""
+
+from __future__ import annotations
+
+import wave
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .engine import Engine
+
+
+@torch.inference_mode()
+def decode_exact(engine: Engine, codes: Tensor) -> Tensor:
+    """``codes`` ``[B, Q, T]`` -> ``[B, 1, T * U]``: the one-shot decode (exact slices of ``max_forward_frames``)."""
+    module = engine.model.module
+    batch, _, num_frames = codes.shape
+    device = engine.device
+    lengths = torch.full((batch,), num_frames, dtype=torch.long, device=device)
+    positions = torch.zeros(batch, dtype=torch.long, device=device)
+    wav, _, _ = engine.run(codes.to(device), lengths, module.zero_state(batch), positions)
+    return wav.cpu()[:, None]
+
+
+@torch.inference_mode()
+def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context_frames: int) -> Tensor:
+    """Stateless chunked decode: frames ``[s, e)`` come from decoding ``codes[s - c : e]`` with
+    ``c = min(left_context_frames, s)`` and dropping the first ``c * U`` samples."""
+    module = engine.model.module
+    batch, _, num_frames = codes.shape
+    spf = engine.model.samples_per_frame
+    device = engine.device
+    pieces = []
+    for start in range(0, num_frames, chunk_frames):
+        end = min(start + chunk_frames, num_frames)
+        ctx = min(left_context_frames, start)
+        window = codes[:, :, start - ctx: end].to(device)  # [B, Q, c + n]
+        lengths = torch.full((batch,), end - start + ctx, dtype=torch.long, device=device)
+        positions = torch.zeros(batch, dtype=torch.long, device=device)
+        wav, _, _ = engine.run(window, lengths, module.zero_state(batch), positions)  # [B, (c + n) * U]
+        pieces.append(wav[:, ctx * spf:].cpu())
+    return torch.cat(pieces, dim=1)[:, None]  # [B, 1, T * U]
+
+
+def write_wav(path: Path, audio: np.ndarray, sample_rate_hz: int) -> None:
+    """Mono 16-bit PCM WAV of float samples in [-1, 1]."""
+    pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(sample_rate_hz)
+        f.writeframes(pcm.tobytes())
+
+
+def save_audio(path: Path, wav: Tensor, sample_rate_hz: int) -> list[Path]:
+    """``wav`` ``[B, 1, S]`` to ``.npy`` (as is) or ``.wav`` (one file per row when B > 1)."""
+    if path.suffix == ".npy":
+        np.save(path, wav.numpy().astype(np.float32))
+        return [path]
+    if path.suffix != ".wav":
+        raise ValueError(f"--output {path}: use a .npy or .wav file name")
+    if wav.shape[0] == 1:
+        write_wav(path, wav[0, 0].numpy(), sample_rate_hz)
+        return [path]
+    written = []
+    for b in range(wav.shape[0]):
+        row_path = path.with_name(f"{path.stem}-{b}{path.suffix}")
+        write_wav(row_path, wav[b, 0].numpy(), sample_rate_hz)
+        written.append(row_path)
+    return written

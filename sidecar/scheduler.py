@@ -1,0 +1,88 @@
+"""Scheduler: which queued chunks share the next engine forward (policy only; no model, no sockets).
+
+- One FIFO over all streams of all clients: the oldest chunk is always in the next batch, so nothing starves.
+- A batch holds chunks of one ``(model, mode)`` key (exact and window never mix), at most one chunk per
+  stream (a stream's next chunk needs the state its previous chunk commits), at most ``max_batch_size``.
+- A bounded queue: past ``max_pending_chunks`` a chunk is refused at once (the caller answers busy).
+- Batching window: a batch that is not full waits until its oldest chunk is ``batch_window_s`` old, so a
+  lone chunk is delayed by at most that.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .streams import Stream
+
+
+@dataclass(eq=False)
+class ChunkJob:
+    stream: Stream
+    seq: int
+    codes: Any  # torch.Tensor [Q, n] int64
+    context_frames: int
+    final: bool
+    arrived_s: float
+    reply: Any  # the PendingReply this chunk's result belongs to
+    index: int  # position of this chunk's result in the reply
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def batch_key(self) -> tuple[str, str]:
+        return (self.stream.model, self.stream.mode)
+
+
+class Scheduler:
+    def __init__(self, max_batch_size: int, batch_window_s: float, max_pending_chunks: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.max_pending_chunks = max_pending_chunks
+        self._queue: deque[ChunkJob] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def submit(self, job: ChunkJob) -> bool:
+        """Queue ``job``; False when the queue is full (answer busy)."""
+        if len(self._queue) >= self.max_pending_chunks:
+            return False
+        self._queue.append(job)
+        return True
+
+    def seconds_until_ready(self, now_s: float) -> float | None:
+        """None when nothing is queued; 0 when a batch should run now; else how long to wait for company."""
+        if not self._queue:
+            return None
+        if len(self._queue) >= self.max_batch_size:
+            return 0.0
+        return max(0.0, self._queue[0].arrived_s + self.batch_window_s - now_s)
+
+    def take_batch(self) -> list[ChunkJob]:
+        """Remove and return the next batch (FIFO, one key, one chunk per stream)."""
+        if not self._queue:
+            return []
+        key = self._queue[0].batch_key
+        batch: list[ChunkJob] = []
+        seen: set[int] = set()
+        kept: deque[ChunkJob] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if len(batch) < self.max_batch_size and job.batch_key == key and id(job.stream) not in seen:
+                batch.append(job)
+                seen.add(id(job.stream))
+            else:
+                kept.append(job)
+                if len(batch) >= self.max_batch_size:
+                    break
+        kept.extend(self._queue)
+        self._queue = kept
+        return batch
+
+    def remove_stream(self, stream: Stream) -> list[ChunkJob]:
+        """Drop and return every queued chunk of ``stream`` (abort, or an earlier chunk failed)."""
+        dropped = [j for j in self._queue if j.stream is stream]
+        if dropped:
+            self._queue = deque(j for j in self._queue if j.stream is not stream)
+        return dropped

@@ -1,0 +1,221 @@
+"""The sidecar server: drain input -> step -> emit, on one asyncio loop (uvloop where available).
+
+The loop thread owns the socket, the sessions and the scheduler; the model runs in one worker thread
+(``Engine.decode``), so receiving and replying go on while the device works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import time
+
+import torch
+import zmq.asyncio
+
+from proto import ErrorCode
+
+from .config import ServerConfig
+from .engine import Engine
+from .graphs.manager import GraphManager
+from .graphs.plan import build_buckets
+from .metrics import HealthServer, Metrics
+from .models import LoadedModel, load_model, resolve_device
+from .models.routine import StreamRoutine
+from .scheduler import Scheduler
+from .sessions import Sessions
+from .state_store import StateArena
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    def __init__(self, cfg: ServerConfig, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.health = HealthServer(self.metrics, is_ready=lambda: self.ready)
+        self.ready = False
+        self.model: LoadedModel | None = None
+        self.sessions: Sessions | None = None
+        self.transport: Transport | None = None
+        self.scheduler = Scheduler(cfg.scheduler.max_batch_size, cfg.scheduler.batch_window_us / 1e6,
+                                   cfg.scheduler.max_pending_chunks)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._work = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._zmq = zmq.asyncio.Context()
+        self._busy = False  # an engine step is in flight
+        self.metrics_port = 0
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.metrics_port = await self.health.start(cfg.metrics_host, cfg.metrics_port)
+        loop = asyncio.get_running_loop()
+        device = resolve_device(cfg.device)
+        t0 = time.perf_counter()
+        self.model = await loop.run_in_executor(
+            self._pool, lambda: load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed))
+        log.info("model '%s' (%s) loaded on %s as %s in %.1fs", self.model.name, self.model.source, device,
+                 cfg.dtype, time.perf_counter() - t0)
+        layout = self.model.module.state_layout()
+        num_slots = cfg.streams.max_streams or StateArena.slots_for_budget(layout, self.model.dtype,
+                                                                           cfg.streams.state_memory_bytes)
+        arena = StateArena(layout, num_slots, self.model.dtype, device)
+        log.info("stream state: %.2f MB per stream, %d slots (%.2f GiB)", arena.bytes_per_stream / 1e6, num_slots,
+                 arena.bytes_per_stream * num_slots / 2**30)
+        self.metrics.state_bytes_per_stream.labels(model=self.model.name).set(arena.bytes_per_stream)
+        self.metrics.arena_slots.labels(model=self.model.name, kind="total").set(num_slots)
+        self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(0)
+        graphs = None
+        if device.type == "cuda" and cfg.graphs.enabled:  # capture on the engine thread; /healthz stays live
+            graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
+        self.engine = Engine(self.model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=self.metrics)
+        self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics)
+        self.transport = Transport(self._zmq, cfg.address, cfg.limits.max_message_bytes)
+        self.ready = True
+        self.metrics.ready.set(1)
+
+    def _build_graphs(self, arena: StateArena) -> GraphManager:
+        """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""
+        gcfg = self.cfg.graphs
+        torch.backends.cuda.matmul.allow_tf32 = gcfg.allow_tf32
+        torch.backends.cudnn.allow_tf32 = gcfg.allow_tf32
+        buckets = (build_buckets("exact", gcfg.exact_batch_sizes, gcfg.exact_frames)
+                   + build_buckets("window", gcfg.window_batch_sizes, gcfg.window_frames))
+        max_frames = self.cfg.engine.max_forward_frames
+        routines = {
+            "exact": StreamRoutine(self.model, arena, max(gcfg.exact_batch_sizes), max(max(gcfg.exact_frames), max_frames)),
+            "window": StreamRoutine(self.model, None, max(gcfg.window_batch_sizes),
+                                    max(max(gcfg.window_frames), max_frames)),
+        }
+        largest = max(gcfg.exact_batch_sizes)
+        if self.scheduler.max_batch_size > largest:
+            log.info("scheduler.max_batch_size %d capped to the largest exact graph bucket (%d)",
+                     self.scheduler.max_batch_size, largest)
+            self.scheduler.max_batch_size = largest
+        manager = GraphManager(routines, buckets, self.model.device, self.metrics, mode=gcfg.mode,
+                               max_lazy_captures=gcfg.max_lazy_captures,
+                               max_graph_memory_bytes=gcfg.max_graph_memory_bytes)
+        manager.capture_startup()
+        return manager
+
+    @property
+    def address(self) -> str:
+        assert self.transport is not None
+        return self.transport.bound_address
+
+    async def serve(self) -> None:
+        """Run until ``stop()``; then drain: queued chunks finish, new ones are refused, replies flushed."""
+        tasks = [asyncio.create_task(self._receive_loop(), name="receive"),
+                 asyncio.create_task(self._step_loop(), name="step"),
+                 asyncio.create_task(self._reap_loop(), name="reap")]
+        await self._stop.wait()
+        assert self.sessions is not None
+        self.sessions.draining = True
+        self.ready = False
+        self.metrics.ready.set(0)
+        while len(self.scheduler) or self._busy:
+            await asyncio.sleep(0.005)
+        self._flush()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        await self.health.close()
+        if self.transport is not None:
+            self.transport.close()
+        self._zmq.term()
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ loops
+    async def _receive_loop(self) -> None:
+        assert self.transport is not None and self.sessions is not None
+        while True:
+            identity, frames = await self.transport.recv()
+            try:
+                self.sessions.on_message(identity, frames)
+            except Exception:  # a bug must not stop the loop; the client gets an internal error
+                log.exception("internal error while handling a message")
+                self.sessions._error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
+            self._flush()
+            self._work.set()
+
+    async def _step_loop(self) -> None:
+        assert self.sessions is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            wait_s = self.scheduler.seconds_until_ready(time.monotonic())
+            if wait_s is None or wait_s > 0:
+                self._work.clear()
+                try:
+                    await asyncio.wait_for(self._work.wait(), timeout=wait_s)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            batch = self.scheduler.take_batch()
+            self.metrics.queue_depth.set(len(self.scheduler))
+            items = self.sessions.build_items(batch)
+            mode = batch[0].stream.mode
+            now = time.monotonic()
+            for job in batch:
+                self.metrics.batch_wait.observe(now - job.arrived_s)
+            self.metrics.batch_size.labels(mode=mode).observe(len(batch))
+            self._busy = True
+            try:
+                audios = await loop.run_in_executor(self._pool, self.engine.decode, items)
+            except Exception as exc:
+                log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode)
+                for job in batch:
+                    self.sessions.fail_job(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
+            else:
+                self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
+                for job, audio in zip(batch, audios):
+                    self.sessions.complete_job(job, audio)
+            finally:
+                self._busy = False
+            self.sessions.release_in_flight(batch)
+            self._flush()
+
+    async def _reap_loop(self) -> None:
+        assert self.sessions is not None
+        interval_s = min(1.0, self.cfg.streams.ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sessions.reap(time.monotonic())
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self.transport is not None and self.sessions is not None
+        outbox, self.sessions.outbox = self.sessions.outbox, []
+        for out in outbox:
+            self.transport.send(out.identity, out.message, out.buffers)
+
+
+def install_uvloop() -> str:
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+async def run_server(cfg: ServerConfig, on_ready=None) -> int:
+    server = Server(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)
+    await server.start()
+    if on_ready is not None:
+        on_ready(server)
+    await server.serve()
+    return 0
+

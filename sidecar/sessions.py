@@ -1,0 +1,388 @@
+"""Sessions: turn decoded client messages into stream operations and engine jobs; collect replies.
+
+Sans-IO: takes ``(identity, frames)`` in, leaves ``Outbound`` messages in ``outbox``; never touches a
+socket or the model. Every failure is a typed error scoped to the message or chunk that caused it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import proto
+from proto import ErrorCode, ProtocolError
+
+from .config import ServerConfig
+from .engine import DecodeItem
+from .metrics import Metrics
+from .models import LoadedModel
+from .scheduler import ChunkJob, Scheduler
+from .state_store import ArenaFull, StateArena
+from .streams import SeqVerdict, Stream, check_seq
+
+log = logging.getLogger(__name__)
+
+_NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64}
+
+
+@dataclass
+class Outbound:
+    identity: bytes
+    message: Any
+    buffers: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class PendingReply:
+    identity: bytes
+    request_id: int
+    results: list  # ChunkResult | None per chunk
+    audio: list  # Tensor | None per chunk
+    remaining: int
+
+
+@dataclass
+class ClientState:
+    client_id: str
+    streams: set = field(default_factory=set)
+    last_seen_s: float = 0.0
+
+
+class ChunkRejected(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Sessions:
+    def __init__(self, cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
+                 metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.arena = arena
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.clock = clock
+        self.boot_epoch = uuid.uuid4().hex
+        self.server_id = f"code2wav-sidecar-{self.boot_epoch[:8]}"
+        self.limits = proto.Limits(
+            max_message_bytes=cfg.limits.max_message_bytes, max_chunk_frames=cfg.limits.max_chunk_frames,
+            max_chunks_per_message=cfg.limits.max_chunks_per_message,
+            max_left_context_frames=cfg.limits.max_left_context_frames)
+        self.clients: dict[bytes, ClientState] = {}
+        self.streams: dict[tuple[bytes, str], Stream] = {}
+        self.outbox: list[Outbound] = []
+        self.draining = False
+
+    # ------------------------------------------------------------------ input
+    def on_message(self, identity: bytes, frames: list) -> None:
+        try:
+            msg = proto.decode_client_message(frames, self.limits)
+        except ProtocolError as exc:
+            self._error(identity, exc.request_id, exc.code, exc.message)
+            return
+        client = self.clients.get(identity)
+        if client is not None:
+            client.last_seen_s = self.clock()
+        if isinstance(msg, proto.Hello):
+            self._hello(identity, msg)
+        elif client is None:
+            self._error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
+                        f"{type(msg).__name__} before the handshake: send hello first")
+        elif isinstance(msg, proto.Ping):
+            self._send(identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.boot_epoch))
+        elif isinstance(msg, proto.OpenStream):
+            self._open(identity, client, msg)
+        elif isinstance(msg, proto.Decode):
+            self._decode(identity, msg, frames)
+        elif isinstance(msg, proto.Finish):
+            self._finish(identity, msg)
+        elif isinstance(msg, proto.Abort):
+            self._abort(identity, msg)
+        elif isinstance(msg, proto.Bye):
+            self.drop_client(identity, reason="bye")
+
+    def _hello(self, identity: bytes, msg: proto.Hello) -> None:
+        if identity in self.clients:
+            self.drop_client(identity, reason="rehandshake")
+        self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock())
+        self.metrics.clients.set(len(self.clients))
+        m = self.model
+        info = proto.ModelInfo(name=m.name, num_quantizers=m.num_quantizers, codebook_size=m.codebook_size,
+                               samples_per_frame=m.samples_per_frame, sample_rate=m.sample_rate_hz,
+                               modes=proto.STREAM_MODES, dtype=str(m.dtype).removeprefix("torch."),
+                               device=str(m.device))
+        self._send(identity, proto.Welcome(
+            request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
+            boot_epoch=self.boot_epoch, models=(info,), default_model=m.name, limits=self.limits,
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities={"cuda_ipc": False}))
+
+    def _open(self, identity: bytes, client: ClientState, msg: proto.OpenStream) -> None:
+        rid = msg.request_id
+        if self.draining:
+            return self._error(identity, rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
+        if msg.model not in (None, self.model.name):
+            return self._error(identity, rid, ErrorCode.NOT_FOUND,
+                               f"model '{msg.model}' is not served here; available: {self.model.name}")
+        if (identity, msg.stream_id) in self.streams:
+            return self._error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already open")
+        if len(client.streams) >= self.cfg.limits.max_streams_per_client:
+            return self._error(identity, rid, ErrorCode.BUSY,
+                               f"this client has {len(client.streams)} open streams (limit max_streams_per_client)")
+        slot = None
+        if msg.mode == "exact":
+            try:
+                slot = self.arena.allocate()
+            except ArenaFull as exc:
+                return self._error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
+            self._update_arena_metrics()
+        left = msg.left_context_frames if msg.mode == "window" else 0
+        stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=msg.mode,
+                        left_context_frames=left, slot=slot, last_active_s=self.clock())
+        self.streams[stream.key] = stream
+        client.streams.add(msg.stream_id)
+        self.metrics.streams_opened.labels(mode=msg.mode).inc()
+        self.metrics.active_streams.set(len(self.streams))
+        self._send(identity, proto.Opened(
+            request_id=rid, stream_id=msg.stream_id, model=self.model.name, mode=msg.mode, left_context_frames=left,
+            samples_per_frame=self.model.samples_per_frame, num_quantizers=self.model.num_quantizers))
+
+    def _decode(self, identity: bytes, msg: proto.Decode, frames: list) -> None:
+        now = self.clock()
+        reply = PendingReply(identity, msg.request_id, [None] * len(msg.chunks), [None] * len(msg.chunks),
+                             len(msg.chunks))
+        for index, chunk in enumerate(msg.chunks):
+            stream = self.streams.get((identity, chunk.stream_id))
+            try:
+                if self.draining:
+                    raise ChunkRejected(ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
+                if stream is None or stream.closed:
+                    raise ChunkRejected(ErrorCode.NOT_FOUND, f"stream '{chunk.stream_id}' is not open")
+                if stream.closing is not None:
+                    raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
+                                        f"stream '{chunk.stream_id}' is closing ({stream.closing})")
+                verdict, reason = check_seq(stream, chunk.seq)
+                if verdict == SeqVerdict.RESEND:
+                    self._resolve(reply, index, stream, chunk.seq, stream.last_audio, stream.last_num_frames)
+                    continue
+                if verdict != SeqVerdict.ACCEPT:
+                    raise ChunkRejected(ErrorCode.OUT_OF_ORDER, reason)
+                codes = self._read_codes(chunk, frames)
+                job = ChunkJob(stream=stream, seq=chunk.seq, codes=codes, context_frames=chunk.context_frames,
+                               final=chunk.final, arrived_s=now, reply=reply, index=index)
+                if codes.shape[1] == 0:  # an empty final chunk: nothing to decode
+                    stream.next_seq += 1
+                    stream.num_pending += 1
+                    self.complete_job(job, torch.zeros(0, dtype=torch.float32))
+                    continue
+                if not self.scheduler.submit(job):
+                    raise ChunkRejected(ErrorCode.BUSY, f"{len(self.scheduler)} chunks are queued "
+                                        "(scheduler.max_pending_chunks); retry with backoff")
+                stream.next_seq += 1
+                stream.num_pending += 1
+                stream.last_active_s = now
+                if chunk.final:
+                    stream.closing = "final"
+            except ChunkRejected as exc:
+                self._reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message)
+        self.metrics.queue_depth.set(len(self.scheduler))
+        self._maybe_emit(reply)
+
+    def _read_codes(self, chunk: proto.Chunk, frames: list) -> Tensor:
+        desc = chunk.codes
+        if not isinstance(desc.loc, proto.InlineLoc):
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
+                                "cuda_ipc tensors are not supported by this sidecar (capabilities.cuda_ipc is false)")
+        if desc.dtype not in _NP_DTYPES:
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes must be int16/int32/int64, got {desc.dtype}")
+        num_q, num_frames = desc.shape
+        if num_q != self.model.num_quantizers:
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
+                                f"codes have {num_q} quantizers, model '{self.model.name}' needs "
+                                f"{self.model.num_quantizers} (shape [Q, n])")
+        try:
+            view = proto.inline_view(desc, frames)
+        except ProtocolError as exc:
+            raise ChunkRejected(exc.code, exc.message) from None
+        array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
+        array = array.reshape(num_q, num_frames).astype(np.int64)  # [Q, n] (copy: codes are small)
+        if array.size and (array.min() < 0 or array.max() >= self.model.codebook_size):
+            bad = int(array.min()) if array.min() < 0 else int(array.max())
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
+                                f"code {bad} out of range [0, {self.model.codebook_size})")
+        return torch.from_numpy(array)
+
+    def _finish(self, identity: bytes, msg: proto.Finish) -> None:
+        stream = self.streams.get((identity, msg.stream_id))
+        if stream is None:
+            return self._error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
+        if stream.num_pending == 0:
+            self._close(stream, "finish")
+            self._send(identity, proto.Finished(request_id=msg.request_id, stream_id=msg.stream_id))
+        else:
+            stream.closing = stream.closing or "finish"
+            stream.finish_waiters.append(msg.request_id)
+
+    def _abort(self, identity: bytes, msg: proto.Abort) -> None:
+        stream = self.streams.get((identity, msg.stream_id))
+        if stream is None:
+            return self._error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
+        self.abort_stream(stream, "abort")
+        self._send(identity, proto.Aborted(request_id=msg.request_id, stream_id=msg.stream_id))
+
+    # ------------------------------------------------------------------ engine side
+    def build_items(self, batch: list[ChunkJob]) -> list[DecodeItem]:
+        items = []
+        for job in batch:
+            stream = job.stream
+            if stream.mode == "window":
+                prefix = stream.context_codes
+                codes = job.codes if prefix is None else torch.cat([prefix, job.codes], dim=1)  # [Q, c + n]
+                skip = (0 if prefix is None else prefix.shape[1]) + job.context_frames
+                items.append(DecodeItem(codes=codes, slot=None, skip_frames=skip))
+            else:
+                items.append(DecodeItem(codes=job.codes, slot=stream.slot, skip_frames=job.context_frames))
+        return items
+
+    def complete_job(self, job: ChunkJob, audio: Tensor) -> None:
+        stream = job.stream
+        stream.num_pending -= 1
+        if not stream.closed:
+            stream.committed_seq = job.seq
+            stream.last_audio = audio
+            stream.last_num_frames = audio.numel() // self.model.samples_per_frame
+            stream.last_active_s = self.clock()
+            if stream.mode == "window" and stream.left_context_frames:
+                joined = job.codes if stream.context_codes is None else torch.cat([stream.context_codes, job.codes], 1)
+                stream.context_codes = joined[:, -stream.left_context_frames:].clone()  # [Q, <=L]
+            mode = stream.mode
+            self.metrics.chunks.labels(model=stream.model, mode=mode).inc()
+            self.metrics.frames.labels(model=stream.model, mode=mode).inc(job.codes.shape[1])
+            self.metrics.audio_seconds.labels(model=stream.model, mode=mode).inc(
+                audio.numel() / self.model.sample_rate_hz)
+            self.metrics.chunk_latency.labels(mode=mode).observe(self.clock() - job.arrived_s)
+        self._resolve(job.reply, job.index, stream, job.seq, audio, audio.numel() // self.model.samples_per_frame)
+        self._maybe_emit(job.reply)
+        if job.final or (stream.closing and stream.num_pending == 0):
+            self._close(stream, stream.closing or "final")
+
+    def fail_job(self, job: ChunkJob, code: ErrorCode, message: str) -> None:
+        """The chunk produced no audio: its stream keeps the state it had, later queued chunks fail too."""
+        stream = job.stream
+        stream.num_pending -= 1
+        if not stream.closed:
+            stream.next_seq = job.seq
+            if stream.closing == "final":
+                stream.closing = None
+            for later in self.scheduler.remove_stream(stream):
+                stream.num_pending -= 1
+                self._reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
+                             f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
+                self._maybe_emit(later.reply)
+        self._reject(job.reply, job.index, stream.stream_id, job.seq, code, message)
+        self._maybe_emit(job.reply)
+        if stream.closing and stream.num_pending == 0 and not stream.closed:
+            self._close(stream, stream.closing)
+
+    # ------------------------------------------------------------------ lifecycle
+    def abort_stream(self, stream: Stream, reason: str) -> None:
+        for job in self.scheduler.remove_stream(stream):
+            stream.num_pending -= 1
+            self._reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
+                         f"stream '{stream.stream_id}' was aborted ({reason})")
+            self._maybe_emit(job.reply)
+        self._close(stream, reason)
+
+    def _close(self, stream: Stream, reason: str) -> None:
+        if stream.closed:
+            return
+        stream.closed = True
+        self.streams.pop(stream.key, None)
+        client = self.clients.get(stream.client)
+        if client is not None:
+            client.streams.discard(stream.stream_id)
+        if stream.slot is not None and stream.num_pending == 0:
+            self.arena.release(stream.slot)
+            stream.slot = None
+        for rid in stream.finish_waiters:
+            self._send(stream.client, proto.Finished(request_id=rid, stream_id=stream.stream_id))
+        stream.finish_waiters.clear()
+        self.metrics.streams_closed.labels(reason=reason).inc()
+        self.metrics.active_streams.set(len(self.streams))
+        self._update_arena_metrics()
+
+    def release_in_flight(self, batch: list[ChunkJob]) -> None:
+        """After an engine step: free slots of streams closed while their chunk was in the engine."""
+        for job in batch:
+            stream = job.stream
+            if stream.closed and stream.slot is not None and stream.num_pending == 0:
+                self.arena.release(stream.slot)
+                stream.slot = None
+        self._update_arena_metrics()
+
+    def drop_client(self, identity: bytes, reason: str) -> None:
+        client = self.clients.pop(identity, None)
+        if client is None:
+            return
+        for stream_id in list(client.streams):
+            stream = self.streams.get((identity, stream_id))
+            if stream is not None:
+                self.abort_stream(stream, reason)
+        self.metrics.clients.set(len(self.clients))
+
+    def reap(self, now_s: float) -> int:
+        """Close streams idle past the TTL and forget clients silent past it. Returns streams reaped."""
+        ttl = self.cfg.streams.ttl_s
+        idle = [s for s in self.streams.values() if s.num_pending == 0 and now_s - s.last_active_s > ttl]
+        for stream in idle:
+            log.info("reaping stream '%s' idle for %.1fs", stream.stream_id, now_s - stream.last_active_s)
+            self.abort_stream(stream, "ttl")
+        for identity, client in list(self.clients.items()):
+            if not client.streams and now_s - client.last_seen_s > ttl:
+                self.drop_client(identity, reason="ttl")
+        return len(idle)
+
+    # ------------------------------------------------------------------ output
+    def _update_arena_metrics(self) -> None:
+        self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(self.arena.num_used)
+
+    def _send(self, identity: bytes, message: Any, buffers: list | None = None) -> None:
+        self.outbox.append(Outbound(identity, message, buffers or []))
+
+    def _error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str) -> None:
+        self.metrics.errors.labels(code=code.value).inc()
+        self._send(identity, proto.Error(request_id=request_id, code=code, message=message))
+
+    def _reject(self, reply: PendingReply, index: int, stream_id: str, seq: int, code: ErrorCode, message: str) -> None:
+        self.metrics.errors.labels(code=code.value).inc()
+        reply.results[index] = proto.ChunkResult(stream_id=stream_id, seq=seq, audio=None, num_frames=0,
+                                                 error=proto.ErrorInfo(code=code, message=message))
+        reply.remaining -= 1
+
+    def _resolve(self, reply: PendingReply, index: int, stream: Stream, seq: int, audio: Tensor,
+                 num_frames: int) -> None:
+        reply.audio[index] = audio
+        reply.results[index] = (stream.stream_id, seq, num_frames)
+        reply.remaining -= 1
+
+    def _maybe_emit(self, reply: PendingReply) -> None:
+        if reply.remaining:
+            return
+        results, buffers = [], []
+        for entry, audio in zip(reply.results, reply.audio):
+            if audio is None:
+                results.append(entry)
+                continue
+            stream_id, seq, num_frames = entry
+            buffers.append(memoryview(audio.numpy()).cast("B"))
+            desc = proto.TensorDesc(dtype="float32", shape=(audio.numel(),), loc=proto.InlineLoc(frame=len(buffers)))
+            results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=desc, num_frames=num_frames))
+        self._send(reply.identity, proto.DecodeResult(request_id=reply.request_id, results=tuple(results)), buffers)

@@ -1,0 +1,58 @@
+"""Streams: the per-request unit of state, and the rules of its lifecycle.
+
+A stream belongs to one client connection and is named by the client's ``stream_id``. Rules (DESIGN.md):
+- ``seq`` must be the next one; chunks may be pipelined (seq k+1 sent before k's reply).
+- Commit after success: state (arena slot for ``exact``, the left-context codes for ``window``) and
+  ``committed_seq`` advance only when a chunk's audio was produced. A failed chunk rolls the expected seq
+  back to it and fails the stream's later queued chunks, so the client can resend from there.
+- A resend of the last committed seq returns the same audio again without advancing.
+- ``final`` frees the stream after its reply; ``finish`` frees it once queued chunks are done; ``abort``
+  drops queued chunks and frees it now; a stream idle past the TTL is reaped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass(eq=False)
+class Stream:
+    client: bytes  # transport identity of the owning connection
+    stream_id: str
+    model: str
+    mode: str  # "exact" | "window"
+    left_context_frames: int
+    slot: int | None  # arena slot (exact mode)
+    last_active_s: float
+    context_codes: Tensor | None = None  # window mode: last left_context_frames committed codes [Q, <=L]
+    next_seq: int = 0  # the seq the next accepted chunk must carry
+    committed_seq: int = -1
+    last_audio: Tensor | None = None  # reply of committed_seq, for idempotent resend
+    last_num_frames: int = 0
+    num_pending: int = 0  # chunks queued or in the engine
+    closing: str | None = None  # why the stream will close once num_pending reaches 0
+    closed: bool = False
+    finish_waiters: list[int] = field(default_factory=list)  # request ids of Finish messages waiting
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return (self.client, self.stream_id)
+
+
+class SeqVerdict:
+    ACCEPT = "accept"
+    RESEND = "resend"
+
+
+def check_seq(stream: Stream, seq: int) -> tuple[str, str]:
+    """``(verdict, reason)``: accept the next seq, resend the last committed one, or refuse with a reason."""
+    if seq == stream.next_seq:
+        return SeqVerdict.ACCEPT, ""
+    if seq == stream.committed_seq and stream.num_pending == 0 and stream.last_audio is not None:
+        return SeqVerdict.RESEND, ""
+    if seq < stream.next_seq and seq > stream.committed_seq:
+        return "refuse", f"seq {seq} of stream '{stream.stream_id}' is still being decoded"
+    return "refuse", (f"stream '{stream.stream_id}' expected seq {stream.next_seq} "
+                      f"(last committed {stream.committed_seq}), got {seq}")

@@ -1,0 +1,157 @@
+"""CUDA graphs on a real GPU (skipped without one): graph == eager, golden through graphs, no aliasing,
+padding isolation, capture failure -> eager, lazy capture bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.engine import DecodeItem, Engine
+from sidecar.graphs.manager import GraphManager
+from sidecar.graphs.plan import DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets
+from sidecar.metrics import Metrics
+from sidecar.models import load_model
+from sidecar.models.routine import StreamRoutine
+from sidecar.state_store import StateArena
+
+from conftest import TINY
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _setup(model_spec: str, buckets, num_slots: int = 40, mode: str = "startup", max_lazy: int = 8,
+           routine_cls=StreamRoutine, max_frames: int = 64):
+    device = torch.device("cuda")
+    model = load_model(model_spec, device, "float32")
+    arena = StateArena(model.module.state_layout(), num_slots, model.dtype, device)
+    max_batch = max(k.batch for k in buckets)
+    metrics = Metrics()
+    routines = {"exact": routine_cls(model, arena, max_batch, max_frames)}
+    manager = GraphManager(routines, buckets, device, metrics, mode=mode, max_lazy_captures=max_lazy)
+    manager.capture_startup()
+    engine = Engine(model, arena, graphs=manager, metrics=metrics)
+    eager = Engine(model, arena)
+    return model, arena, manager, engine, eager, metrics
+
+
+def _snapshot(arena: StateArena):
+    return {k: t.clone() for k, t in arena.tensors.items()}, arena.positions.clone()
+
+
+def _restore(arena: StateArena, snap) -> None:
+    tensors, positions = snap
+    for k, t in arena.tensors.items():
+        t.copy_(tensors[k])
+    arena.positions.copy_(positions)
+
+
+def _codes(model, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.codebook_size, (model.num_quantizers, n), generator=gen)
+
+
+def test_graph_equals_eager_for_every_default_bucket():
+    buckets = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)
+    model, arena, manager, engine, eager, metrics = _setup("default", buckets)
+    assert all(s.status == "captured" for s in manager.buckets.values()), manager.summary()
+    slots = [arena.allocate() for _ in range(max(k.batch for k in buckets))]
+    eager.decode([DecodeItem(_codes(model, 3 + i % 5, i), s, 0) for i, s in enumerate(slots)])  # non-zero state
+    worst = {}
+    for key in buckets:
+        for padded in (False, True):
+            rows = key.batch - 1 if padded and key.batch > 1 else key.batch
+            frames = [key.frames if not padded else max(1, key.frames - 1 - (b % 3)) for b in range(rows)]
+            items = [DecodeItem(_codes(model, n, 100 + b), slots[b], 0) for b, n in enumerate(frames)]
+            snap = _snapshot(arena)
+            out_graph = engine.decode(items)
+            state_graph = _snapshot(arena)
+            _restore(arena, snap)
+            out_eager = eager.decode(items)
+            err = max((g - e).abs().max().item() for g, e in zip(out_graph, out_eager))
+            state_err = max((state_graph[0][k][slots[:rows]] - t[slots[:rows]]).abs().max().item()
+                            for k, t in arena.tensors.items())
+            worst[(key.label, padded)] = (err, state_err)
+            tol = 1e-5 if (padded and (rows < key.batch or min(frames) < key.frames)) else 1e-6
+            assert err <= tol, (key, padded, err)
+            assert torch.equal(state_graph[1], arena.positions)
+    print("graph vs eager max abs error per bucket:", {k: f"{v[0]:.1e}" for k, v in worst.items()})
+
+
+def test_exact_streaming_through_graphs_matches_golden(golden_cases):
+    buckets = build_buckets("exact", (1, 2, 4), (1, 25))
+    model, arena, manager, engine, _, metrics = _setup(str(TINY), buckets)
+    codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
+    slots = [arena.allocate(), arena.allocate()]
+    outs = [[], []]
+    for start, n in ((0, 1), (1, 25), (26, 14)):  # 14 runs padded in the 25-frame bucket
+        audio = engine.decode([DecodeItem(codes[b, :, start:start + n], slots[b], 0) for b in range(2)])
+        for b in range(2):
+            outs[b].append(audio[b])
+    for b in range(2):
+        assert (torch.cat(outs[b]) - full[b]).abs().max().item() <= 1e-4
+    assert sum(s.value for m in metrics.graph_replays.collect() for s in m.samples if s.name.endswith("_total")) == 3
+
+
+def test_consecutive_replays_do_not_alias_and_padding_isolates_slots():
+    buckets = (BucketKey("exact", 4, 25),)
+    model, arena, manager, engine, eager, _ = _setup("default", buckets)
+    slots = [arena.allocate() for _ in range(3)]
+    bystander = arena.allocate()
+    eager.decode([DecodeItem(_codes(model, 5, 9), bystander, 0)])
+    bystander_state = {k: t[bystander].clone() for k, t in arena.tensors.items()}
+    first_items = [DecodeItem(_codes(model, 25, s), s, 0) for s in slots]  # 3 rows: 1 padding row
+    first = engine.decode(first_items)
+    first_copy = [a.clone() for a in first]
+    second = engine.decode([DecodeItem(_codes(model, 25, 50 + s), s, 0) for s in slots])
+    for a, b in zip(first, first_copy):
+        assert torch.equal(a, b)  # the second replay did not overwrite the first's audio
+    assert any((a - b).abs().max() > 0 for a, b in zip(first, second))
+    for k, t in arena.tensors.items():
+        assert torch.equal(t[bystander], bystander_state[k])  # padding rows wrote only the scratch slot
+    assert int(arena.positions[bystander]) == 5
+
+
+class FailingRoutine(StreamRoutine):
+    """Fails while a capture is active (a forced capture failure); runs normally otherwise."""
+
+    def forward(self, batch, frames):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("forced capture failure")
+        return super().forward(batch, frames)
+
+
+def test_capture_failure_degrades_to_eager(golden_cases):
+    buckets = (BucketKey("exact", 2, 25),)
+    model, arena, manager, engine, _, metrics = _setup(str(TINY), buckets, routine_cls=FailingRoutine)
+    state = manager.buckets[buckets[0]]
+    assert state.status == "eager" and "forced capture failure" in state.reason
+    failures = metrics.graph_capture_failures.labels(component="exact", bucket="b2xt25")._value.get()
+    assert failures == 1
+    codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
+    slots = [arena.allocate(), arena.allocate()]
+    audio = engine.decode([DecodeItem(codes[b, :, :25], slots[b], 0) for b in range(2)])
+    assert (audio[0] - full[0, : 25 * 48]).abs().max().item() <= 1e-4
+    assert metrics.graph_misses.labels(component="exact", reason="not_captured")._value.get() == 1
+
+
+def test_lazy_capture_respects_its_bound(golden_cases):
+    buckets = (BucketKey("exact", 1, 25),)
+    model, arena, manager, engine, _, metrics = _setup(str(TINY), buckets, mode="startup_lazy", max_lazy=1)
+    codes = golden_cases["codes"][0]
+    slot = arena.allocate()
+    engine.decode([DecodeItem(codes[:, :30], slot, 0)])  # no bucket holds 30 frames: one lazy extra (b1 x t32)
+    assert manager.buckets[BucketKey("exact", 1, 32)].status == "captured" and manager.lazy_captures == 1
+    engine.decode([DecodeItem(codes[:, 30:40], slot, 0)])  # fits b1xt25: replay
+    slot2 = arena.allocate()
+    engine.decode([DecodeItem(codes[:, :33], slot2, 0)])  # would need b1xt40: over the bound, runs eager
+    assert BucketKey("exact", 1, 40) not in manager.buckets and manager.lazy_captures == 1
+    assert metrics.graph_misses.labels(component="exact", reason="frames_too_long")._value.get() == 1

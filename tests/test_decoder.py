@@ -1,0 +1,111 @@
+"""The decoder reproduces the upstream golden vectors and has the shipped checkpoint layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import GOLDEN, TINY
+from sidecar.models.qwen3_tts import SHIPPED, CheckpointError, DecoderConfig, Qwen3TTSDecoder, load_folder
+
+TOL = 1e-5
+
+
+def test_tiny_golden_full(tiny_model, golden_cases):
+    with torch.no_grad():
+        out = tiny_model.module(golden_cases["codes"])  # [2, 1, 1920]
+    assert out.shape == golden_cases["full"].shape
+    assert out.dtype == torch.float32
+    assert (out - golden_cases["full"]).abs().max().item() <= TOL
+
+
+def test_default_model_layout_matches_manifest():
+    manifest = json.loads((GOLDEN / "qwen3_tts_12hz_decoder_manifest.json").read_text())
+    model = Qwen3TTSDecoder(SHIPPED)  # parameters only; no need for random init here
+    ours = {"decoder." + k: list(v.shape) for k, v in model.decoder.state_dict().items()}
+    assert ours == manifest["tensors"]
+    assert sum(v.numel() for v in model.decoder.state_dict().values()) == manifest["num_parameters"]
+    assert SHIPPED.samples_per_frame == manifest["samples_per_frame"]
+    for key, value in manifest["decoder_config"].items():
+        if hasattr(SHIPPED, key):
+            got = getattr(SHIPPED, key)
+            assert (list(got) if isinstance(got, tuple) else got) == value, key
+
+
+def _copy_tiny(tmp_path):
+    folder = tmp_path / "speech_tokenizer"
+    shutil.copytree(TINY, folder)
+    return folder
+
+
+def test_missing_tensor_is_named(tmp_path):
+    folder = _copy_tiny(tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["decoder.pre_conv.conv.bias"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="decoder.pre_conv.conv.bias"):
+        load_folder(folder)
+
+
+def test_unexpected_tensor_is_named_and_encoder_skipped(tmp_path):
+    folder = _copy_tiny(tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert any(k.startswith("encoder.") for k in tensors)  # skipped silently
+    tensors["decoder.pre_conv.extra"] = torch.zeros(3)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="decoder.pre_conv.extra"):
+        load_folder(folder)
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    folder = _copy_tiny(tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["decoder.pre_conv.conv.bias"] = torch.zeros(41)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"decoder.pre_conv.conv.bias: file \(41,\)"):
+        load_folder(folder)
+
+
+def test_bad_config_names_field(tmp_path):
+    folder = _copy_tiny(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["decoder_config"]["num_hiden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="num_hiden_layers"):
+        load_folder(folder)
+
+
+def test_random_default_weights_depend_on_codes():
+    from sidecar.models.qwen3_tts import random_model
+
+    cfg = DecoderConfig(num_hidden_layers=1, decoder_dim=96, latent_dim=64, codebook_dim=64, hidden_size=32,
+                        intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                        codebook_size=64)
+    model = random_model(cfg, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 64, (1, 16, 6), generator=gen)
+    b = a.clone()
+    b[0, 0, 2] = (b[0, 0, 2] + 1) % 64
+    with torch.no_grad():
+        wa, wb = model(a), model(b)
+    spf = cfg.samples_per_frame
+    assert torch.equal(wa[..., : 2 * spf], wb[..., : 2 * spf])  # causal: earlier frames unchanged
+    assert (wa[..., 2 * spf:] - wb[..., 2 * spf:]).abs().max() > 1e-4  # the changed code is heard
+    assert 0.01 < wa.std().item() < 0.9  # audible, not saturated
+    again = random_model(cfg, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))  # seeded
+
+
+def test_bfloat16_runs_and_outputs_float32(golden_cases):
+    from sidecar.models import load_model
+
+    model = load_model(str(TINY), torch.device("cpu"), "bfloat16")
+    with torch.no_grad():
+        out = model.module(golden_cases["codes"])
+    assert out.dtype == torch.float32
+    # bf16 weights change the numbers; it must still be the same signal, roughly
+    assert (out - golden_cases["full"]).abs().mean().item() < 0.05

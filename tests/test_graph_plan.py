@@ -1,0 +1,80 @@
+"""CPU tests for the graph plan (policy) and the streaming routine's padding contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.engine import DecodeItem, Engine
+from sidecar.graphs.plan import (DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets, dispatch,
+                                 extra_bucket)
+from sidecar.models.routine import StreamRoutine
+from sidecar.state_store import StateArena
+
+EXACT = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)
+
+
+def test_buckets_are_largest_first_and_unique():
+    assert EXACT[0] == BucketKey("exact", 32, 25)
+    assert [k.cost for k in EXACT] == sorted((k.cost for k in EXACT), reverse=True)
+    assert len(set(EXACT)) == len(EXACT) == len(DEFAULT_BATCH_SIZES) * len(DEFAULT_EXACT_FRAMES)
+    with pytest.raises(ValueError):
+        build_buckets("exact", (0,), (1,))
+
+
+@pytest.mark.parametrize("rows,frames,expected,pad_rows,pad_frames", [
+    (1, [1], ("exact", 1, 1), 0, 0),
+    (1, [25], ("exact", 1, 25), 0, 0),
+    (3, [25, 1, 7], ("exact", 4, 25), 1, 24 + 18 + 25),
+    (5, [1, 1, 1, 1, 1], ("exact", 8, 1), 3, 3),
+    (2, [1, 2], ("exact", 2, 25), 0, 24 + 23),
+])
+def test_dispatch_picks_smallest_fitting_bucket(rows, frames, expected, pad_rows, pad_frames):
+    choice = dispatch(EXACT, "exact", rows, frames)
+    assert choice.key == BucketKey(*expected)
+    assert choice.padding_rows == pad_rows and choice.padded_frames == pad_frames
+
+
+def test_dispatch_reasons():
+    assert dispatch(EXACT, "exact", 33, [1] * 33).reason == "batch_too_large"
+    assert dispatch(EXACT, "exact", 1, [26]).reason == "frames_too_long"
+    assert dispatch(EXACT, "window", 1, [50]).reason == "no_buckets"
+    assert extra_bucket("exact", 3, 26, 32, 256) == BucketKey("exact", 4, 32)
+    assert extra_bucket("exact", 33, 1, 32, 256) is None
+    assert extra_bucket("exact", 1, 300, 32, 256) is None
+
+
+def test_routine_padding_rows_and_frames_match_eager(tiny_model, golden_cases):
+    """The routine run on static buffers (what a graph captures) equals the eager engine for a padded
+    bucket; padding rows write only the scratch slot; returned audio has exactly the real rows' samples."""
+    codes = golden_cases["codes"]  # [2, Q, 40]
+    layout = tiny_model.module.state_layout()
+    eager_arena = StateArena(layout, 4, torch.float32, torch.device("cpu"))
+    graph_arena = StateArena(layout, 4, torch.float32, torch.device("cpu"))
+    eager = Engine(tiny_model, eager_arena)
+    routine = StreamRoutine(tiny_model, graph_arena, max_batch=8, max_frames=32)
+    slots_e = [eager_arena.allocate() for _ in range(3)]
+    slots_g = [graph_arena.allocate() for _ in range(3)]
+    bystander = graph_arena.allocate()  # a real stream not in the batch
+    graph_arena.tensors[next(iter(layout))][bystander].fill_(7.0)
+    snapshot = {k: t[bystander].clone() for k, t in graph_arena.tensors.items()}
+    plan = [(0, 0, 5), (1, 0, 1), (0, 5, 25)]  # (row of codes, start, frames): different positions and sizes
+    for step in range(2):
+        items_e, items_g = [], []
+        for (row, start, n), se, sg in zip(plan, slots_e, slots_g):
+            chunk = codes[row, :, start + step * n: start + (step + 1) * n]
+            skip = 1 if step == 0 and n > 1 else 0  # a context frame on first chunks
+            items_e.append(DecodeItem(chunk, se, skip))
+            items_g.append(DecodeItem(chunk, sg, skip))
+        ref = eager.decode(items_e)
+        routine.copy_in(8, 32, items_g)  # bucket b8 x t32: 5 padding rows, padded frames on every row
+        with torch.inference_mode():
+            out = routine.copy_out(routine.forward(8, 32), items_g)
+        for r, o, it in zip(ref, out, items_g):
+            assert o.numel() == (it.codes.shape[1] - it.skip_frames) * tiny_model.samples_per_frame
+            assert (r - o).abs().max().item() <= 1e-5
+    for k, t in graph_arena.tensors.items():
+        assert torch.equal(t[bystander], snapshot[k])  # padding never touched a real stream's slot
+        for se, sg in zip(slots_e, slots_g):
+            assert torch.allclose(t[sg], eager_arena.tensors[k][se], rtol=1e-4, atol=1e-4)  # same committed state
+    assert torch.equal(graph_arena.positions[slots_g], eager_arena.positions[slots_e])

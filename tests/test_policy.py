@@ -1,0 +1,103 @@
+"""CPU tests of pure policy pieces: scheduler batching, state arena bookkeeping, config validation, seq rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.config import ConfigError, load_config
+from sidecar.scheduler import ChunkJob, Scheduler
+from sidecar.state_store import ArenaFull, StateArena
+from sidecar.streams import SeqVerdict, Stream, check_seq
+
+
+def _stream(name: str, mode: str = "exact", model: str = "m") -> Stream:
+    return Stream(client=b"c", stream_id=name, model=model, mode=mode, left_context_frames=0, slot=0,
+                  last_active_s=0.0)
+
+
+def _job(stream: Stream, seq: int = 0, arrived_s: float = 0.0) -> ChunkJob:
+    return ChunkJob(stream=stream, seq=seq, codes=None, context_frames=0, final=False, arrived_s=arrived_s,
+                    reply=None, index=0)
+
+
+def test_batch_is_fifo_one_key_one_chunk_per_stream():
+    sched = Scheduler(max_batch_size=3, batch_window_s=0.001, max_pending_chunks=100)
+    a, b, w, c = _stream("a"), _stream("b"), _stream("w", mode="window"), _stream("c")
+    jobs = [_job(a, 0), _job(a, 1), _job(w, 0), _job(b, 0), _job(c, 0), _job(b, 1)]
+    for j in jobs:
+        assert sched.submit(j)
+    first = sched.take_batch()
+    assert [(j.stream.stream_id, j.seq) for j in first] == [("a", 0), ("b", 0), ("c", 0)]
+    second = sched.take_batch()  # the oldest left is a/1: exact again; window waits behind it, no starvation
+    assert [(j.stream.stream_id, j.seq) for j in second] == [("a", 1), ("b", 1)]
+    third = sched.take_batch()
+    assert [(j.stream.stream_id, j.seq) for j in third] == [("w", 0)]
+    assert sched.take_batch() == [] and len(sched) == 0
+
+
+def test_queue_bound_and_window():
+    sched = Scheduler(max_batch_size=2, batch_window_s=0.010, max_pending_chunks=2)
+    s = _stream("a")
+    assert sched.seconds_until_ready(0.0) is None
+    assert sched.submit(_job(s, 0, arrived_s=1.0))
+    assert sched.seconds_until_ready(1.004) == pytest.approx(0.006)
+    assert sched.seconds_until_ready(1.5) == 0.0
+    assert sched.submit(_job(_stream("b"), 0, arrived_s=1.0))
+    assert sched.seconds_until_ready(1.0) == 0.0  # full batch: no waiting
+    assert not sched.submit(_job(_stream("c"), 0))  # bounded: the caller answers busy
+
+
+def test_remove_stream_keeps_others_in_order():
+    sched = Scheduler(4, 0.0, 10)
+    a, b = _stream("a"), _stream("b")
+    for j in [_job(a, 0), _job(b, 0), _job(a, 1), _job(b, 1)]:
+        sched.submit(j)
+    dropped = sched.remove_stream(a)
+    assert [j.seq for j in dropped] == [0, 1]
+    assert [(j.stream.stream_id, j.seq) for j in sched.take_batch()] == [("b", 0)]
+
+
+def test_arena_slots_scratch_and_reuse():
+    arena = StateArena({"x": (2, 3)}, num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
+    assert arena.bytes_per_stream == 6 * 4 + 8
+    s0, s1 = arena.allocate(), arena.allocate()
+    assert {s0, s1} == {0, 1} and arena.scratch_slot == 2
+    with pytest.raises(ArenaFull):
+        arena.allocate()
+    slots = torch.tensor([s0, arena.scratch_slot])  # a real row and a padding row
+    arena.scatter(slots, {"x": torch.ones(2, 2, 3)}, torch.tensor([5, 9]))
+    assert arena.positions.tolist() == [5, 0, 9]
+    assert arena.tensors["x"][s1].abs().sum() == 0  # the other stream's slot untouched
+    state, pos = arena.gather(torch.tensor([s0]))
+    assert torch.equal(state["x"][0], torch.ones(2, 3)) and pos.tolist() == [5]
+    arena.release(s0)
+    again = arena.allocate()
+    assert again == s0 and arena.positions[again] == 0 and arena.tensors["x"][again].abs().sum() == 0
+    with pytest.raises(ValueError):
+        arena.release(arena.scratch_slot)
+
+
+def test_seq_rules():
+    s = _stream("a")
+    assert check_seq(s, 0)[0] == SeqVerdict.ACCEPT
+    assert check_seq(s, 1)[0] == "refuse"
+    s.next_seq, s.committed_seq, s.last_audio = 1, 0, torch.zeros(1)
+    assert check_seq(s, 0)[0] == SeqVerdict.RESEND
+    s.num_pending, s.next_seq = 1, 2
+    verdict, reason = check_seq(s, 1)
+    assert verdict == "refuse" and "still being decoded" in reason
+    assert check_seq(s, 0)[0] == "refuse"  # no resend while a later chunk is in flight
+
+
+def test_config_rejects_unknown_keys_with_hint(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  max_batch: 8\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'scheduler.max_batch' \(did you mean 'max_batch_size'\?\)"):
+        load_config(path)
+    path.write_text("streams:\n  ttl_s: -1\n")
+    with pytest.raises(ConfigError, match="streams.ttl_s"):
+        load_config(path)
+    path.write_text("dtype: bfloat16\nscheduler:\n  max_batch_size: 8\n")
+    cfg = load_config(path, {"metrics_port": 0})
+    assert cfg.dtype == "bfloat16" and cfg.scheduler.max_batch_size == 8 and cfg.metrics_port == 0
