@@ -108,3 +108,21 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
         for s in slots:
             arena.release(s)
     return results
+
+
+def profile_kernels(model: LoadedModel, batch: int, new_frames: int, row_limit: int = 15) -> str:
+    """Where the time of one eager exact step goes: torch.profiler's top operators by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    arena = StateArena(model.module.state_layout(), batch, model.dtype, model.device)
+    engine = Engine(model, arena)
+    codes = synthetic_codes(model.num_quantizers, new_frames, model.codebook_size, seed=2)
+    items = [DecodeItem(codes=codes, slot=arena.allocate(), skip_frames=0) for _ in range(batch)]
+    for _ in range(2):
+        engine.decode(items)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.decode(items)
+        _sync(model.device)
+    sort_by = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-iters", type=int, default=20)
     p.add_argument("--baseline-batch", default="1", help="comma-separated batch sizes for exact-eager baselines")
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--profile-batch", type=int, default=0,
+                   help="also print torch.profiler's top operators for one eager exact step at this batch size")
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for the spawned sidecar")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", dest="plot_path")
@@ -77,6 +79,13 @@ def print_table(baselines: list[dict], rows: list[dict], ref: dict | None) -> No
               f"{fmt(r['first_chunk_latency_ms_p50'], '9.2f')} {r['audio_s_per_s']:>10.1f} {fmt(x_thru, '7.2f')} "
               f"{fmt(x_p50, '6.2f')} {fmt(r['mean_batch_size'], '6.1f')} {fmt(r['graph_hit_rate'], '6.2f')} "
               f"{r['errors']:>4}")
+    if any(r.get("server_mean_ms") for r in rows):
+        print("\nserver-side means from /metrics (ms): arrival->reply, engine step, wait for batch")
+        for r in rows:
+            sm = r.get("server_mean_ms") or {}
+            print(f"{r['concurrency']:>5}  reply {sm.get('server_chunk_latency', float('nan')):8.2f}  "
+                  f"step {sm.get('engine_step', float('nan')):8.2f}  wait {sm.get('batch_wait', float('nan')):8.2f}  "
+                  f"client-seen mean {r['mean_chunk_latency_ms'] or float('nan'):8.2f}")
 
 
 def plot(path: str, baselines: list[dict], rows: list[dict], title: str) -> None:
@@ -133,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         batches = tuple(int(x) for x in args.baseline_batch.split(","))
         baselines = [asdict(b) for b in run_baselines(model, new_frames=args.chunk_frames,
                                                       iters=args.baseline_iters, batch_sizes=batches)]
+        if args.profile_batch:
+            from .baselines import profile_kernels
+
+            print(f"\nprofile: one eager exact step, batch {args.profile_batch} x {args.chunk_frames} frames")
+            print(profile_kernels(model, args.profile_batch, args.chunk_frames))
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -31,6 +31,7 @@ class LevelResult:
     first_chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
     mean_batch_size: float | None = None
     graph_hit_rate: float | None = None
+    server_ms: dict = field(default_factory=dict)  # mean server-side times from /metrics (a profile)
     error_samples: list[str] = field(default_factory=list)
 
     @property
@@ -47,7 +48,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def scrape_counters(text: str) -> dict[str, float]:
     """Sum every sample of the metrics the bench reads, by sample name (labels summed over)."""
-    wanted = ("code2wav_sidecar_batch_size", "code2wav_sidecar_graph_replays", "code2wav_sidecar_graph_misses")
+    wanted = ("code2wav_sidecar_batch_size", "code2wav_sidecar_graph_replays", "code2wav_sidecar_graph_misses",
+              "code2wav_sidecar_chunk_latency_seconds", "code2wav_sidecar_engine_step_seconds",
+              "code2wav_sidecar_batch_wait_seconds")
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if not family.name.startswith(wanted):
@@ -116,6 +119,11 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         count = _delta(after, before, "code2wav_sidecar_batch_size_count")
         if count:
             result.mean_batch_size = _delta(after, before, "code2wav_sidecar_batch_size_sum") / count
+        for name, key in (("chunk_latency_seconds", "server_chunk_latency"), ("engine_step_seconds", "engine_step"),
+                          ("batch_wait_seconds", "batch_wait")):
+            n = _delta(after, before, f"code2wav_sidecar_{name}_count")
+            if n:
+                result.server_ms[key] = 1e3 * _delta(after, before, f"code2wav_sidecar_{name}_sum") / n
         hits = _delta(after, before, "code2wav_sidecar_graph_replays_total")
         misses = _delta(after, before, "code2wav_sidecar_graph_misses_total")
         if hits + misses:
@@ -145,5 +153,6 @@ def summarize(result: LevelResult) -> dict:
         "first_chunk_latency_ms_p50": percentile(first, 50), "first_chunk_latency_ms_p99": percentile(first, 99),
         "audio_s_per_s": result.audio_s_per_s, "realtime_streams": int(result.audio_s_per_s),
         "mean_batch_size": result.mean_batch_size, "graph_hit_rate": result.graph_hit_rate,
+        "server_mean_ms": result.server_ms,
         "wall_s": result.wall_s, "mean_chunk_latency_ms": statistics.fmean(lat) if lat else None,
     }

@@ -91,15 +91,16 @@ class Server:
             "window": StreamRoutine(self.model, None, max(gcfg.window_batch_sizes),
                                     max(max(gcfg.window_frames), max_frames)),
         }
-        largest = max(gcfg.exact_batch_sizes)
-        if self.scheduler.max_batch_size > largest:
-            log.info("scheduler.max_batch_size %d capped to the largest exact graph bucket (%d)",
-                     self.scheduler.max_batch_size, largest)
-            self.scheduler.max_batch_size = largest
         manager = GraphManager(routines, buckets, self.model.device, self.metrics, mode=gcfg.mode,
                                max_lazy_captures=gcfg.max_lazy_captures,
                                max_graph_memory_bytes=gcfg.max_graph_memory_bytes)
         manager.capture_startup()
+        # Batches larger than the largest graph would run eager: cap the scheduler to what replays.
+        largest = manager.largest_captured_batch("exact") if gcfg.mode == "startup" else max(gcfg.exact_batch_sizes)
+        if largest and self.scheduler.max_batch_size > largest:
+            log.info("scheduler.max_batch_size %d capped to the largest exact graph bucket (%d)",
+                     self.scheduler.max_batch_size, largest)
+            self.scheduler.max_batch_size = largest
         return manager
 
     @property

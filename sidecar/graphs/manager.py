@@ -106,9 +106,10 @@ class GraphManager:
             with torch.inference_mode():
                 self._warmup(routine, key)
                 state.profile_bytes = self._profile(routine, key)
-                before = torch.cuda.memory_reserved(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                    # read inside: entering the context empties the allocator cache, which would hide growth
+                    before = torch.cuda.memory_reserved(self.device)
                     output = routine.forward(key.batch, key.frames)
                 torch.cuda.synchronize(self.device)
                 added = torch.cuda.memory_reserved(self.device) - before
@@ -151,9 +152,9 @@ class GraphManager:
     def _profile(self, routine: Routine, key: BucketKey) -> int:
         """Standalone graph memory of ``key``: capture into a temporary pool, measure, release."""
         torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.capture_stream):
+            before = torch.cuda.memory_reserved(self.device)
             output = routine.forward(key.batch, key.frames)
         torch.cuda.synchronize(self.device)
         nbytes = torch.cuda.memory_reserved(self.device) - before
@@ -162,6 +163,9 @@ class GraphManager:
         return max(0, nbytes)
 
     # ------------------------------------------------------------------ replay
+    def largest_captured_batch(self, mode: str) -> int:
+        return max((k.batch for k, s in self.buckets.items() if k.mode == mode and s.status == "captured"), default=0)
+
     def ready(self, key: BucketKey) -> bool:
         """Captured (capturing now on first use in lazy mode)."""
         state = self.buckets.get(key)

@@ -75,7 +75,9 @@ class SnakeBeta(nn.Module):
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
         alpha = torch.exp(self.alpha)[None, :, None]  # [1, C, 1]
         inv_beta = 1.0 / (torch.exp(self.beta)[None, :, None] + 1e-9)  # [1, C, 1]
-        return x + inv_beta * torch.sin(x * alpha).pow(2), lengths
+        # One temporary instead of four: these tensors are the largest of the decoder (graph memory).
+        out = torch.mul(x, alpha)  # [B, C, T]
+        return out.sin_().square_().mul_(inv_beta).add_(x), lengths
 
 
 class ConvNeXt(nn.Module):
@@ -111,7 +113,7 @@ class ResidualUnit(nn.Module):
         h, _ = self.conv1(h, lengths, ctx)
         h, _ = self.act2(h, lengths, ctx)
         h, _ = self.conv2(h, lengths, ctx)
-        return x + h, lengths
+        return h.add_(x), lengths
 
 
 class StreamSequential(nn.ModuleList):
