@@ -72,6 +72,11 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
     times = _time_calls(lambda: engine.decode(window), model.device, iters, warmup)
     results.append(_result("window-eager-b1", 1, new_frames, times, model))
 
+    first = [DecodeItem(codes=codes[:, :1], slot=arena.allocate(), skip_frames=0)]  # a vLLM-Omni first chunk
+    times = _time_calls(lambda: engine.decode(first), model.device, iters, warmup)
+    results.append(_result("exact-eager-b1-t1", 1, 1, times, model))
+    arena.release(first[0].slot)
+
     for batch in batch_sizes:
         slots = [arena.allocate() for _ in range(batch)]
         items = [DecodeItem(codes=codes[:, :new_frames], slot=s, skip_frames=0) for s in slots]
@@ -93,18 +98,20 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
     from sidecar.metrics import Metrics
     from sidecar.models.routine import StreamRoutine
 
-    buckets = tuple(BucketKey("exact", b, new_frames) for b in batch_sizes)
+    buckets = tuple(BucketKey("exact", b, new_frames) for b in batch_sizes) + (BucketKey("exact", 1, 1),)
     routine = StreamRoutine(model, arena, max(batch_sizes), new_frames)
-    manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()))
+    manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()),
+                           max_graph_memory_bytes=None)  # baselines measure every batch size asked for
     manager.capture_startup()
     results = []
     for key in buckets:
         if not manager.ready(key):
             continue
         slots = [arena.allocate() for _ in range(key.batch)]
-        items = [DecodeItem(codes=codes, slot=s, skip_frames=0) for s in slots]
+        items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
         times = _time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
-        results.append(_result(f"exact-graph-b{key.batch}", key.batch, new_frames, times, model))
+        name = f"exact-graph-b{key.batch}" + ("-t1" if key.frames == 1 else "")
+        results.append(_result(name, key.batch, key.frames, times, model))
         for s in slots:
             arena.release(s)
     return results

@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.replot:
         return replot(args)
-    from sidecar.models import load_model, resolve_device
+    from sidecar.models import configure_cuda, load_model, resolve_device
 
     device = resolve_device(args.device)
+    if device.type == "cuda":
+        configure_cuda()  # the server's defaults, so baselines and sidecar run the same math
     levels = [int(x) for x in args.concurrency.split(",") if x]
     baselines: list[dict] = []
     if not args.no_baselines:

@@ -49,8 +49,9 @@ class GraphsConfig(_Section):
     window_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     window_frames: tuple[int, ...] = (50,)
     max_lazy_captures: int = Field(8, ge=0)
-    max_graph_memory_bytes: int | None = Field(None, ge=0)
+    max_graph_memory_bytes: int | None = Field(2 << 30, ge=0, description="buckets past it run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
+    cudnn_benchmark: bool = Field(True, description="let cuDNN time its conv algorithms once per shape")
 
 
 class LimitsConfig(_Section):

@@ -46,20 +46,22 @@ class Engine:
     def _try_graph(self, mode: str, items: list[DecodeItem]) -> list[Tensor] | None:
         graphs = self.graphs
         row_frames = [it.codes.shape[1] for it in items]
-        choice = dispatch(tuple(graphs.buckets), mode, len(items), row_frames)
+        choice = dispatch(graphs.usable_buckets(), mode, len(items), row_frames)
         key = choice.key
         reason = choice.reason
+        if key is None and dispatch(tuple(graphs.buckets), mode, len(items), row_frames).key is not None:
+            reason = "not_captured"  # a configured bucket fits, but its capture failed or was skipped
         if key is None and reason in ("frames_too_long", "batch_too_large"):
             largest = max((k for k in graphs.buckets if k.mode == mode), key=lambda k: k.cost, default=None)
             if largest is not None:
                 extra = extra_bucket(mode, len(items), max(row_frames), largest.batch, self.max_forward_frames)
                 if extra is not None and graphs.capture_extra(extra):
                     key = extra
-        if key is not None and not graphs.ready(key):
-            reason, key = f"not_captured:{graphs.buckets[key].status}", None
+        if key is not None and not graphs.ready(key):  # a lazy capture that failed just now
+            reason, key = "not_captured", None
         if key is None:
             if self.metrics is not None:
-                self.metrics.graph_misses.labels(component=mode, reason=reason.split(":")[0]).inc()
+                self.metrics.graph_misses.labels(component=mode, reason=reason).inc()
             return None
         return graphs.run(key, items)  # an error here propagates: no silent eager retry after replay started
 

@@ -12,7 +12,6 @@ import logging
 import signal
 import time
 
-import torch
 import zmq.asyncio
 
 from proto import ErrorCode
@@ -22,7 +21,7 @@ from .engine import Engine
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
 from .metrics import HealthServer, Metrics
-from .models import LoadedModel, load_model, resolve_device
+from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
 from .scheduler import Scheduler
 from .sessions import Sessions
@@ -55,6 +54,8 @@ class Server:
         self.metrics_port = await self.health.start(cfg.metrics_host, cfg.metrics_port)
         loop = asyncio.get_running_loop()
         device = resolve_device(cfg.device)
+        if device.type == "cuda":
+            configure_cuda(cfg.graphs.allow_tf32, cfg.graphs.cudnn_benchmark)
         t0 = time.perf_counter()
         self.model = await loop.run_in_executor(
             self._pool, lambda: load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed))
@@ -81,8 +82,6 @@ class Server:
     def _build_graphs(self, arena: StateArena) -> GraphManager:
         """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""
         gcfg = self.cfg.graphs
-        torch.backends.cuda.matmul.allow_tf32 = gcfg.allow_tf32
-        torch.backends.cudnn.allow_tf32 = gcfg.allow_tf32
         buckets = (build_buckets("exact", gcfg.exact_batch_sizes, gcfg.exact_frames)
                    + build_buckets("window", gcfg.window_batch_sizes, gcfg.window_frames))
         max_frames = self.cfg.engine.max_forward_frames
@@ -95,12 +94,10 @@ class Server:
                                max_lazy_captures=gcfg.max_lazy_captures,
                                max_graph_memory_bytes=gcfg.max_graph_memory_bytes)
         manager.capture_startup()
-        # Batches larger than the largest graph would run eager: cap the scheduler to what replays.
-        largest = manager.largest_captured_batch("exact") if gcfg.mode == "startup" else max(gcfg.exact_batch_sizes)
-        if largest and self.scheduler.max_batch_size > largest:
-            log.info("scheduler.max_batch_size %d capped to the largest exact graph bucket (%d)",
-                     self.scheduler.max_batch_size, largest)
-            self.scheduler.max_batch_size = largest
+        largest = manager.largest_captured_batch("exact")
+        if self.scheduler.max_batch_size > largest:
+            log.info("batches of %d..%d chunks run eager (largest captured exact bucket: %d); large batches are "
+                     "device-bound, so eager costs little there", largest + 1, self.scheduler.max_batch_size, largest)
         return manager
 
     @property

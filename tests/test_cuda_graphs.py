@@ -29,14 +29,15 @@ def no_tf32():
 
 
 def _setup(model_spec: str, buckets, num_slots: int = 40, mode: str = "startup", max_lazy: int = 8,
-           routine_cls=StreamRoutine, max_frames: int = 64):
+           routine_cls=StreamRoutine, max_frames: int = 64, budget: int | None = None):
     device = torch.device("cuda")
     model = load_model(model_spec, device, "float32")
     arena = StateArena(model.module.state_layout(), num_slots, model.dtype, device)
     max_batch = max(k.batch for k in buckets)
     metrics = Metrics()
     routines = {"exact": routine_cls(model, arena, max_batch, max_frames)}
-    manager = GraphManager(routines, buckets, device, metrics, mode=mode, max_lazy_captures=max_lazy)
+    manager = GraphManager(routines, buckets, device, metrics, mode=mode, max_lazy_captures=max_lazy,
+                           max_graph_memory_bytes=budget)
     manager.capture_startup()
     engine = Engine(model, arena, graphs=manager, metrics=metrics)
     eager = Engine(model, arena)
@@ -155,3 +156,17 @@ def test_lazy_capture_respects_its_bound(golden_cases):
     engine.decode([DecodeItem(codes[:, :33], slot2, 0)])  # would need b1xt40: over the bound, runs eager
     assert BucketKey("exact", 1, 40) not in manager.buckets and manager.lazy_captures == 1
     assert metrics.graph_misses.labels(component="exact", reason="frames_too_long")._value.get() == 1
+
+
+def test_graph_memory_budget_skips_buckets_by_name():
+    buckets = (BucketKey("exact", 32, 25), BucketKey("exact", 1, 25))
+    budget = 1 << 30
+    model, arena, manager, engine, _, metrics = _setup("default", buckets, budget=budget)
+    big, small = manager.buckets[buckets[0]], manager.buckets[buckets[1]]
+    assert big.status == "skipped" and "max_graph_memory_bytes" in big.reason, manager.summary()
+    assert small.status == "captured" and manager.pool_bytes <= budget
+    print("graph memory summary:", manager.summary())
+    slots = [arena.allocate() for _ in range(2)]
+    out = engine.decode([DecodeItem(_codes(model, 25, s), s, 0) for s in slots])  # b32 was skipped: eager
+    assert [o.numel() for o in out] == [25 * 1920] * 2
+    assert metrics.graph_misses.labels(component="exact", reason="not_captured")._value.get() == 1

@@ -106,6 +106,11 @@ class GraphManager:
             with torch.inference_mode():
                 self._warmup(routine, key)
                 state.profile_bytes = self._profile(routine, key)
+                budget = self.max_graph_memory_bytes
+                if budget is not None and state.profile_bytes > budget:
+                    self._skip(state, f"needs {state.profile_bytes / 2**20:.1f} MiB alone, over "
+                                      f"max_graph_memory_bytes {budget / 2**20:.1f} MiB")
+                    return
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                     # read inside: entering the context empties the allocator cache, which would hide growth
@@ -122,10 +127,8 @@ class GraphManager:
         if self.max_graph_memory_bytes is not None and self.pool_bytes + added > self.max_graph_memory_bytes:
             del graph, output
             torch.cuda.synchronize(self.device)
-            state.status = "skipped"
-            state.reason = (f"would grow graph memory to {(self.pool_bytes + added) / 2**20:.1f} MiB, over "
-                            f"max_graph_memory_bytes {self.max_graph_memory_bytes / 2**20:.1f} MiB")
-            log.warning("graph %s %s: skipped: %s; it runs eager", key.mode, key.label, state.reason)
+            self._skip(state, f"would grow graph memory to {(self.pool_bytes + added) / 2**20:.1f} MiB, over "
+                              f"max_graph_memory_bytes {self.max_graph_memory_bytes / 2**20:.1f} MiB")
             return
         state.graph, state.output = graph, output
         state.status = "captured"
@@ -139,6 +142,11 @@ class GraphManager:
         log.info("graph %-6s %-10s captured in %.2fs: profile %.1f MiB, pool +%.1f MiB (total %.1f MiB)",
                  key.mode, key.label, state.capture_s, state.profile_bytes / 2**20, state.pool_bytes / 2**20,
                  self.pool_bytes / 2**20)
+
+    def _skip(self, state: BucketState, reason: str) -> None:
+        state.status, state.reason = "skipped", reason
+        log.warning("graph %-6s %-10s skipped: %s; batches of this shape run eager (raise "
+                    "graphs.max_graph_memory_bytes to capture it)", state.key.mode, state.key.label, reason)
 
     def _warmup(self, routine: Routine, key: BucketKey) -> None:
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -163,6 +171,10 @@ class GraphManager:
         return max(0, nbytes)
 
     # ------------------------------------------------------------------ replay
+    def usable_buckets(self) -> tuple[BucketKey, ...]:
+        """Buckets a batch may be dispatched to: captured, or still to be captured on first use."""
+        return tuple(k for k, s in self.buckets.items() if s.status in ("captured", "pending"))
+
     def largest_captured_batch(self, mode: str) -> int:
         return max((k.batch for k, s in self.buckets.items() if k.mode == mode and s.status == "captured"), default=0)
 

@@ -33,6 +33,16 @@ class LoadedModel:
     source: str  # "random-weights" or the folder
 
 
+def configure_cuda(allow_tf32: bool = False, cudnn_benchmark: bool = True) -> None:
+    """Process-wide CUDA math settings, set once at start-up by whoever owns the process (server, bench).
+
+    TF32 off keeps float32 decoding within 1e-4 of the CPU reference; cuDNN benchmark picks the fastest conv
+    algorithm per shape (shapes are static per graph bucket, so it is timed once)."""
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+
+
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
