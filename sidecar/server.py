@@ -55,7 +55,7 @@ class Server:
         loop = asyncio.get_running_loop()
         device = resolve_device(cfg.device)
         if device.type == "cuda":
-            configure_cuda(cfg.graphs.allow_tf32, cfg.graphs.cudnn_benchmark)
+            configure_cuda(cfg.graphs.allow_tf32)
         t0 = time.perf_counter()
         self.model = await loop.run_in_executor(
             self._pool, lambda: load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed))
@@ -92,7 +92,8 @@ class Server:
         }
         manager = GraphManager(routines, buckets, self.model.device, self.metrics, mode=gcfg.mode,
                                max_lazy_captures=gcfg.max_lazy_captures,
-                               max_graph_memory_bytes=gcfg.max_graph_memory_bytes)
+                               max_graph_memory_bytes=gcfg.max_graph_memory_bytes,
+                               cudnn_benchmark=gcfg.cudnn_benchmark)
         manager.capture_startup()
         largest = manager.largest_captured_batch("exact")
         if self.scheduler.max_batch_size > largest:

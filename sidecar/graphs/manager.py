@@ -51,7 +51,8 @@ class BucketState:
 class GraphManager:
     def __init__(self, routines: dict[str, Routine], buckets: tuple[BucketKey, ...], device: torch.device,
                  metrics: Any, mode: str = "startup", max_lazy_captures: int = 8,
-                 max_graph_memory_bytes: int | None = None, warmup_iters: int = 2) -> None:
+                 max_graph_memory_bytes: int | None = None, warmup_iters: int = 2,
+                 cudnn_benchmark: bool = False) -> None:
         if mode not in CAPTURE_MODES:
             raise ValueError(f"graphs.mode must be one of {CAPTURE_MODES}, got {mode!r}")
         self.routines = routines
@@ -61,6 +62,7 @@ class GraphManager:
         self.max_lazy_captures = max_lazy_captures
         self.max_graph_memory_bytes = max_graph_memory_bytes
         self.warmup_iters = warmup_iters
+        self.cudnn_benchmark = cudnn_benchmark
         self.buckets: dict[BucketKey, BucketState] = {k: BucketState(k) for k in buckets}
         self.lazy_captures = 0
         self.pool = torch.cuda.graph_pool_handle()
@@ -102,6 +104,8 @@ class GraphManager:
             return
         routine = self.routines[key.mode]
         t0 = time.perf_counter()
+        benchmark_before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
         try:
             with torch.inference_mode():
                 self._warmup(routine, key)
@@ -124,6 +128,8 @@ class GraphManager:
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: capture failed, bucket stays eager: %s", key.mode, key.label, state.reason)
             return
+        finally:
+            torch.backends.cudnn.benchmark = benchmark_before
         if self.max_graph_memory_bytes is not None and self.pool_bytes + added > self.max_graph_memory_bytes:
             del graph, output
             torch.cuda.synchronize(self.device)

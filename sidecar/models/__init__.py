@@ -33,14 +33,15 @@ class LoadedModel:
     source: str  # "random-weights" or the folder
 
 
-def configure_cuda(allow_tf32: bool = False, cudnn_benchmark: bool = True) -> None:
+def configure_cuda(allow_tf32: bool = False) -> None:
     """Process-wide CUDA math settings, set once at start-up by whoever owns the process (server, bench).
 
-    TF32 off keeps float32 decoding within 1e-4 of the CPU reference; cuDNN benchmark picks the fastest conv
-    algorithm per shape (shapes are static per graph bucket, so it is timed once)."""
+    TF32 off keeps float32 decoding within 1e-4 of the CPU reference. cuDNN benchmark mode stays off for
+    eager work: eager batches come in many shapes, and timing algorithms for each new shape cost seconds per
+    step on the H200 (measured); graph capture may turn it on for its static shapes (graphs.cudnn_benchmark)."""
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     torch.backends.cudnn.allow_tf32 = allow_tf32
-    torch.backends.cudnn.benchmark = cudnn_benchmark
+    torch.backends.cudnn.benchmark = False
 
 
 def resolve_device(spec: str) -> torch.device:
