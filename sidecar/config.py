@@ -51,6 +51,8 @@ class GraphsConfig(_Section):
     max_lazy_captures: int = Field(8, ge=0)
     max_graph_memory_bytes: int | None = Field(2 << 30, ge=0, description="buckets past it run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
+    cap_batch_to_buckets: bool = Field(True, description="limit batches to the largest captured exact bucket, "
+                                       "so every exact batch replays a graph")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time conv algorithms for each captured bucket "
                                   "(bf16: faster replays, slower capture; fp32: measured slower)")
 

@@ -96,9 +96,14 @@ class Server:
                                cudnn_benchmark=gcfg.cudnn_benchmark)
         manager.capture_startup()
         largest = manager.largest_captured_batch("exact")
-        if self.scheduler.max_batch_size > largest:
-            log.info("batches of %d..%d chunks run eager (largest captured exact bucket: %d); large batches are "
-                     "device-bound, so eager costs little there", largest + 1, self.scheduler.max_batch_size, largest)
+        if largest and self.scheduler.max_batch_size > largest:
+            if gcfg.cap_batch_to_buckets:
+                log.info("scheduler.max_batch_size %d capped to the largest captured exact bucket (%d)",
+                         self.scheduler.max_batch_size, largest)
+                self.scheduler.max_batch_size = largest
+            else:
+                log.info("batches of %d..%d chunks run eager (largest captured exact bucket: %d)", largest + 1,
+                         self.scheduler.max_batch_size, largest)
         return manager
 
     @property
