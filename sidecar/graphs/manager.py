@@ -182,7 +182,13 @@ class GraphManager:
         return tuple(k for k, s in self.buckets.items() if s.status in ("captured", "pending"))
 
     def largest_captured_batch(self, mode: str) -> int:
-        return max((k.batch for k, s in self.buckets.items() if k.mode == mode and s.status == "captured"), default=0)
+        """The largest batch that replays a graph whatever its chunk length: for every configured frame count
+        some captured bucket must hold that many rows of at least that many frames."""
+        captured = [k for k, s in self.buckets.items() if k.mode == mode and s.status == "captured"]
+        frame_counts = {k.frames for k in self.buckets if k.mode == mode}
+        if not captured or not frame_counts:
+            return 0
+        return min(max((k.batch for k in captured if k.frames >= f), default=0) for f in frame_counts)
 
     def ready(self, key: BucketKey) -> bool:
         """Captured (capturing now on first use in lazy mode)."""
