@@ -99,9 +99,12 @@ def plot(path: str, baselines: list[dict], rows: list[dict], title: str) -> None
     for key, label in (("chunk_latency_ms_p50", "p50"), ("chunk_latency_ms_p99", "p99")):
         ax1.plot(conc, [r[key] for r in rows], marker="o", label=f"sidecar {label}")
     ax2.plot(conc, [r["audio_s_per_s"] for r in rows], marker="o", label="sidecar")
-    for b in baselines:
-        ax1.axhline(b["latency_ms_p50"], linestyle="--", linewidth=1, label=f"{b['name']} p50")
-        ax2.axhline(b["audio_s_per_s"], linestyle="--", linewidth=1, label=b["name"])
+    styles = ("--", ":", "-.")
+    for i, b in enumerate(baselines):
+        style = {"linestyle": styles[i % len(styles)], "linewidth": 1.2, "color": f"C{i + 2}"}
+        ax1.axhline(b["latency_ms_p50"], label=f"{b['name']} p50 (in-process)", **style)
+        ax2.axhline(b["audio_s_per_s"], label=f"{b['name']} (in-process)", **style)
+    ax1.set_yscale("log")
     for ax, ylabel in ((ax1, "chunk latency (ms)"), (ax2, "audio seconds decoded per second")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
