@@ -77,7 +77,8 @@ class _State:
 class Connection:
     """Owns the DEALER socket and the I/O thread. Thread-safe entry points: ``submit``, ``close``."""
 
-    def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any]) -> None:
+    def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any],
+                 curve_server_key: bytes | str | None = None) -> None:
         self.address = address
         self.client_id = client_id
         self._capabilities = dict(capabilities)
@@ -98,6 +99,11 @@ class Connection:
         self._sock.setsockopt(zmq.ROUTING_ID, routing_id)  # stable across reconnects: keeps the session
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if curve_server_key is not None:  # CurveZMQ: encrypt and authenticate the server by its public key
+            public, secret = zmq.curve_keypair()
+            self._sock.curve_serverkey = curve_server_key.encode() if isinstance(curve_server_key, str) else curve_server_key
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
         self._sock.connect(address)
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r, zmq.POLLIN)

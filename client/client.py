@@ -92,7 +92,10 @@ class SidecarClient:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         client_id: str | None = None,
+        curve_server_key: bytes | str | None = None,
     ) -> None:
+        """``curve_server_key``: the sidecar's CurveZMQ public key (Z85, 40 characters) when it listens on a
+        non-loopback TCP address with CurveZMQ; the client then encrypts with a fresh keypair of its own."""
         self.address = address
         self.timeout_s = float(timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -100,7 +103,7 @@ class SidecarClient:
         self._order_lock = threading.Lock()  # seq assignment and queueing happen in one order
         capabilities = {"cuda_ipc": False, "gpu_uuid": None}  # CUDA IPC regions: a later protocol version
         routing_id = b"c2w-" + uuid.uuid4().bytes
-        self._conn = Connection(address, self.client_id, routing_id, capabilities)
+        self._conn = Connection(address, self.client_id, routing_id, capabilities, curve_server_key)
         try:
             self._handshake(connect_timeout_s)
         except BaseException:

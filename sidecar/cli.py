@@ -26,6 +26,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--metrics-port", type=int, help="HTTP port for /metrics, /healthz, /readyz (0 = any free)")
     p.add_argument("--stream-ttl-s", type=float, help="reap streams idle longer than this")
     p.add_argument("--max-streams", type=int, help="stream slots in the state arena")
+    p.add_argument("--curve-secret-key-file", help="CurveZMQ server certificate (from `keygen`), for non-loopback TCP")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback TCP bind without CurveZMQ (unauthenticated; logs a warning)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _decode_parser(sub)
+    keygen = sub.add_parser("keygen", help="write a CurveZMQ certificate pair (server.key, server.key_secret)")
+    keygen.add_argument("directory")
     for name in CLIENT_SIDE_COMMANDS:
         sub.add_parser(name, help=f"client-side tool (see `code2wav-sidecar {name} --help`)", add_help=False)
     return parser
@@ -61,6 +66,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  "metrics_host": args.metrics_host, "metrics_port": args.metrics_port}
     try:
         cfg = load_config(args.config, overrides)
+        if args.curve_secret_key_file or args.insecure:
+            security = cfg.security.model_dump()
+            security["curve_secret_key_file"] = args.curve_secret_key_file or security["curve_secret_key_file"]
+            security["insecure"] = args.insecure or security["insecure"]
+            overrides["security"] = security
+            cfg = load_config(args.config, overrides)
         if args.stream_ttl_s is not None or args.max_streams is not None:
             streams = cfg.streams.model_dump()
             if args.stream_ttl_s is not None:
@@ -130,4 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command == "keygen":
+        return cmd_keygen(args)
     return cmd_decode(args)
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    folder = Path(args.directory)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    public_file, secret_file = zmq.auth.create_certificates(str(folder), "server")
+    os.chmod(secret_file, 0o600)
+    public_key, _ = zmq.auth.load_certificate(public_file)
+    print(f"wrote {public_file} (give its key to clients) and {secret_file} (keep it secret: "
+          f"--curve-secret-key-file {secret_file})")
+    print(f"server public key: {public_key.decode()}")
+    return 0

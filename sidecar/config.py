@@ -62,7 +62,14 @@ class LimitsConfig(_Section):
     max_chunk_frames: int = Field(8192, ge=1)
     max_chunks_per_message: int = Field(1024, ge=1)
     max_streams_per_client: int = Field(16384, ge=1)
+    max_pending_chunks_per_client: int = Field(2048, ge=1, description="queued chunks of one client; busy past it")
     max_left_context_frames: int = Field(1024, ge=0)
+
+
+class SecurityConfig(_Section):
+    curve_secret_key_file: str | None = Field(None, description="CurveZMQ server certificate (zmq.auth format, "
+                                              "from `code2wav-sidecar keygen`); required for non-loopback TCP")
+    insecure: bool = Field(False, description="allow a non-loopback TCP bind without CurveZMQ (logs a warning)")
 
 
 class ServerConfig(_Section):
@@ -80,6 +87,7 @@ class ServerConfig(_Section):
     engine: EngineConfig = EngineConfig()
     graphs: GraphsConfig = GraphsConfig()
     limits: LimitsConfig = LimitsConfig()
+    security: SecurityConfig = SecurityConfig()
 
 
 class ConfigError(ValueError):

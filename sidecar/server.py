@@ -26,7 +26,7 @@ from .models.routine import StreamRoutine
 from .scheduler import Scheduler
 from .sessions import Sessions
 from .state_store import StateArena
-from .transport import Transport
+from .transport import Transport, check_bind_security
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Server:
 
     async def start(self) -> None:
         cfg = self.cfg
+        check_bind_security(cfg.address, cfg.security.curve_secret_key_file, cfg.security.insecure)  # fail fast
         self.metrics_port = await self.health.start(cfg.metrics_host, cfg.metrics_port)
         loop = asyncio.get_running_loop()
         device = resolve_device(cfg.device)
@@ -75,7 +76,9 @@ class Server:
             graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
         self.engine = Engine(self.model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=self.metrics)
         self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics)
-        self.transport = Transport(self._zmq, cfg.address, cfg.limits.max_message_bytes)
+        sec = cfg.security
+        self.transport = Transport(self._zmq, cfg.address, cfg.limits.max_message_bytes,
+                                   sec.curve_secret_key_file, sec.insecure)
         self.ready = True
         self.metrics.ready.set(1)
 

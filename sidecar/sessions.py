@@ -81,6 +81,19 @@ class Sessions:
         self.streams: dict[tuple[bytes, str], Stream] = {}
         self.outbox: list[Outbound] = []
         self.draining = False
+        self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
+
+    def _pending_added(self, stream: Stream) -> None:
+        stream.num_pending += 1
+        self.pending_by_client[stream.client] = self.pending_by_client.get(stream.client, 0) + 1
+
+    def _pending_done(self, stream: Stream) -> None:
+        stream.num_pending -= 1
+        left = self.pending_by_client.get(stream.client, 1) - 1
+        if left > 0:
+            self.pending_by_client[stream.client] = left
+        else:
+            self.pending_by_client.pop(stream.client, None)
 
     # ------------------------------------------------------------------ input
     def on_message(self, identity: bytes, frames: list) -> None:
@@ -180,14 +193,17 @@ class Sessions:
                                final=chunk.final, arrived_s=now, reply=reply, index=index)
                 if codes.shape[1] == 0:  # an empty final chunk: nothing to decode
                     stream.next_seq += 1
-                    stream.num_pending += 1
+                    self._pending_added(stream)
                     self.complete_job(job, torch.zeros(0, dtype=torch.float32))
                     continue
+                if self.pending_by_client.get(identity, 0) >= self.cfg.limits.max_pending_chunks_per_client:
+                    raise ChunkRejected(ErrorCode.BUSY, f"this client has {self.pending_by_client[identity]} chunks "
+                                        "queued (limits.max_pending_chunks_per_client); retry with backoff")
                 if not self.scheduler.submit(job):
                     raise ChunkRejected(ErrorCode.BUSY, f"{len(self.scheduler)} chunks are queued "
                                         "(scheduler.max_pending_chunks); retry with backoff")
                 stream.next_seq += 1
-                stream.num_pending += 1
+                self._pending_added(stream)
                 stream.last_active_s = now
                 if chunk.final:
                     stream.closing = "final"
@@ -254,7 +270,7 @@ class Sessions:
 
     def complete_job(self, job: ChunkJob, audio: Tensor) -> None:
         stream = job.stream
-        stream.num_pending -= 1
+        self._pending_done(stream)
         if not stream.closed:
             stream.committed_seq = job.seq
             stream.last_audio = audio
@@ -277,13 +293,13 @@ class Sessions:
     def fail_job(self, job: ChunkJob, code: ErrorCode, message: str) -> None:
         """The chunk produced no audio: its stream keeps the state it had, later queued chunks fail too."""
         stream = job.stream
-        stream.num_pending -= 1
+        self._pending_done(stream)
         if not stream.closed:
             stream.next_seq = job.seq
             if stream.closing == "final":
                 stream.closing = None
             for later in self.scheduler.remove_stream(stream):
-                stream.num_pending -= 1
+                self._pending_done(stream)
                 self._reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
                              f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
                 self._maybe_emit(later.reply)
@@ -295,7 +311,7 @@ class Sessions:
     # ------------------------------------------------------------------ lifecycle
     def abort_stream(self, stream: Stream, reason: str) -> None:
         for job in self.scheduler.remove_stream(stream):
-            stream.num_pending -= 1
+            self._pending_done(stream)
             self._reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
                          f"stream '{stream.stream_id}' was aborted ({reason})")
             self._maybe_emit(job.reply)

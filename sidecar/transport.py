@@ -6,13 +6,16 @@ Frames are received without copies (``copy=False``) and sent zero-copy for large
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import stat
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+import zmq.auth
 
 import proto
 
@@ -43,10 +46,54 @@ def _log_send_failure(future) -> None:
         log.warning("sending a reply failed: %s", future.exception())
 
 
+class InsecureBind(ValueError):
+    """A non-loopback TCP bind without CurveZMQ and without --insecure."""
+
+
+def is_loopback_tcp(address: str) -> bool:
+    host = urlsplit(address).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name, a DNS name: treat as reachable from other hosts
+        return False
+
+
+def check_bind_security(address: str, curve_secret_key_file: str | None, insecure: bool, warn: bool = True) -> str:
+    """``"ipc"``, ``"loopback"``, ``"curve"`` or ``"insecure"``; raises ``InsecureBind`` when not allowed."""
+    if not address.startswith("tcp://"):
+        return "ipc"
+    if is_loopback_tcp(address):
+        return "loopback"
+    if curve_secret_key_file:
+        return "curve"
+    if insecure:
+        if warn:
+            log.warning("SECURITY: %s is reachable from other hosts WITHOUT encryption or authentication "
+                    "(--insecure). Anyone who can reach it can decode and disrupt streams.", address)
+        return "insecure"
+    raise InsecureBind(
+        f"refusing to bind {address}: it is reachable from other hosts. Bind 127.0.0.1, or give a CurveZMQ "
+        "certificate (security.curve_secret_key_file, made with `code2wav-sidecar keygen DIR`), or pass "
+        "--insecure to accept an unauthenticated, unencrypted socket.")
+
+
 class Transport:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, max_message_bytes: int) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, max_message_bytes: int,
+                 curve_secret_key_file: str | None = None, insecure: bool = False) -> None:
         self.address = address
+        self.security = check_bind_security(address, curve_secret_key_file, insecure, warn=False)
         self.socket = ctx.socket(zmq.ROUTER)
+        if self.security == "curve":
+            public, secret = zmq.auth.load_certificate(curve_secret_key_file)
+            if not secret:
+                raise ValueError(f"{curve_secret_key_file} holds no secret key (use the .key_secret file)")
+            self.socket.curve_server = True
+            self.socket.curve_secretkey = secret
+            self.socket.curve_publickey = public
+            log.info("CurveZMQ enabled; clients need the server public key from %s.key (not logged here)",
+                     Path(curve_secret_key_file).with_suffix(""))
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 100_000)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)
