@@ -23,6 +23,7 @@ from .config import ServerConfig
 from .engine import DecodeItem
 from .metrics import Metrics
 from .models import LoadedModel
+from .replies import Outbound, PendingReply
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
 from .streams import SeqVerdict, Stream, check_seq
@@ -30,22 +31,6 @@ from .streams import SeqVerdict, Stream, check_seq
 log = logging.getLogger(__name__)
 
 _NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64}
-
-
-@dataclass
-class Outbound:
-    identity: bytes
-    message: Any
-    buffers: list = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class PendingReply:
-    identity: bytes
-    request_id: int
-    results: list  # ChunkResult | None per chunk
-    audio: list  # Tensor | None per chunk
-    remaining: int
 
 
 @dataclass
@@ -170,8 +155,7 @@ class Sessions:
 
     def _decode(self, identity: bytes, msg: proto.Decode, frames: list) -> None:
         now = self.clock()
-        reply = PendingReply(identity, msg.request_id, [None] * len(msg.chunks), [None] * len(msg.chunks),
-                             len(msg.chunks))
+        reply = PendingReply(identity, msg.request_id, len(msg.chunks))
         for index, chunk in enumerate(msg.chunks):
             stream = self.streams.get((identity, chunk.stream_id))
             try:
@@ -184,7 +168,7 @@ class Sessions:
                                         f"stream '{chunk.stream_id}' is closing ({stream.closing})")
                 verdict, reason = check_seq(stream, chunk.seq)
                 if verdict == SeqVerdict.RESEND:
-                    self._resolve(reply, index, stream, chunk.seq, stream.last_audio, stream.last_num_frames)
+                    reply.resolve(index, stream.stream_id, chunk.seq, stream.last_audio, stream.last_num_frames)
                     continue
                 if verdict != SeqVerdict.ACCEPT:
                     raise ChunkRejected(ErrorCode.OUT_OF_ORDER, reason)
@@ -271,10 +255,11 @@ class Sessions:
     def complete_job(self, job: ChunkJob, audio: Tensor) -> None:
         stream = job.stream
         self._pending_done(stream)
+        num_frames = audio.numel() // self.model.samples_per_frame  # frames that produced audio
         if not stream.closed:
             stream.committed_seq = job.seq
             stream.last_audio = audio
-            stream.last_num_frames = audio.numel() // self.model.samples_per_frame
+            stream.last_num_frames = num_frames
             stream.last_active_s = self.clock()
             if stream.mode == "window" and stream.left_context_frames:
                 joined = job.codes if stream.context_codes is None else torch.cat([stream.context_codes, job.codes], 1)
@@ -285,7 +270,7 @@ class Sessions:
             self.metrics.audio_seconds.labels(model=stream.model, mode=mode).inc(
                 audio.numel() / self.model.sample_rate_hz)
             self.metrics.chunk_latency.labels(mode=mode).observe(self.clock() - job.arrived_s)
-        self._resolve(job.reply, job.index, stream, job.seq, audio, audio.numel() // self.model.samples_per_frame)
+        job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames)
         self._maybe_emit(job.reply)
         if job.final or (stream.closing and stream.num_pending == 0):
             self._close(stream, stream.closing or "final")
@@ -379,26 +364,8 @@ class Sessions:
 
     def _reject(self, reply: PendingReply, index: int, stream_id: str, seq: int, code: ErrorCode, message: str) -> None:
         self.metrics.errors.labels(code=code.value).inc()
-        reply.results[index] = proto.ChunkResult(stream_id=stream_id, seq=seq, audio=None, num_frames=0,
-                                                 error=proto.ErrorInfo(code=code, message=message))
-        reply.remaining -= 1
-
-    def _resolve(self, reply: PendingReply, index: int, stream: Stream, seq: int, audio: Tensor,
-                 num_frames: int) -> None:
-        reply.audio[index] = audio
-        reply.results[index] = (stream.stream_id, seq, num_frames)
-        reply.remaining -= 1
+        reply.reject(index, stream_id, seq, code, message)
 
     def _maybe_emit(self, reply: PendingReply) -> None:
-        if reply.remaining:
-            return
-        results, buffers = [], []
-        for entry, audio in zip(reply.results, reply.audio):
-            if audio is None:
-                results.append(entry)
-                continue
-            stream_id, seq, num_frames = entry
-            buffers.append(memoryview(audio.numpy()).cast("B"))
-            desc = proto.TensorDesc(dtype="float32", shape=(audio.numel(),), loc=proto.InlineLoc(frame=len(buffers)))
-            results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=desc, num_frames=num_frames))
-        self._send(reply.identity, proto.DecodeResult(request_id=reply.request_id, results=tuple(results)), buffers)
+        if reply.done:
+            self.outbox.append(reply.to_outbound())

@@ -7,7 +7,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-import zmq
 
 import proto
 from client import SidecarClient

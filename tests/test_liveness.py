@@ -3,7 +3,6 @@ errors, and SIGTERM drains in-flight work and exits 0."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

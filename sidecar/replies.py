@@ -1,0 +1,64 @@
+"""Outgoing messages and the assembly of one ``DecodeResult`` from its chunks' outcomes.
+
+A ``Decode`` message's chunks may finish in different engine steps; its reply goes out once every chunk has an
+outcome, with each chunk's audio as its own zero-copy frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+import proto
+from proto import ErrorCode
+
+
+@dataclass
+class Outbound:
+    identity: bytes
+    message: Any
+    buffers: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class PendingReply:
+    identity: bytes
+    request_id: int
+    num_chunks: int
+    results: list = field(init=False)  # proto.ChunkResult (errors) or (stream_id, seq, num_frames) per chunk
+    audio: list = field(init=False)  # Tensor | None per chunk
+    remaining: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * self.num_chunks
+        self.audio = [None] * self.num_chunks
+        self.remaining = self.num_chunks
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+    def reject(self, index: int, stream_id: str, seq: int, code: ErrorCode, message: str) -> None:
+        self.results[index] = proto.ChunkResult(stream_id=stream_id, seq=seq, audio=None, num_frames=0,
+                                                error=proto.ErrorInfo(code=code, message=message))
+        self.remaining -= 1
+
+    def resolve(self, index: int, stream_id: str, seq: int, audio: Tensor, num_frames: int) -> None:
+        self.audio[index] = audio
+        self.results[index] = (stream_id, seq, num_frames)
+        self.remaining -= 1
+
+    def to_outbound(self) -> Outbound:
+        results, buffers = [], []
+        for entry, audio in zip(self.results, self.audio):
+            if audio is None:
+                results.append(entry)
+                continue
+            stream_id, seq, num_frames = entry
+            buffers.append(memoryview(audio.numpy()).cast("B"))  # contiguous float32 [n * U], sent without a copy
+            desc = proto.TensorDesc(dtype="float32", shape=(audio.numel(),), loc=proto.InlineLoc(frame=len(buffers)))
+            results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=desc, num_frames=num_frames))
+        message = proto.DecodeResult(request_id=self.request_id, results=tuple(results))
+        return Outbound(self.identity, message, buffers)
