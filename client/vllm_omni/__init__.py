@@ -1,0 +1,38 @@
+"""vLLM-Omni plugin: run the Qwen3-TTS Code2Wav stage's decoding in the code2wav sidecar.
+
+``register()`` is the entry point of the ``vllm_omni.general_plugins`` group (see ``pyproject.toml``). vLLM-Omni
+calls it in every process (API server, engine cores, workers); it adds ``Qwen3TTSCode2WavSidecar`` to vLLM-Omni's
+``OmniModelRegistry`` (stages resolve architectures there, not in ``vllm.ModelRegistry``) as a lazy
+``module:Class`` reference, so no CUDA or vLLM model code is imported at plugin time. It is idempotent and
+leaves ``Qwen3TTSCode2Wav`` alone: a deploy file opts in with ``model_arch: Qwen3TTSCode2WavSidecar`` on the
+Code2Wav stage (``deploy/vllm-omni/qwen3_tts_sidecar.yaml``).
+
+Nothing here needs vLLM to import: ``delegate`` and ``step`` are plain client code, ``model`` imports vLLM-Omni's
+``OmniOutput`` only when it builds one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .model import ARCH_NAME
+
+__all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register"]
+
+log = logging.getLogger(__name__)
+
+MODEL_CLASS_REF = "client.vllm_omni.model:Qwen3TTSCode2WavSidecar"
+
+
+def register() -> None:
+    """Add ``ARCH_NAME`` to vLLM-Omni's ``OmniModelRegistry``; a no-op when it is there or vLLM-Omni is absent."""
+    try:
+        from vllm_omni.model_executor.models.registry import OmniModelRegistry
+    except ImportError as exc:  # the plugin is installed with the client, vLLM-Omni may not be
+        log.debug("code2wav-sidecar: vLLM-Omni not importable (%s); nothing to register", exc)
+        return
+    existing = OmniModelRegistry.models.get(ARCH_NAME)
+    if existing is not None and getattr(existing, "module_name", None) == MODEL_CLASS_REF.split(":")[0]:
+        return
+    OmniModelRegistry.register_model(ARCH_NAME, MODEL_CLASS_REF)
+    log.debug("code2wav-sidecar: registered %s -> %s in OmniModelRegistry", ARCH_NAME, MODEL_CLASS_REF)
