@@ -538,9 +538,22 @@ def test_kubernetes_native_sidecar_wiring():
     assert ann["prometheus.io/path"] == "/metrics"
 
 
-def test_scaling_page_has_the_bench_figures():
+def test_scaling_page_quotes_the_committed_bench_results():
+    """The capacity figures on the scaling page are those of the bench JSON files committed beside it."""
     page = (K8S / "SCALING.md").read_text()
-    for needle in ("822", "322", "1099", "892", "830", "5.2 MB", "2.6 MB", "CurveZMQ", "tcp://"):
+    bench = K8S / "bench"
+    for dtype in ("float32", "bfloat16"):
+        report = json.loads((bench / f"h200-{dtype}.json").read_text())
+        assert report["environment"]["gpu"] == "NVIDIA H200" and report["environment"]["dtype"] == dtype
+        rows = {r["concurrency"]: r for r in report["results"]}
+        assert all(r["errors"] == 0 for r in rows.values())
+        assert f"{round(rows[256]['audio_s_per_s'])} audio-s/s" in page, dtype
+        assert f"{round(rows[64]['audio_s_per_s'])} audio-s/s" in page, dtype
+        assert f"{rows[1]['chunk_latency_ms_p50']:.1f} ms" in page, dtype
+    realtime = json.loads((bench / "h200-bfloat16-realtime.json").read_text())
+    row = {r["concurrency"]: r for r in realtime["results"]}[512]
+    assert f"p99 chunk latency {round(row['chunk_latency_ms_p99'])} ms" in page
+    for needle in ("5.2 MB", "2.6 MB", "CurveZMQ", "tcp://"):
         assert needle in page, needle
 
 

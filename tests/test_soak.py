@@ -1,8 +1,8 @@
 """A bounded soak: random stream lengths, aborts, abandoned streams and client restarts against one sidecar.
 Zero unexpected errors, every finished stream exact, active streams and arena back to zero, memory flat.
 
-CI runs it for ~45 s (CODE2WAV_SOAK_S); run it longer on the GPU machine with
-`CODE2WAV_SOAK_S=600 python -m pytest tests/test_soak.py -s`.
+CI runs it for ~45 s on CPU (CODE2WAV_SOAK_S); run it longer on the GPU machine (graphs and all) with
+`CODE2WAV_SOAK_S=600 CODE2WAV_SOAK_DEVICE=cuda python -m pytest tests/test_soak.py -s`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from test_liveness import _wait_for
 from test_server_e2e import _metric
 
 SOAK_S = float(os.environ.get("CODE2WAV_SOAK_S", "45"))
+SOAK_DEVICE = os.environ.get("CODE2WAV_SOAK_DEVICE", "cpu")
 
 
 def _rss_bytes(pid: int) -> int:
@@ -69,7 +70,7 @@ def _worker(address: str, codes: torch.Tensor, full: torch.Tensor, seed: int, st
 
 @pytest.mark.slow
 def test_soak(tmp_path, golden_cases):
-    running = start_sidecar(tmp_path, "--stream-ttl-s", "1.5", "--max-streams", "48")
+    running = start_sidecar(tmp_path, "--stream-ttl-s", "1.5", "--max-streams", "48", "--device", SOAK_DEVICE)
     codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
     try:
         stats = {"streams": 0, "chunks": 0, "aborted": 0, "abandoned": 0, "finished": 0}
