@@ -151,7 +151,7 @@ class Server:
                 self.sessions.on_message(identity, frames)
             except Exception:  # a bug must not stop the loop; the client gets an internal error
                 log.exception("internal error while handling a message")
-                self.sessions._error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
+                self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
             self._flush()
             self._work.set()
 

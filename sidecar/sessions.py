@@ -85,7 +85,7 @@ class Sessions:
         try:
             msg = proto.decode_client_message(frames, self.limits)
         except ProtocolError as exc:
-            self._error(identity, exc.request_id, exc.code, exc.message)
+            self.error(identity, exc.request_id, exc.code, exc.message)
             return
         client = self.clients.get(identity)
         if client is not None:
@@ -93,7 +93,7 @@ class Sessions:
         if isinstance(msg, proto.Hello):
             self._hello(identity, msg)
         elif client is None:
-            self._error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
+            self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
                         f"{type(msg).__name__} before the handshake: send hello first")
         elif isinstance(msg, proto.Ping):
             self._send(identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.boot_epoch))
@@ -126,21 +126,21 @@ class Sessions:
     def _open(self, identity: bytes, client: ClientState, msg: proto.OpenStream) -> None:
         rid = msg.request_id
         if self.draining:
-            return self._error(identity, rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
+            return self.error(identity, rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
         if msg.model not in (None, self.model.name):
-            return self._error(identity, rid, ErrorCode.NOT_FOUND,
+            return self.error(identity, rid, ErrorCode.NOT_FOUND,
                                f"model '{msg.model}' is not served here; available: {self.model.name}")
         if (identity, msg.stream_id) in self.streams:
-            return self._error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already open")
+            return self.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already open")
         if len(client.streams) >= self.cfg.limits.max_streams_per_client:
-            return self._error(identity, rid, ErrorCode.BUSY,
+            return self.error(identity, rid, ErrorCode.BUSY,
                                f"this client has {len(client.streams)} open streams (limit max_streams_per_client)")
         slot = None
         if msg.mode == "exact":
             try:
                 slot = self.arena.allocate()
             except ArenaFull as exc:
-                return self._error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
+                return self.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
             self._update_arena_metrics()
         left = msg.left_context_frames if msg.mode == "window" else 0
         stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=msg.mode,
@@ -223,7 +223,7 @@ class Sessions:
     def _finish(self, identity: bytes, msg: proto.Finish) -> None:
         stream = self.streams.get((identity, msg.stream_id))
         if stream is None:
-            return self._error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
+            return self.error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
         if stream.num_pending == 0:
             self._close(stream, "finish")
             self._send(identity, proto.Finished(request_id=msg.request_id, stream_id=msg.stream_id))
@@ -234,7 +234,7 @@ class Sessions:
     def _abort(self, identity: bytes, msg: proto.Abort) -> None:
         stream = self.streams.get((identity, msg.stream_id))
         if stream is None:
-            return self._error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
+            return self.error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
         self.abort_stream(stream, "abort")
         self._send(identity, proto.Aborted(request_id=msg.request_id, stream_id=msg.stream_id))
 
@@ -358,7 +358,8 @@ class Sessions:
     def _send(self, identity: bytes, message: Any, buffers: list | None = None) -> None:
         self.outbox.append(Outbound(identity, message, buffers or []))
 
-    def _error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str) -> None:
+    def error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str) -> None:
+        """A message-level typed error to ``identity`` (counted by code)."""
         self.metrics.errors.labels(code=code.value).inc()
         self._send(identity, proto.Error(request_id=request_id, code=code, message=message))
 

@@ -44,6 +44,7 @@ class Stream:
 class SeqVerdict:
     ACCEPT = "accept"
     RESEND = "resend"
+    REFUSE = "refuse"
 
 
 def check_seq(stream: Stream, seq: int) -> tuple[str, str]:
@@ -53,6 +54,6 @@ def check_seq(stream: Stream, seq: int) -> tuple[str, str]:
     if seq == stream.committed_seq and stream.num_pending == 0 and stream.last_audio is not None:
         return SeqVerdict.RESEND, ""
     if seq < stream.next_seq and seq > stream.committed_seq:
-        return "refuse", f"seq {seq} of stream '{stream.stream_id}' is still being decoded"
-    return "refuse", (f"stream '{stream.stream_id}' expected seq {stream.next_seq} "
+        return SeqVerdict.REFUSE, f"seq {seq} of stream '{stream.stream_id}' is still being decoded"
+    return SeqVerdict.REFUSE, (f"stream '{stream.stream_id}' expected seq {stream.next_seq} "
                       f"(last committed {stream.committed_seq}), got {seq}")
