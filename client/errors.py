@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from proto import ErrorCode, ProtocolError
+from proto import ErrorCode
 
 __all__ = [
     "SidecarError",
@@ -106,8 +106,3 @@ def error_from(code: ErrorCode | str, message: str) -> SidecarError:
     except ValueError:
         return Internal(f"[unknown error code {code!r}] {message}")
     return _BY_CODE[error_code](message)
-
-
-def from_protocol_error(error: ProtocolError, context: str) -> SidecarError:
-    """Wrap a ``ProtocolError`` raised while decoding a server message."""
-    return error_from(error.code, f"{context}: {error.message}")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .graphs import plan
+
 
 def default_address() -> str:
     """An ipc:// socket in a private per-user directory (created 0700 at bind time)."""
@@ -28,7 +30,6 @@ class StreamsConfig(_Section):
     max_streams: int | None = Field(None, ge=1, description="stream slots in the state arena; None = from memory")
     state_memory_bytes: int = Field(2 << 30, ge=1 << 20, description="arena budget when max_streams is None")
     ttl_s: float = Field(600.0, gt=0, description="streams idle longer than this are reaped")
-    default_left_context_frames: int = Field(25, ge=0)
 
 
 class SchedulerConfig(_Section):
@@ -44,10 +45,10 @@ class EngineConfig(_Section):
 class GraphsConfig(_Section):
     enabled: bool = Field(True, description="capture CUDA graphs (ignored on CPU: eager)")
     mode: Literal["startup", "startup_lazy", "lazy"] = "startup"
-    exact_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    exact_frames: tuple[int, ...] = (1, 25)
-    window_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    window_frames: tuple[int, ...] = (50,)
+    exact_batch_sizes: tuple[int, ...] = plan.DEFAULT_BATCH_SIZES
+    exact_frames: tuple[int, ...] = plan.DEFAULT_EXACT_FRAMES
+    window_batch_sizes: tuple[int, ...] = plan.DEFAULT_WINDOW_BATCH_SIZES
+    window_frames: tuple[int, ...] = plan.DEFAULT_WINDOW_FRAMES
     max_lazy_captures: int = Field(8, ge=0)
     max_graph_memory_bytes: int | None = Field(2 << 30, ge=0, description="buckets past it run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")

@@ -15,6 +15,7 @@ from torch import Tensor
 from .graphs.manager import GraphManager
 from .graphs.plan import dispatch, extra_bucket
 from .models import LoadedModel
+from .models.routine import rows_state
 from .state_store import StateArena
 from .work import DecodeItem
 
@@ -75,12 +76,8 @@ class Engine:
             codes[b, :, : it.codes.shape[1]] = it.codes
         codes = codes.to(self.device, non_blocking=True)
         num_frames_dev = num_frames.to(self.device)
-        if stateful:
-            slots = torch.tensor([it.slot for it in items], dtype=torch.long, device=self.device)  # [B]
-            state, positions = self.arena.gather(slots)
-        else:
-            state = self.model.module.zero_state(batch)
-            positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        slots = torch.tensor([it.slot for it in items], dtype=torch.long, device=self.device) if stateful else None
+        state, positions = rows_state(self.model.module, self.arena if stateful else None, slots, batch, self.device)
         wav, state, positions = self.run(codes, num_frames_dev, state, positions)  # [B, T * U]
         if stateful:
             self.arena.scatter(slots, state, positions)  # commit: only after the forward succeeded

@@ -44,10 +44,6 @@ class StateArena:
         return max(1, min(max_slots, budget_bytes // per_stream))
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 

@@ -113,9 +113,6 @@ class Transport:
         identity = parts[0].bytes
         return identity, [p.buffer for p in parts[1:]]
 
-    def poll_nowait(self) -> bool:
-        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
     def send(self, identity: bytes, message, buffers: list) -> None:
         frames = [identity, *proto.encode(message, buffers)]
         big = any(memoryview(f).nbytes >= ZERO_COPY_MIN_NBYTES for f in frames[2:])

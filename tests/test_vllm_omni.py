@@ -21,7 +21,7 @@ import torch
 
 from client.vllm_omni import model as model_module
 from client.vllm_omni import delegate as delegate_module
-from client.vllm_omni.delegate import Code2WavDelegate, SidecarUnavailableError
+from client.vllm_omni.delegate import SidecarUnavailableError
 from client.vllm_omni.model import Qwen3TTSCode2WavSidecar
 from client.vllm_omni.settings import DEFAULT_SIDECAR_ADDRESS, DelegateSettings, connector_extra
 from client.vllm_omni.step import DUMMY_REQUEST_PREFIX, parse_step
@@ -93,12 +93,10 @@ def wavs_of(output: Any) -> list[torch.Tensor]:
     return list(mm["model_outputs"])
 
 
-class V1Runner:
-    """vLLM-Omni 0.30 ``GPUGenerationModelRunner``: ``on_requests_finished`` before the forward; token ids carry
-    the codes; ``request_ids`` = scheduler ids (the model sets ``requires_request_ids``); dummy runs use
-    ``get_dummy_runtime_additional_information`` and one synthetic segment."""
+class _Runner:
+    """What both runners share: ``on_requests_finished`` before the forward, nothing to do for an empty step."""
 
-    name = "v1"
+    name = ""
 
     def __init__(self, model: Qwen3TTSCode2WavSidecar) -> None:
         self.model = model
@@ -109,6 +107,20 @@ class V1Runner:
             self.model.on_requests_finished(set(finished))
         if not batch:
             return []
+        return self._forward(batch, native)
+
+    def _forward(self, batch: list[tuple[str, dict[str, Any]]], native: bool) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class V1Runner(_Runner):
+    """vLLM-Omni 0.30 ``GPUGenerationModelRunner``: ``on_requests_finished`` before the forward; token ids carry
+    the codes; ``request_ids`` = scheduler ids (the model sets ``requires_request_ids``); dummy runs use
+    ``get_dummy_runtime_additional_information`` and one synthetic segment."""
+
+    name = "v1"
+
+    def _forward(self, batch: list[tuple[str, dict[str, Any]]], native: bool) -> list[torch.Tensor]:
         flats = [p["codes"]["audio"] for _, p in batch]
         infos = [p if native else {"meta": p["meta"]} for _, p in batch]
         ids = torch.cat(flats) if flats else torch.zeros(0, dtype=torch.long)
@@ -126,7 +138,7 @@ class V1Runner:
         return wavs_of(out)
 
 
-class V2Runner:
+class V2Runner(_Runner):
     """vLLM-Omni 0.30 ``OmniGenerationModelRunner`` (model runner v2, the Qwen3-TTS default):
     ``finish_requests`` calls ``on_requests_finished`` with scheduler ids; the forward gets placeholder token ids
     (padded), the payloads as both ``model_intermediate_buffer`` and ``runtime_additional_information``,
@@ -134,15 +146,7 @@ class V2Runner:
 
     name = "v2"
 
-    def __init__(self, model: Qwen3TTSCode2WavSidecar) -> None:
-        self.model = model
-
-    def step(self, batch: list[tuple[str, dict[str, Any]]], finished: set[str] = frozenset(),
-             native: bool = True) -> list[torch.Tensor]:
-        if finished:
-            self.model.on_requests_finished(set(finished))
-        if not batch:
-            return []
+    def _forward(self, batch: list[tuple[str, dict[str, Any]]], native: bool) -> list[torch.Tensor]:
         counts = [max(1, int(p["codes"]["audio"].numel())) for _, p in batch]
         padded = -(-sum(counts) // 8) * 8
         buffers = [p for _, p in batch]

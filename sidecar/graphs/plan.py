@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_EXACT_FRAMES = (1, 25)
+DEFAULT_WINDOW_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_WINDOW_FRAMES = (50,)
 MODES = ("exact", "window")
 

@@ -17,6 +17,15 @@ from ..work import DecodeItem
 from . import LoadedModel
 
 
+def rows_state(module, arena: StateArena | None, slots: Tensor | None, batch: int,
+               device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
+    """Initial state of a batch: the arena rows of ``slots`` (exact mode), or an empty state at position 0
+    (stateless rows). Shared by the eager engine and the graph routine."""
+    if arena is not None:
+        return arena.gather(slots)
+    return module.zero_state(batch), torch.zeros(batch, dtype=torch.long, device=device)
+
+
 class StreamRoutine:
     def __init__(self, model: LoadedModel, arena: StateArena | None, max_batch: int, max_frames: int) -> None:
         self.model = model
@@ -61,12 +70,8 @@ class StreamRoutine:
         """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``."""
         codes = self.codes[:batch, :, :frames]  # [B, Q, T]
         num_frames = self.num_frames[:batch]  # [B]
-        if self.stateful:
-            slots = self.slots[:batch]  # [B]
-            state, positions = self.arena.gather(slots)
-        else:
-            state = self.module.zero_state(batch)
-            positions = torch.zeros(batch, dtype=torch.long, device=codes.device)
+        slots = self.slots[:batch]  # [B]
+        state, positions = rows_state(self.module, self.arena, slots, batch, codes.device)
         wav, new_state = self.module.forward_stream(codes, num_frames, state, positions)  # [B, T * U]
         if self.stateful:
             self.arena.scatter(slots, new_state, positions + num_frames)
