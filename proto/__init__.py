@@ -10,6 +10,15 @@ from __future__ import annotations
 
 from .codec import Buffer, decode_client_message, decode_server_message, encode, read_header
 from .errors import ErrorCode, ProtocolError
+from .ipc import (
+    IPC_HANDLE_NBYTES,
+    MAX_REGION_EVENTS,
+    REGION_ACCESS,
+    RegionRegistered,
+    RegionUnregistered,
+    RegisterRegion,
+    UnregisterRegion,
+)
 from .limits import DEFAULT_LIMITS, Limits, MiB
 from .messages import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
@@ -87,4 +96,11 @@ __all__ = [
     "Aborted",
     "Pong",
     "Error",
+    "IPC_HANDLE_NBYTES",
+    "MAX_REGION_EVENTS",
+    "REGION_ACCESS",
+    "RegisterRegion",
+    "RegionRegistered",
+    "UnregisterRegion",
+    "RegionUnregistered",
 ]

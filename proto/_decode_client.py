@@ -40,12 +40,13 @@ from .messages import (
     OpenStream,
     Ping,
 )
-from .tensors import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
+from .ipc import MAX_REGION_EVENTS
+from .tensors import INTEGER_DTYPES, CudaIpcLoc, InlineLoc, TensorDesc, inline_view
 
 _HELLO_KEYS = frozenset({"type", "request_id", "version", "client_id", "capabilities"})
 _OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames"})
 _DECODE_KEYS = frozenset({"type", "request_id", "chunks"})
-_CHUNK_KEYS = frozenset({"stream_id", "seq", "codes", "final", "context_frames"})
+_CHUNK_KEYS = frozenset({"stream_id", "seq", "codes", "final", "context_frames", "codes_event", "audio_out"})
 _STREAM_OP_KEYS = frozenset({"type", "request_id", "stream_id"})
 _BARE_KEYS = frozenset({"type", "request_id"})
 
@@ -68,10 +69,9 @@ def parse_hello(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -
     known: dict[str, Any] = {}
     if "cuda_ipc" in capabilities:
         known["cuda_ipc"] = get_bool(capabilities, "cuda_ipc", "hello.capabilities")
-    if "gpu_uuid" in capabilities:
-        known["gpu_uuid"] = get_optional_str(
-            capabilities, "gpu_uuid", "hello.capabilities", max_nbytes=limits.max_id_len
-        )
+    for key in ("gpu_uuid", "host_id"):
+        if key in capabilities:
+            known[key] = get_optional_str(capabilities, key, "hello.capabilities", max_nbytes=limits.max_id_len)
     return Hello(
         request_id=request_id_of(header, "hello"),
         version=PROTOCOL_VERSION,
@@ -125,7 +125,23 @@ def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any
             inline_view(codes, frames)
         except ProtocolError as exc:
             raise ProtocolError(exc.code, f"{what}.codes: {exc.message}") from None
-    return Chunk(stream_id=stream_id, seq=seq, codes=codes, final=final, context_frames=context_frames)
+        if chunk.get("codes_event") is not None:
+            invalid(f"{what}.codes_event is only allowed with cuda_ipc codes")
+        codes_event = None
+    else:
+        codes_event = get_int(chunk, "codes_event", what, lo=0, hi=MAX_REGION_EVENTS - 1)
+    audio_out = None
+    if chunk.get("audio_out") is not None:
+        try:
+            audio_out = TensorDesc.from_wire(chunk["audio_out"], limits, len(frames))
+        except ProtocolError as exc:
+            raise ProtocolError(exc.code, f"{what}.audio_out: {exc.message}") from None
+        if not isinstance(audio_out.loc, CudaIpcLoc):
+            invalid(f"{what}.audio_out must be a cuda_ipc descriptor (inline audio needs no audio_out)")
+        if audio_out.dtype != "float32" or len(audio_out.shape) != 1:
+            invalid(f"{what}.audio_out must be float32 [num_samples], got {audio_out.dtype} {list(audio_out.shape)}")
+    return Chunk(stream_id=stream_id, seq=seq, codes=codes, final=final, context_frames=context_frames,
+                 codes_event=codes_event, audio_out=audio_out)
 
 
 def parse_decode(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -> Decode:

@@ -38,6 +38,7 @@ from .messages import (
     Pong,
     Welcome,
 )
+from .ipc import MAX_REGION_EVENTS
 from .tensors import InlineLoc, TensorDesc, inline_view
 
 _MAX_MODELS = 256
@@ -135,12 +136,16 @@ def _chunk_result(value: object, index: int, limits: Limits, frames: Sequence[An
         error_map = as_map(raw_error, f"{what}.error")
         code, prefix = _error_code(require(error_map, "code", f"{what}.error"))
         error = ErrorInfo(code=code, message=prefix + _text(error_map, "message", f"{what}.error", limits))
+    audio_event = None
+    if audio is not None and not isinstance(audio.loc, InlineLoc):
+        audio_event = get_int(result, "audio_event", what, lo=0, hi=MAX_REGION_EVENTS - 1)
     return ChunkResult(
         stream_id=_id(result, "stream_id", what, limits),
         seq=get_int(result, "seq", what, lo=0, hi=INT64_MAX),
         audio=audio,
         num_frames=get_int(result, "num_frames", what, lo=0, default=0),
         error=error,
+        audio_event=audio_event,
     )
 
 

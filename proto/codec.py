@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence, Union
 
 import msgpack
 
-from . import _decode_client, _decode_server
+from . import _decode_client, _decode_server, ipc
 from ._check import UINT64_MAX, as_map, invalid, is_int, type_name
 from .errors import ProtocolError
 from .limits import DEFAULT_LIMITS, Limits
@@ -42,6 +42,8 @@ _CLIENT_PARSERS: dict[str, _ClientParser] = {
     "abort": _decode_client.parse_abort,
     "ping": _decode_client.parse_ping,
     "bye": _decode_client.parse_bye,
+    "register_region": ipc.parse_register_region,
+    "unregister_region": ipc.parse_unregister_region,
 }
 
 _SERVER_PARSERS: dict[str, _ServerParser] = {
@@ -52,6 +54,8 @@ _SERVER_PARSERS: dict[str, _ServerParser] = {
     "aborted": _decode_server.parse_aborted,
     "pong": _decode_server.parse_pong,
     "error": _decode_server.parse_error,
+    "region_registered": ipc.parse_region_registered,
+    "region_unregistered": ipc.parse_region_unregistered,
 }
 
 

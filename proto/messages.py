@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 from .errors import ErrorCode
+from .ipc import RegionRegistered, RegionUnregistered, RegisterRegion, UnregisterRegion
 from .limits import DEFAULT_LIMITS, Limits
 from .tensors import TensorDesc
 
@@ -55,7 +56,8 @@ DEFAULT_LEFT_CONTEXT_FRAMES = 25
 
 @dataclass(frozen=True)
 class Hello:
-    """First message of a connection. capabilities: ``cuda_ipc: bool``, ``gpu_uuid: str | None``."""
+    """First message of a connection. capabilities: ``cuda_ipc: bool``, ``gpu_uuid: str | None``,
+    ``host_id: str | None`` (the kernel boot id: equal ids mean the same host)."""
 
     TYPE: ClassVar[str] = "hello"
     request_id: int
@@ -97,13 +99,20 @@ class OpenStream:
 
 @dataclass(frozen=True)
 class Chunk:
-    """``codes`` is an integer tensor ``[Q, n]``; its first ``context_frames`` frames give no audio."""
+    """``codes`` is an integer tensor ``[Q, n]``; its first ``context_frames`` frames give no audio.
+
+    CUDA IPC (see ``ipc.py``): ``codes_event`` names the event of the codes' region recorded after the
+    codes were written (required for ``cuda_ipc`` codes, absent otherwise); ``audio_out`` asks the server
+    to write the audio into a ``write`` region (float32 ``[(n - context_frames) * U]``).
+    """
 
     stream_id: str
     seq: int
     codes: TensorDesc
     final: bool = False
     context_frames: int = 0
+    codes_event: int | None = None
+    audio_out: TensorDesc | None = None
 
     @property
     def num_frames(self) -> int:
@@ -111,13 +120,18 @@ class Chunk:
         return self.codes.shape[1]
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "stream_id": self.stream_id,
             "seq": self.seq,
             "codes": self.codes.to_wire(),
             "final": self.final,
             "context_frames": self.context_frames,
         }
+        if self.codes_event is not None:
+            wire["codes_event"] = self.codes_event
+        if self.audio_out is not None:
+            wire["audio_out"] = self.audio_out.to_wire()
+        return wire
 
 
 @dataclass(frozen=True)
@@ -287,7 +301,8 @@ class ChunkResult:
     """Outcome of one chunk: exactly one of ``audio`` (float32 ``[num_samples]``) and ``error``.
 
     ``num_frames`` is the number of frames that produced audio (``n - context_frames``;
-    0 on error), so ``num_samples == num_frames * samples_per_frame``.
+    0 on error), so ``num_samples == num_frames * samples_per_frame``. ``audio_event`` (cuda_ipc audio
+    only) names the event of the audio's region that the server recorded after writing it.
     """
 
     stream_id: str
@@ -295,15 +310,19 @@ class ChunkResult:
     audio: TensorDesc | None
     num_frames: int
     error: ErrorInfo | None = None
+    audio_event: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "stream_id": self.stream_id,
             "seq": self.seq,
             "num_frames": self.num_frames,
             "audio": None if self.audio is None else self.audio.to_wire(),
             "error": None if self.error is None else self.error.to_wire(),
         }
+        if self.audio_event is not None:
+            wire["audio_event"] = self.audio_event
+        return wire
 
 
 @dataclass(frozen=True)
@@ -370,5 +389,6 @@ class Error:
         }
 
 
-ClientMessage = Union[Hello, OpenStream, Decode, Finish, Abort, Ping, Bye]
-ServerMessage = Union[Welcome, Opened, DecodeResult, Finished, Aborted, Pong, Error]
+ClientMessage = Union[Hello, OpenStream, Decode, Finish, Abort, Ping, Bye, RegisterRegion, UnregisterRegion]
+ServerMessage = Union[Welcome, Opened, DecodeResult, Finished, Aborted, Pong, Error, RegionRegistered,
+                      RegionUnregistered]

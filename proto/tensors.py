@@ -6,9 +6,9 @@ msgpack); never zmq, torch or numpy; imports nothing outside ``proto``.
 Bytes on the wire are little-endian and C-contiguous. A tensor is either inline
 (frame ``i`` of the same multipart message; frame 0 is the header) or in a CUDA
 IPC region the client registered earlier (``region_id``, ``offset``,
-``nbytes``). Region registration arrives with a later protocol version; servers
-that do not advertise ``capabilities.cuda_ipc`` reject ``cuda_ipc`` descriptors
-with ``invalid_argument``.
+``nbytes``; see ``ipc.py``). Servers that do not advertise
+``capabilities.cuda_ipc`` reject ``cuda_ipc`` descriptors with
+``invalid_argument``; servers that do check every offset against the region.
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class ServerConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
     heartbeat_interval_s: float = Field(0.5, gt=0)
+    cuda_ipc: bool = Field(True, description="accept CUDA IPC regions from clients on the same GPU (CUDA only)")
     streams: StreamsConfig = StreamsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     engine: EngineConfig = EngineConfig()

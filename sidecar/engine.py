@@ -15,7 +15,7 @@ from torch import Tensor
 from .graphs.manager import GraphManager
 from .graphs.plan import dispatch, extra_bucket
 from .models import LoadedModel
-from .models.routine import rows_state
+from .models.routine import rows_audio, rows_state
 from .state_store import StateArena
 from .work import DecodeItem
 
@@ -34,7 +34,8 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> list[Tensor]:
-        """Audio per item (float32 CPU ``[(n - skip) * U]``). Stateless and stateful items may not mix."""
+        """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
+        valid until the next ``decode``. Stateless and stateful items may not mix."""
         stateful = items[0].slot is not None
         if any((it.slot is not None) != stateful for it in items):
             raise ValueError("a batch mixes stateful and stateless chunks")
@@ -81,9 +82,7 @@ class Engine:
         wav, state, positions = self.run(codes, num_frames_dev, state, positions)  # [B, T * U]
         if stateful:
             self.arena.scatter(slots, state, positions)  # commit: only after the forward succeeded
-        wav = wav.cpu()
-        spf = self.model.samples_per_frame
-        return [wav[b, it.skip_frames * spf: it.codes.shape[1] * spf] for b, it in enumerate(items)]
+        return rows_audio(wav, items, self.model.samples_per_frame)
 
     def run(self, codes: Tensor, num_frames: Tensor, state: dict[str, Tensor],
             positions: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:

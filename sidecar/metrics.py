@@ -56,6 +56,11 @@ class Metrics:
         self.graph_capture_seconds = Gauge(p + "graph_capture_seconds", "Capture time per bucket", graph, registry=r)
         self.graph_bytes = Gauge(p + "graph_bytes", "Graph pool bytes added by each bucket", graph, registry=r)
         self.graph_pool_bytes = Gauge(p + "graph_pool_bytes", "Bytes held by the shared graph pool", registry=r)
+        self.ipc_regions = Gauge(p + "ipc_regions", "Client CUDA IPC regions open now", ["access"], registry=r)
+        self.ipc_register_failures = Counter(p + "ipc_register_failures", "Region registrations refused, by reason",
+                                             ["reason"], registry=r)
+        self.ipc_chunks = Counter(p + "ipc_chunks", "Chunks whose codes or audio used a CUDA IPC region",
+                                  ["direction"], registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

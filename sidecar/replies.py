@@ -27,7 +27,7 @@ class PendingReply:
     identity: bytes
     request_id: int
     num_chunks: int
-    results: list = field(init=False)  # proto.ChunkResult (errors) or (stream_id, seq, num_frames) per chunk
+    results: list = field(init=False)  # proto.ChunkResult (errors) or (stream_id, seq, num_frames, ipc) per chunk
     audio: list = field(init=False)  # Tensor | None per chunk
     remaining: int = field(init=False)
 
@@ -45,9 +45,11 @@ class PendingReply:
                                                 error=proto.ErrorInfo(code=code, message=message))
         self.remaining -= 1
 
-    def resolve(self, index: int, stream_id: str, seq: int, audio: Tensor, num_frames: int) -> None:
+    def resolve(self, index: int, stream_id: str, seq: int, audio: Tensor, num_frames: int,
+                ipc: tuple | None = None) -> None:
+        """``ipc``: ``(audio_out descriptor, audio_event)`` when the audio was written into a client region."""
         self.audio[index] = audio
-        self.results[index] = (stream_id, seq, num_frames)
+        self.results[index] = (stream_id, seq, num_frames, ipc)
         self.remaining -= 1
 
     def to_outbound(self) -> Outbound:
@@ -56,7 +58,13 @@ class PendingReply:
             if audio is None:
                 results.append(entry)
                 continue
-            stream_id, seq, num_frames = entry
+            stream_id, seq, num_frames, ipc = entry
+            if ipc is not None:  # already in the client's region: only the descriptor travels
+                results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=ipc[0], num_frames=num_frames,
+                                                 audio_event=ipc[1]))
+                continue
+            if audio.is_cuda:  # a resend of a chunk whose audio went to a region: answered inline
+                audio = audio.cpu()
             buffers.append(memoryview(audio.numpy()).cast("B"))  # contiguous float32 [n * U], sent without a copy
             desc = proto.TensorDesc(dtype="float32", shape=(audio.numel(),), loc=proto.InlineLoc(frame=len(buffers)))
             results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=desc, num_frames=num_frames))

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .streams import Stream
@@ -27,7 +27,9 @@ class ChunkJob:
     arrived_s: float
     reply: Any  # the PendingReply this chunk's result belongs to
     index: int  # position of this chunk's result in the reply
-    meta: dict = field(default_factory=dict)
+    ipc_codes: tuple | None = None  # (Region, view [Q, n], codes_event): codes still in the client's region
+    audio_out: tuple | None = None  # (Region, view [num_samples], TensorDesc): write the audio there
+    audio_event: int | None = None  # set by the engine step: the region event recorded after writing
 
     @property
     def batch_key(self) -> tuple[str, str]:

@@ -20,6 +20,10 @@ from .config import ServerConfig
 from .engine import Engine
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
+from .ipc.cudart import CudaIpcError, host_id
+from .ipc.device import CudaIpcDevice
+from .ipc.io import load_codes, store_audio
+from .ipc.regions import RegionService
 from .metrics import HealthServer, Metrics
 from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
@@ -47,6 +51,7 @@ class Server:
         self._stop = asyncio.Event()
         self._zmq = zmq.asyncio.Context()
         self._busy = False  # an engine step is in flight
+        self._ops_running = False  # a task is draining region open/close work
         self.metrics_port = 0
 
     async def start(self) -> None:
@@ -76,11 +81,27 @@ class Server:
             graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
         self.engine = Engine(self.model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=self.metrics)
         self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics)
+        self.sessions.regions = self._region_service(device)
         sec = cfg.security
         self.transport = Transport(self._zmq, cfg.address, cfg.limits.max_message_bytes,
                                    sec.curve_secret_key_file, sec.insecure)
         self.ready = True
         self.metrics.ready.set(1)
+
+    def _region_service(self, device) -> RegionService:
+        assert self.sessions is not None
+        reason, ipc_device = "", None
+        if device.type != "cuda":
+            reason = "the sidecar runs on the CPU"
+        elif not self.cfg.cuda_ipc:
+            reason = "disabled by the cuda_ipc setting"
+        else:
+            try:
+                ipc_device = CudaIpcDevice(device)
+            except CudaIpcError as exc:
+                reason = str(exc)
+        log.info("CUDA IPC regions: %s", f"accepted on {ipc_device.uuid}" if ipc_device else f"off ({reason})")
+        return RegionService(ipc_device, host_id(), self.metrics, self.sessions._send, self.sessions.error, reason)
 
     def _build_graphs(self, arena: StateArena) -> GraphManager:
         """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""
@@ -169,7 +190,6 @@ class Server:
                 continue
             batch = self.scheduler.take_batch()
             self.metrics.queue_depth.set(len(self.scheduler))
-            items = self.sessions.build_items(batch)
             mode = batch[0].stream.mode
             now = time.monotonic()
             for job in batch:
@@ -177,19 +197,53 @@ class Server:
             self.metrics.batch_size.labels(mode=mode).observe(len(batch))
             self._busy = True
             try:
-                audios = await loop.run_in_executor(self._pool, self.engine.decode, items)
+                done, audios, refused = await loop.run_in_executor(self._pool, self._engine_step, batch)
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode)
                 for job in batch:
                     self.sessions.fail_job(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
             else:
                 self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
-                for job, audio in zip(batch, audios):
+                for job, code, message in refused:
+                    self.sessions.fail_job(job, code, message)
+                for job, audio in zip(done, audios):
                     self.sessions.complete_job(job, audio)
             finally:
                 self._busy = False
             self.sessions.release_in_flight(batch)
             self._flush()
+
+    def _engine_step(self, batch: list) -> tuple[list, list, list]:
+        """Engine thread: read CUDA IPC codes, decode, write CUDA IPC audio. Returns the decoded jobs, their
+        audio, and ``(job, code, message)`` for jobs refused before decoding (their state is untouched)."""
+        refused = load_codes(batch, self.model.codebook_size)
+        refused_ids = {id(job) for job, _, _ in refused}
+        done = [job for job in batch if id(job) not in refused_ids]
+        if not done:
+            return done, [], refused
+        audios = self.engine.decode(self.sessions.build_items(done))
+        num_out = sum(job.audio_out is not None for job in done)
+        if num_out:
+            audios = store_audio(done, audios)
+            self.metrics.ipc_chunks.labels(direction="audio_out").inc(num_out)
+        num_in = sum(job.ipc_codes is not None for job in done)
+        if num_in:
+            self.metrics.ipc_chunks.labels(direction="codes_in").inc(num_in)
+        return done, audios, refused
+
+    async def _run_device_ops(self) -> None:
+        """Open and close client regions on the engine thread, between steps, in arrival order."""
+        regions = self.sessions.regions
+        loop = asyncio.get_running_loop()
+        self._ops_running = True
+        try:
+            while regions.device_ops:
+                op = regions.device_ops.pop(0)
+                await loop.run_in_executor(self._pool, regions.run_op, op)
+                regions.op_done(op)
+                self._flush()
+        finally:
+            self._ops_running = False
 
     async def _reap_loop(self) -> None:
         assert self.sessions is not None
@@ -204,6 +258,9 @@ class Server:
         outbox, self.sessions.outbox = self.sessions.outbox, []
         for out in outbox:
             self.transport.send(out.identity, out.message, out.buffers)
+        if self.sessions.regions.device_ops and not self._ops_running:
+            self._ops_running = True
+            asyncio.get_running_loop().create_task(self._run_device_ops(), name="region-ops")
 
 
 def install_uvloop() -> str:

@@ -21,12 +21,14 @@ from proto import ErrorCode, ProtocolError
 
 from .config import ServerConfig
 from .engine import DecodeItem
+from .ipc.regions import RegionService
 from .metrics import Metrics
 from .models import LoadedModel
 from .replies import Outbound, PendingReply
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
 from .streams import SeqVerdict, Stream, check_seq
+from .work import ChunkRejected
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +42,10 @@ class ClientState:
     last_seen_s: float = 0.0
 
 
-class ChunkRejected(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 class Sessions:
     def __init__(self, cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
-                 metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics, regions: RegionService | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.model = model
         self.arena = arena
@@ -67,10 +63,19 @@ class Sessions:
         self.outbox: list[Outbound] = []
         self.draining = False
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
+        self.regions = regions or RegionService(None, None, metrics, self._send, self.error, "not configured")
 
     def _pending_added(self, stream: Stream) -> None:
         stream.num_pending += 1
         self.pending_by_client[stream.client] = self.pending_by_client.get(stream.client, 0) + 1
+
+    def _job_done(self, job: ChunkJob) -> None:
+        """A queued chunk got its outcome: release the regions it used and its pending count."""
+        for use in (job.ipc_codes, job.audio_out):
+            if use is not None:
+                self.regions.release(use[0])
+        job.ipc_codes = job.audio_out = None
+        self._pending_done(job.stream)
 
     def _pending_done(self, stream: Stream) -> None:
         stream.num_pending -= 1
@@ -107,6 +112,10 @@ class Sessions:
             self._abort(identity, msg)
         elif isinstance(msg, proto.Bye):
             self.drop_client(identity, reason="bye")
+        elif isinstance(msg, proto.RegisterRegion):
+            self.regions.on_register(identity, msg)
+        elif isinstance(msg, proto.UnregisterRegion):
+            self.regions.on_unregister(identity, msg)
 
     def _hello(self, identity: bytes, msg: proto.Hello) -> None:
         if identity in self.clients:
@@ -121,7 +130,7 @@ class Sessions:
         self._send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
             boot_epoch=self.boot_epoch, models=(info,), default_model=m.name, limits=self.limits,
-            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities={"cuda_ipc": False}))
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities()))
 
     def _open(self, identity: bytes, client: ClientState, msg: proto.OpenStream) -> None:
         rid = msg.request_id
@@ -172,10 +181,11 @@ class Sessions:
                     continue
                 if verdict != SeqVerdict.ACCEPT:
                     raise ChunkRejected(ErrorCode.OUT_OF_ORDER, reason)
-                codes = self._read_codes(chunk, frames)
-                job = ChunkJob(stream=stream, seq=chunk.seq, codes=codes, context_frames=chunk.context_frames,
+                job = ChunkJob(stream=stream, seq=chunk.seq, codes=None, context_frames=chunk.context_frames,
                                final=chunk.final, arrived_s=now, reply=reply, index=index)
-                if codes.shape[1] == 0:  # an empty final chunk: nothing to decode
+                self._read_codes(identity, job, chunk, frames)
+                if chunk.num_frames == 0:  # an empty final chunk: nothing to decode, an empty inline reply
+                    job.codes, job.ipc_codes, job.audio_out = torch.zeros((chunk.codes.shape[0], 0), dtype=torch.long), None, None
                     stream.next_seq += 1
                     self._pending_added(stream)
                     self.complete_job(job, torch.zeros(0, dtype=torch.float32))
@@ -186,6 +196,9 @@ class Sessions:
                 if not self.scheduler.submit(job):
                     raise ChunkRejected(ErrorCode.BUSY, f"{len(self.scheduler)} chunks are queued "
                                         "(scheduler.max_pending_chunks); retry with backoff")
+                for use in (job.ipc_codes, job.audio_out):
+                    if use is not None:
+                        self.regions.acquire(use[0])
                 stream.next_seq += 1
                 self._pending_added(stream)
                 stream.last_active_s = now
@@ -196,11 +209,10 @@ class Sessions:
         self.metrics.queue_depth.set(len(self.scheduler))
         self._maybe_emit(reply)
 
-    def _read_codes(self, chunk: proto.Chunk, frames: list) -> Tensor:
+    def _read_codes(self, identity: bytes, job: ChunkJob, chunk: proto.Chunk, frames: list) -> None:
+        """Inline codes: checked and copied now (``job.codes``). CUDA IPC codes: bounds-checked now, read and
+        checked by the engine step (``job.ipc_codes``). An ``audio_out`` is bounds-checked too."""
         desc = chunk.codes
-        if not isinstance(desc.loc, proto.InlineLoc):
-            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
-                                "cuda_ipc tensors are not supported by this sidecar (capabilities.cuda_ipc is false)")
         if desc.dtype not in _NP_DTYPES:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes must be int16/int32/int64, got {desc.dtype}")
         num_q, num_frames = desc.shape
@@ -208,6 +220,24 @@ class Sessions:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
                                 f"codes have {num_q} quantizers, model '{self.model.name}' needs "
                                 f"{self.model.num_quantizers} (shape [Q, n])")
+        if chunk.audio_out is not None:
+            num_samples = (num_frames - chunk.context_frames) * self.model.samples_per_frame
+            if chunk.audio_out.shape != (num_samples,):
+                raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"audio_out has shape {list(chunk.audio_out.shape)}; "
+                                    f"this chunk gives [{num_samples}] samples")
+            region = self.regions.lookup(identity, chunk.audio_out.loc, "write", "audio_out")
+            job.audio_out = (region, self.regions.view(region, chunk.audio_out, "audio_out"), chunk.audio_out)
+        if isinstance(desc.loc, proto.CudaIpcLoc):
+            if self.regions.device is None:
+                raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "cuda_ipc tensors are not supported by this "
+                                    "sidecar (capabilities.cuda_ipc is false)")
+            region = self.regions.lookup(identity, desc.loc, "read", "codes")
+            job.ipc_codes = (region, self.regions.view(region, desc, "codes"), chunk.codes_event)
+            return
+        job.codes = self._inline_codes(desc, frames)
+
+    def _inline_codes(self, desc: proto.TensorDesc, frames: list) -> Tensor:
+        num_q, num_frames = desc.shape
         try:
             view = proto.inline_view(desc, frames)
         except ProtocolError as exc:
@@ -240,21 +270,25 @@ class Sessions:
 
     # ------------------------------------------------------------------ engine side
     def build_items(self, batch: list[ChunkJob]) -> list[DecodeItem]:
+        """Engine thread (reads stream state that no other thread writes while the chunk is in the engine)."""
         items = []
         for job in batch:
+            out_device = job.audio_out is not None
             stream = job.stream
             if stream.mode == "window":
                 prefix = stream.context_codes
                 codes = job.codes if prefix is None else torch.cat([prefix, job.codes], dim=1)  # [Q, c + n]
                 skip = (0 if prefix is None else prefix.shape[1]) + job.context_frames
-                items.append(DecodeItem(codes=codes, slot=None, skip_frames=skip))
+                items.append(DecodeItem(codes=codes, slot=None, skip_frames=skip, out_device=out_device))
             else:
-                items.append(DecodeItem(codes=job.codes, slot=stream.slot, skip_frames=job.context_frames))
+                items.append(DecodeItem(codes=job.codes, slot=stream.slot, skip_frames=job.context_frames,
+                                        out_device=out_device))
         return items
 
     def complete_job(self, job: ChunkJob, audio: Tensor) -> None:
         stream = job.stream
-        self._pending_done(stream)
+        ipc = None if job.audio_out is None else (job.audio_out[2], job.audio_event)
+        self._job_done(job)
         num_frames = audio.numel() // self.model.samples_per_frame  # frames that produced audio
         if not stream.closed:
             stream.committed_seq = job.seq
@@ -270,7 +304,7 @@ class Sessions:
             self.metrics.audio_seconds.labels(model=stream.model, mode=mode).inc(
                 audio.numel() / self.model.sample_rate_hz)
             self.metrics.chunk_latency.labels(mode=mode).observe(self.clock() - job.arrived_s)
-        job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames)
+        job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames, ipc)
         self._maybe_emit(job.reply)
         if job.final or (stream.closing and stream.num_pending == 0):
             self._close(stream, stream.closing or "final")
@@ -278,13 +312,13 @@ class Sessions:
     def fail_job(self, job: ChunkJob, code: ErrorCode, message: str) -> None:
         """The chunk produced no audio: its stream keeps the state it had, later queued chunks fail too."""
         stream = job.stream
-        self._pending_done(stream)
+        self._job_done(job)
         if not stream.closed:
             stream.next_seq = job.seq
             if stream.closing == "final":
                 stream.closing = None
             for later in self.scheduler.remove_stream(stream):
-                self._pending_done(stream)
+                self._job_done(later)
                 self._reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
                              f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
                 self._maybe_emit(later.reply)
@@ -296,7 +330,7 @@ class Sessions:
     # ------------------------------------------------------------------ lifecycle
     def abort_stream(self, stream: Stream, reason: str) -> None:
         for job in self.scheduler.remove_stream(stream):
-            self._pending_done(stream)
+            self._job_done(job)
             self._reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
                          f"stream '{stream.stream_id}' was aborted ({reason})")
             self._maybe_emit(job.reply)
@@ -337,6 +371,7 @@ class Sessions:
             stream = self.streams.get((identity, stream_id))
             if stream is not None:
                 self.abort_stream(stream, reason)
+        self.regions.drop_client(identity)
         self.metrics.clients.set(len(self.clients))
 
     def reap(self, now_s: float) -> int:

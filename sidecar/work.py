@@ -1,10 +1,21 @@
-"""The unit of work the engine, graph routines and models agree on (a plain record, no behaviour)."""
+"""The unit of work the engine, graph routines and models agree on (plain records, no behaviour)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from torch import Tensor
+
+from proto import ErrorCode
+
+
+class ChunkRejected(Exception):
+    """A chunk (or request) refused with a typed error; the caller answers it and carries on."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 @dataclass
@@ -14,3 +25,4 @@ class DecodeItem:
     codes: Tensor  # [Q, n] int64, on CPU
     slot: int | None
     skip_frames: int  # leading frames whose audio is not returned (context frames, window left context)
+    out_device: bool = False  # audio wanted on the device (CUDA IPC output), not copied to the host

@@ -140,7 +140,7 @@ def test_cuda_ipc_descriptor_round_trip() -> None:
     assert desc.to_wire() == {
         "dtype": "int64", "shape": [16, 25], "loc": "cuda_ipc", "region": 7, "offset": 4096, "nbytes": 3200,
     }
-    msg = Decode(1, (Chunk("s", 0, desc),))
+    msg = Decode(1, (Chunk("s", 0, desc, codes_event=3),))
     assert decode_client_message(encode(msg)) == msg
 
 

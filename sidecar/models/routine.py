@@ -26,6 +26,15 @@ def rows_state(module, arena: StateArena | None, slots: Tensor | None, batch: in
     return module.zero_state(batch), torch.zeros(batch, dtype=torch.long, device=device)
 
 
+def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int) -> list[Tensor]:
+    """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: copied to the host, or for
+    ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it)."""
+    spf = samples_per_frame
+    host = None if all(it.out_device for it in items) else wav[: len(items)].cpu()  # [rows, T * U]; synchronous
+    return [(wav if it.out_device else host)[b, it.skip_frames * spf: it.codes.shape[1] * spf]
+            for b, it in enumerate(items)]
+
+
 class StreamRoutine:
     def __init__(self, model: LoadedModel, arena: StateArena | None, max_batch: int, max_frames: int) -> None:
         self.model = model
@@ -78,7 +87,6 @@ class StreamRoutine:
         return wav
 
     def copy_out(self, wav: Tensor, items: list[DecodeItem]) -> list[Tensor]:
-        """Exact samples per row, copied out of graph-owned memory (to CPU) before any later replay."""
-        spf = self.model.samples_per_frame
-        host = wav[: len(items)].cpu()  # [rows, T * U]; synchronous copy, done before returning
-        return [host[b, it.skip_frames * spf: it.codes.shape[1] * spf] for b, it in enumerate(items)]
+        """Exact samples per row: host rows are copied out of graph-owned memory before returning; device rows
+        are views the caller must consume before the next replay."""
+        return rows_audio(wav, items, self.model.samples_per_frame)

@@ -1,0 +1,83 @@
+"""Opening a client's region on the sidecar's GPU (engine thread only): memory handle -> byte tensor, events.
+
+Mechanism only; ``regions`` decides when to open and close. An opened region is checked three ways before
+use: it must live on this sidecar's device (a handle from another GPU may still map through peer access),
+its real allocation must be at least the size the client claimed, and its events must open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from proto import RegisterRegion
+
+from .cudart import Cudart, CudaIpcError, load_cudart
+
+__all__ = ["CudaIpcDevice", "OpenedRegion", "CudaIpcError", "gpu_uuid"]
+
+NUM_SERVER_EVENTS = 16
+"""Events per write region, recorded round-robin: one is re-recorded only 16 steps later."""
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """``GPU-xxxxxxxx-...``, the form ``nvidia-smi -L`` prints."""
+    text = str(torch.cuda.get_device_properties(device).uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+class _DeviceBytes:
+    """A raw device allocation as a CUDA array interface (torch wraps it without copying)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 2, "strides": None}
+
+
+@dataclass(eq=False)
+class OpenedRegion:
+    pointer: int
+    nbytes: int
+    data: torch.Tensor  # uint8 [nbytes], aliasing the client's memory
+    events: list = field(default_factory=list)  # torch.cuda.Event, interprocess
+    event_handles: tuple[str, ...] = ()  # for write regions: what the client opens
+
+
+class CudaIpcDevice:
+    def __init__(self, device: torch.device, cudart: Cudart | None = None) -> None:
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.uuid = gpu_uuid(device)
+        self.cudart = cudart or load_cudart()
+
+    def open(self, msg: RegisterRegion) -> OpenedRegion:
+        """Map the region and its events; raises ``CudaIpcError`` saying what is wrong."""
+        pointer = self.cudart.open_mem_handle(bytes.fromhex(msg.ipc_handle), self.index)
+        try:
+            owner = self.cudart.pointer_device(pointer)
+            if owner != self.index:
+                raise CudaIpcError(f"the memory is on device {owner}, this sidecar decodes on device {self.index}")
+            actual = self.cudart.allocation_nbytes(pointer)
+            if actual < msg.nbytes:
+                raise CudaIpcError(f"the region claims {msg.nbytes} bytes but the allocation holds {actual}")
+            data = torch.as_tensor(_DeviceBytes(pointer, msg.nbytes), device=self.device)  # [nbytes] uint8
+            if msg.access == "read":
+                events = [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in msg.events]
+                handles: tuple[str, ...] = ()
+            else:
+                events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_SERVER_EVENTS)]
+                handles = tuple(ev.ipc_handle().hex() for ev in events)
+        except CudaIpcError:
+            self.cudart.close_mem_handle(pointer)
+            raise
+        except RuntimeError as exc:  # torch's event IPC errors
+            self.cudart.close_mem_handle(pointer)
+            raise CudaIpcError(f"opening the region's events failed: {exc}") from None
+        return OpenedRegion(pointer, msg.nbytes, data, events, handles)
+
+    def close(self, region: OpenedRegion) -> None:
+        """Unmap; the caller guarantees no queued work still reads or writes it (the engine syncs each step)."""
+        region.data = None  # type: ignore[assignment]
+        region.events = []
+        self.cudart.close_mem_handle(region.pointer)

@@ -1,0 +1,86 @@
+"""Engine-thread device work for chunks that use CUDA IPC regions: read codes in, write audio out.
+
+Codes: the engine stream waits on the client's event (which must already be complete: a sidecar never
+waits on a client's unfinished work, so one slow client cannot stall a batch), then reads the codes of all
+IPC chunks of the batch from their regions in one gather and one copy to the host, where they are checked
+like inline codes: a code outside the codebook would fault the device for every client, so they are never
+handed to a kernel unchecked. After that copy the client may reuse the codes' bytes.
+
+Audio: each row is copied from the decoder's output straight into the client's region, the region's next
+event is recorded on the engine stream, and the step waits for that event before the reply leaves, so a
+reply never names audio that is still being written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from proto import ErrorCode
+
+__all__ = ["load_codes", "store_audio"]
+
+
+def load_codes(jobs: list, codebook_size: int) -> list[tuple]:
+    """Give each IPC job host codes ``[Q, n]`` int64; return ``(job, code, message)`` for those refused."""
+    ipc_jobs = [job for job in jobs if job.ipc_codes is not None]
+    if not ipc_jobs:
+        return []
+    refused, ready = [], []
+    stream = torch.cuda.current_stream()
+    waited = set()
+    for job in ipc_jobs:
+        region, view, event_index = job.ipc_codes
+        if event_index >= len(region.opened.events):
+            refused.append((job, ErrorCode.INVALID_ARGUMENT, f"codes_event {event_index} is not one of the "
+                            f"{len(region.opened.events)} events registered with region {region.region_id}"))
+            continue
+        event = region.opened.events[event_index]
+        if id(event) not in waited:
+            if not event.query():
+                refused.append((job, ErrorCode.INVALID_ARGUMENT, f"codes_event {event_index} of region "
+                                f"{region.region_id} was not complete when the chunk arrived: synchronize it "
+                                "before sending"))
+                continue
+            stream.wait_event(event)
+            waited.add(id(event))
+        ready.append(job)
+    if ready:
+        flat = torch.cat([job.ipc_codes[1].reshape(-1).to(torch.int64) for job in ready])  # [sum Q*n] on device
+        host = flat.cpu()  # the step's one read of all IPC codes (synchronizes)
+        start = 0
+        for job in ready:
+            shape = job.ipc_codes[1].shape
+            count = shape[0] * shape[1]
+            codes = host[start: start + count].view(shape)  # [Q, n]
+            start += count
+            low, high = int(codes.min()), int(codes.max())
+            if low < 0 or high >= codebook_size:
+                bad = low if low < 0 else high
+                refused.append((job, ErrorCode.INVALID_ARGUMENT, f"code {bad} out of range [0, {codebook_size})"))
+                continue
+            job.codes = codes
+    return refused
+
+
+def store_audio(jobs: list, audios: list) -> list:
+    """Write IPC rows into their regions; returns the audio each job keeps for resends (owned tensors)."""
+    kept = list(audios)
+    written = {}
+    for i, (job, audio) in enumerate(zip(jobs, audios)):
+        if job.audio_out is None:
+            continue
+        region, view, _desc = job.audio_out
+        view.copy_(audio)  # into the client's memory
+        kept[i] = audio.clone()  # our copy, for an idempotent resend (the decoder output is reused next step)
+        written.setdefault(id(region), (region, []))[1].append(job)
+    last = None
+    for region, region_jobs in written.values():
+        event_index = region.next_event
+        region.next_event = (event_index + 1) % len(region.opened.events)
+        last = region.opened.events[event_index]
+        last.record()
+        for job in region_jobs:
+            job.audio_event = event_index
+    if last is not None:
+        last.synchronize()  # every region's event was recorded on this stream before it
+    return kept
