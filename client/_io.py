@@ -72,6 +72,7 @@ class _State:
     last_ping_tx: float = 0.0
     recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
     rehello_pending: bool = False
+    session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
 
 
 class Connection:
@@ -120,6 +121,10 @@ class Connection:
     @property
     def generation(self) -> int:
         return self._state.generation
+
+    @property
+    def session(self) -> int:
+        return self._state.session
 
     @property
     def boot_epoch(self) -> str | None:
@@ -305,6 +310,7 @@ class Connection:
 
     def _adopt_welcome(self, welcome: Welcome) -> None:
         self._state.welcome = welcome
+        self._state.session += 1
         self._observe_epoch(welcome.boot_epoch, via_welcome=True)
 
     def _observe_epoch(self, boot_epoch: str, via_welcome: bool) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
+    CudaIpcLoc,
     STREAM_MODES,
     Aborted,
     Abort,
@@ -51,9 +52,11 @@ from proto import (
 )
 
 from ._io import Call, Connection, Outcome
+from .cuda_ipc.channel import PackedChunk
+from .cuda_ipc.link import IpcLink
 from .errors import DeadlineExceeded, Internal, InvalidArgument, SidecarError, Unavailable, error_from
 from .stream import SentChunk, Stream
-from .transport import CodesLike, InlineTransport, TensorTransport, as_wire_codes, audio_from_frames
+from .transport import CodesLike, InlineTransport, TensorTransport, as_wire_codes, audio_from_frames, host_id
 
 __all__ = ["SidecarClient", "DEFAULT_ADDRESS", "BatchItem"]
 
@@ -64,6 +67,18 @@ _HEADER_NBYTES_PER_CHUNK = 256
 
 BatchItem = Union[tuple[Stream, CodesLike], tuple[Stream, CodesLike, dict[str, Any]]]
 _Settle = Literal["concat", "list", "list_with_exceptions"]
+
+
+def _cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
+    """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (no copy when already one)."""
+    tensor = codes.detach()
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+        raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
+    if tensor.dtype not in (torch.int16, torch.int32, torch.int64):
+        tensor = tensor.to(torch.int64)
+    if tensor.dim() != 2:
+        raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(tensor.shape)}")
+    return tensor.contiguous()
 
 
 def _set_result(future: Future[Any], value: Any) -> None:
@@ -93,17 +108,25 @@ class SidecarClient:
         connect_timeout_s: float = 5.0,
         client_id: str | None = None,
         curve_server_key: bytes | str | None = None,
+        cuda_ipc: bool = True,
+        ipc_codes_nbytes: int = 4 << 20,
+        ipc_audio_nbytes: int = 64 << 20,
     ) -> None:
         """``curve_server_key``: the sidecar's CurveZMQ public key (Z85, 40 characters) when it listens on a
-        non-loopback TCP address with CurveZMQ; the client then encrypts with a fresh keypair of its own."""
+        non-loopback TCP address with CurveZMQ; the client then encrypts with a fresh keypair of its own.
+
+        ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
+        are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
+        ``ipc_audio_nbytes`` for audio views alive at once; 64 MiB holds about 350 s of 24 kHz audio)."""
         self.address = address
         self.timeout_s = float(timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._transport: TensorTransport = InlineTransport()
         self._order_lock = threading.Lock()  # seq assignment and queueing happen in one order
-        capabilities = {"cuda_ipc": False, "gpu_uuid": None}  # CUDA IPC regions: a later protocol version
+        capabilities = {"cuda_ipc": bool(cuda_ipc), "gpu_uuid": None, "host_id": host_id()}
         routing_id = b"c2w-" + uuid.uuid4().bytes
         self._conn = Connection(address, self.client_id, routing_id, capabilities, curve_server_key)
+        self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
         try:
             self._handshake(connect_timeout_s)
         except BaseException:
@@ -152,8 +175,15 @@ class SidecarClient:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def ipc_stats(self) -> dict[str, int]:
+        """Chunks sent by CUDA IPC (``ipc_chunks``) and inline fallbacks by reason (``inline_fallback:*``)."""
+        return dict(self._ipc.stats)
+
     def close(self) -> None:
-        """Say ``bye`` (the server frees this client's streams), stop the I/O thread, close the socket."""
+        """Unregister CUDA IPC regions, say ``bye`` (the server frees this client's streams), stop the I/O
+        thread, close the socket. CUDA audio views still alive keep their memory (see ``Stream.submit``)."""
+        self._ipc.close()
         self._conn.close()
 
     def __enter__(self) -> SidecarClient:
@@ -310,7 +340,10 @@ class SidecarClient:
         for stream, codes, final, context_frames in entries:
             prepared.append((stream, self._checked_codes(stream, codes, final, context_frames), final, context_frames))
             nbytes += prepared[-1][1].nbytes + _HEADER_NBYTES_PER_CHUNK
-        if nbytes > limits.max_message_bytes:
+        cuda_devices = {array.device for _, array, _, _ in prepared if isinstance(array, torch.Tensor)}
+        for device in cuda_devices if self._ipc.enabled else ():  # export and register the regions once, outside the order lock
+            self._ipc.ensure(device, self.timeout_s if timeout_s is None else timeout_s)
+        if nbytes > limits.max_message_bytes and not cuda_devices:
             raise InvalidArgument(
                 f"batch is about {nbytes} bytes; the server's limit is {limits.max_message_bytes}: split it"
             )
@@ -333,7 +366,11 @@ class SidecarClient:
         if stream._client is not self:
             raise InvalidArgument(f"stream {stream.stream_id!r} belongs to another client")
         stream._check_usable()
-        array = as_wire_codes(codes)
+        if isinstance(codes, torch.Tensor) and codes.is_cuda:
+            array: Any = _cuda_wire_codes(codes)  # stays on the device: sent by CUDA IPC, or inline (audio comes
+            # back on the device either way)
+        else:
+            array = as_wire_codes(codes)
         num_quantizers, num_frames = (int(d) for d in array.shape)
         if num_quantizers != stream.num_quantizers:
             raise InvalidArgument(
@@ -351,10 +388,16 @@ class SidecarClient:
                        settle: _Settle) -> Future[Any]:
         """Send planned chunks as one ``decode`` message and settle one future from their outcomes."""
         request_id = self._conn.next_request_id()
+        packed = self._pack_ipc(planned)
         chunks: list[Chunk] = []
         buffers: list[Any] = []
-        for stream, chunk in planned:
-            desc, frames = self._transport.pack(chunk.codes, first_frame=1 + len(buffers))
+        for (stream, chunk), ipc in zip(planned, packed):
+            if ipc is not None:
+                chunks.append(Chunk(stream.stream_id, chunk.seq, ipc.codes, chunk.final, chunk.context_frames,
+                                    codes_event=ipc.codes_event, audio_out=ipc.audio_out))
+                continue
+            codes = chunk.codes.cpu().numpy() if isinstance(chunk.codes, torch.Tensor) else chunk.codes
+            desc, frames = self._transport.pack(codes, first_frame=1 + len(buffers))
             buffers.extend(frames)
             chunks.append(Chunk(stream.stream_id, chunk.seq, desc, chunk.final, chunk.context_frames))
         future: Future[Any] = Future()
@@ -363,10 +406,14 @@ class SidecarClient:
             if not isinstance(msg, DecodeResult) or len(msg.results) != len(planned):
                 got = len(msg.results) if isinstance(msg, DecodeResult) else msg.TYPE
                 raise Internal(f"expected {len(planned)} decode results, got {got}")
-            outcomes = [self._outcome(s, c, r, frames) for (s, c), r in zip(planned, msg.results)]
+            outcomes = [self._outcome(s, c, r, frames, ipc) for (s, c), r, ipc in zip(planned, msg.results, packed)]
             return self._settle(outcomes, settle)
 
         def on_failure(error: SidecarError, outcome: Outcome) -> None:
+            if outcome != "unknown":  # else the sidecar may still use the slots: they stay reserved
+                for ipc in packed:
+                    if ipc is not None:
+                        ipc.channel.release(ipc, audio_used=False)
             for stream, chunk in planned:
                 stream._on_chunk_failed(chunk, outcome)
             if settle == "list_with_exceptions":
@@ -379,6 +426,30 @@ class SidecarClient:
         self._call(frames, request_id, timeout_s, on_reply, future, generation, on_failure)
         return future
 
+    def _pack_ipc(self, planned: list[tuple[Stream, SentChunk]]) -> list[PackedChunk | None]:
+        """Per chunk: its CUDA IPC placement, or None to send it inline (host codes, or a counted fallback)."""
+        rows = [i for i, (_, chunk) in enumerate(planned) if isinstance(chunk.codes, torch.Tensor)]
+        packed: list[PackedChunk | None] = [None] * len(planned)
+        if not rows or not self._ipc.enabled:
+            return packed
+        device = planned[rows[0]][1].codes.device
+        channel = self._ipc.ready(device)
+        same_device = all(planned[i][1].codes.device == device for i in rows)
+        if channel is None or not same_device:
+            reason = self._ipc.ensure(device, 0.0) if channel is None else "second_device: codes on several GPUs"
+            self._ipc.fallback(reason or "not_registered", len(rows))
+            return packed
+        num_samples = [(planned[i][1].num_frames - planned[i][1].context_frames) * planned[i][0].samples_per_frame
+                       for i in rows]
+        placed = channel.pack([planned[i][1].codes for i in rows], num_samples)
+        if placed is None:
+            self._ipc.fallback("region_full: codes or audio views in flight fill the regions", len(rows))
+            return packed
+        for i, ipc in zip(rows, placed):
+            packed[i] = ipc
+        self._ipc.stats["ipc_chunks"] += len(rows)
+        return packed
+
     @staticmethod
     def _settle(outcomes: list[Any], settle: _Settle) -> Any:
         if settle == "list_with_exceptions":
@@ -390,9 +461,29 @@ class SidecarClient:
             return outcomes
         return outcomes[0] if len(outcomes) == 1 else torch.cat(outcomes)
 
+    def _outcome(self, stream: Stream, chunk: SentChunk, result: ChunkResult, frames: list[memoryview],
+                 ipc: PackedChunk | None) -> torch.Tensor | SidecarError:
+        outcome = self._audio_outcome(stream, chunk, result, frames)
+        in_region = (result.audio is not None and isinstance(result.audio.loc, CudaIpcLoc)
+                     and not isinstance(outcome, SidecarError))
+        if in_region and (ipc is None or result.audio.loc != ipc.audio_out.loc):
+            outcome, in_region = Internal(f"stream {stream.stream_id!r} seq {chunk.seq}: audio placed in a region "
+                                          "slot this client did not offer"), False
+        if ipc is not None:
+            ipc.channel.release(ipc, audio_used=in_region)
+        if isinstance(outcome, SidecarError):
+            return outcome
+        if in_region:
+            assert ipc is not None and result.audio_event is not None
+            return ipc.channel.audio_tensor(ipc, result.audio_event)  # [num_samples] float32 on the GPU
+        if isinstance(chunk.codes, torch.Tensor) and outcome is not None:
+            return outcome.to(chunk.codes.device)  # CUDA codes in, CUDA audio out, whatever the path
+        return outcome
+
     @staticmethod
-    def _outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
-                 frames: list[memoryview]) -> torch.Tensor | SidecarError:
+    def _audio_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
+                       frames: list[memoryview]) -> torch.Tensor | SidecarError | None:
+        """Check the result against the chunk; the inline audio tensor, None for region audio, or the error."""
         if result.stream_id != stream.stream_id or result.seq != chunk.seq:
             stream._on_chunk_failed(chunk, "unknown")
             return Internal(f"result for {result.stream_id!r}/{result.seq} where "
@@ -409,6 +500,8 @@ class SidecarClient:
                 f"stream {stream.stream_id!r} seq {chunk.seq}: expected {expected_frames} frames / "
                 f"{expected_samples} samples, got {result.num_frames} frames / {result.audio.numel} samples"
             )
+        if isinstance(result.audio.loc, CudaIpcLoc):
+            return None
         try:
             return audio_from_frames(result.audio, frames)
         except ProtocolError as exc:

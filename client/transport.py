@@ -2,11 +2,9 @@
 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 
-The seam for CUDA IPC is ``TensorTransport.pack``: it turns a tensor into a
-descriptor plus the frames to append to the message. ``InlineTransport`` (the
-only one so far) puts the bytes in the message. A CUDA IPC transport (later)
-will copy codes into a registered device region and return a ``CudaIpcLoc``
-descriptor with no frames.
+``InlineTransport`` puts a host array's bytes in the message (one frame per
+tensor, no copy). CUDA codes travel by CUDA IPC instead when the sidecar shares
+the host and GPU (``cuda_ipc/``): only offsets go in the message.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
 
 from .errors import InvalidArgument
 
-__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "audio_from_frames"]
+__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "audio_from_frames", "host_id"]
 
 CodesLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
 
@@ -39,9 +37,7 @@ def as_wire_codes(codes: CodesLike) -> np.ndarray:
     """
     if isinstance(codes, torch.Tensor):
         tensor = codes.detach()
-        if tensor.device.type != "cpu":
-            # Documented fallback until CUDA IPC regions land (a CudaIpcTransport will
-            # send device tensors as CudaIpcLoc descriptors): copy to host memory.
+        if tensor.device.type != "cpu":  # device codes going inline (no CUDA IPC): one copy to the host
             tensor = tensor.cpu()
         if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
             raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
@@ -97,3 +93,12 @@ def audio_from_frames(desc: TensorDesc, frames: Sequence[Any]) -> torch.Tensor:
         samples = np.frombuffer(view, dtype="<f4").astype(np.float32)  # the copy
         return torch.from_numpy(samples)
     return torch.frombuffer(view, dtype=torch.float32)
+
+
+def host_id() -> str | None:
+    """The kernel boot id, shared by every process and container on one host (CUDA IPC needs one host)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

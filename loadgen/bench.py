@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", dest="plot_path")
     p.add_argument("--replot", metavar="JSON", help="only draw --plot (and print the table) from an earlier --json")
     p.add_argument("--sidecar-log", help="copy the spawned sidecar's log (graph capture lines) here")
+    p.add_argument("--transport", action="store_true",
+                   help="instead: per-chunk round trip of inline bytes vs CUDA IPC against the in-process decode")
+    p.add_argument("--transport-batch", type=int, default=16, help="--transport: the sidecar's max batch size")
+    p.add_argument("--transport-chunks", type=int, default=1000, help="--transport: chunks per level and transport")
     return p
 
 
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.replot:
         return replot(args)
+    if args.transport:
+        from .transport_bench import run as run_transport
+
+        return run_transport(args)
     from sidecar.models import configure_cuda, load_model, resolve_device
 
     device = resolve_device(args.device)

@@ -7,6 +7,7 @@ the ones torch uses. Every call checks its status and raises ``CudaIpcError`` wi
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 __all__ = ["CudaIpcError", "Cudart", "load_cudart", "host_id"]
 
@@ -59,8 +60,10 @@ class Cudart:
     def open_mem_handle(self, handle: bytes, device_index: int) -> int:
         """Map another process's allocation into this one, on ``device_index``; returns the device pointer."""
         self._check(self._lib.cudaSetDevice(device_index), "cudaSetDevice")
+        raw = _Handle()
+        ctypes.memmove(ctypes.addressof(raw), handle, min(len(handle), ctypes.sizeof(raw)))  # NULs included
         pointer = ctypes.c_void_p()
-        self._check(self._lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), _Handle(handle), _LAZY_PEER_ACCESS),
+        self._check(self._lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _LAZY_PEER_ACCESS),
                     "cudaIpcOpenMemHandle")
         return int(pointer.value or 0)
 
@@ -98,8 +101,5 @@ def load_cudart() -> Cudart:
 
 def host_id() -> str | None:
     """The kernel's boot id: processes (and containers) on one host share it; CUDA IPC needs one host."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+    boot_id = Path("/proc/sys/kernel/random/boot_id")
+    return boot_id.read_text().strip() if boot_id.exists() else None

@@ -1,0 +1,205 @@
+"""One connection's CUDA IPC state: two exported regions (codes in, audio out), their events, their slots.
+
+Ordering (no device-wide synchronisation anywhere):
+- Codes: a client-owned copy stream waits on the caller's current stream, copies each chunk's codes into
+  a slot of the codes region, and records one of the client's interprocess events; ``pack`` waits for that
+  event on the host before the message leaves, so the sidecar never waits on unfinished client work. A
+  codes slot is reusable once the chunk's reply arrives (the sidecar read it before replying).
+- Audio: the sidecar writes into a slot of the audio region and names the event it recorded after
+  writing; ``audio_tensor`` waits for that event before handing out the view.
+- An audio view is released when the last tensor using it is freed. Its slot is reused only after the
+  copy stream has waited on the current stream of a later sender, and the sidecar writes into it only
+  after that sender's codes event: work queued on that stream with the view is therefore finished first.
+  (As with torch's caching allocator, work on another stream must be synchronised by the caller.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from proto import CudaIpcLoc, RegisterRegion, TensorDesc
+
+from ._cudart import Runtime, runtime
+from .slots import SlotAllocator
+
+__all__ = ["IpcChannel", "IpcUnavailable", "PackedChunk", "gpu_uuid"]
+
+log = logging.getLogger("code2wav.client")
+
+NUM_CODES_EVENTS = 16
+_WIRE_DTYPES = {torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
+
+
+class IpcUnavailable(Exception):
+    """CUDA IPC cannot be used; the message is the reason (the client falls back to inline tensors)."""
+
+
+def gpu_uuid(device: torch.device) -> str:
+    text = str(torch.cuda.get_device_properties(device).uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+class _Lease:
+    """Device memory as a CUDA array interface; for audio it owns its slot while any tensor uses it (torch
+    keeps this object alive as long as the tensor's storage)."""
+
+    def __init__(self, pointer: int, count: int, typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (pointer, False),
+                                         "version": 2, "strides": None}
+
+
+class _ExportedRegion:
+    def __init__(self, rt: Runtime, device: torch.device, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.pointer = rt.malloc(nbytes, device.index)
+        self.handle = rt.export(self.pointer).hex()
+        self.slots = SlotAllocator(nbytes)
+
+
+@dataclass
+class PackedChunk:
+    channel: IpcChannel
+    codes: TensorDesc
+    codes_event: int
+    audio_out: TensorDesc
+    codes_offset: int
+    audio_offset: int
+
+
+class IpcChannel:
+    def __init__(self, device: torch.device, codes_nbytes: int, audio_nbytes: int) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        try:
+            self._rt = runtime()
+            self.uuid = gpu_uuid(device)
+            self._codes = _ExportedRegion(self._rt, device, codes_nbytes)
+            self._audio = _ExportedRegion(self._rt, device, audio_nbytes)
+        except (OSError, RuntimeError) as exc:
+            raise IpcUnavailable(f"cannot export device memory: {exc}") from None
+        self._codes_data = torch.as_tensor(_Lease(self._codes.pointer, codes_nbytes, "|u1"), device=device)  # [nbytes]
+        with torch.cuda.device(device):
+            self._events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_CODES_EVENTS)]
+            self._copy_stream = torch.cuda.Stream(device)
+        self._next_event = 0
+        self._lock = threading.Lock()  # slots and released audio
+        self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
+        self._live_audio = 0
+        self.codes_region: int | None = None
+        self.audio_region: int | None = None
+        self.session: int | None = None  # the connection session the regions were registered in
+        self._server_events: list = []
+        self.closed = False
+
+    # ------------------------------------------------------------------ registration
+    def register_messages(self, first_request_id: int) -> tuple[RegisterRegion, RegisterRegion]:
+        handles = tuple(ev.ipc_handle().hex() for ev in self._events)
+        return (RegisterRegion(first_request_id, self.uuid, self._codes.handle, self._codes.nbytes, "read", handles),
+                RegisterRegion(first_request_id + 1, self.uuid, self._audio.handle, self._audio.nbytes, "write"))
+
+    def adopt(self, session: int, codes_region: int, audio_region: int, server_events: tuple[str, ...]) -> None:
+        if not server_events:
+            raise IpcUnavailable("the sidecar returned no events for the audio region")
+        self._server_events = [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in server_events]
+        self.codes_region, self.audio_region, self.session = codes_region, audio_region, session
+
+    # ------------------------------------------------------------------ per message (under the client's order lock)
+    def pack(self, codes: list[torch.Tensor], num_samples: list[int]) -> list[PackedChunk] | None:
+        """Copy each chunk's codes into the codes region, reserve its audio slot; None when a region is full."""
+        with self._lock:
+            released, self._released = self._released, []
+            for offset in released:
+                self._audio.slots.free(offset)
+            codes_offsets: list[int] = []
+            audio_offsets: list[int] = []
+            for tensor, samples in zip(codes, num_samples):
+                codes_offset = self._codes.slots.alloc(tensor.nbytes)
+                audio_offset = self._audio.slots.alloc(samples * 4) if codes_offset is not None else None
+                if audio_offset is None:
+                    if codes_offset is not None:
+                        self._codes.slots.free(codes_offset)
+                    self._free(codes_offsets, audio_offsets)
+                    return None
+                codes_offsets.append(codes_offset)
+                audio_offsets.append(audio_offset)
+        event_index = self._next_event
+        self._next_event = (event_index + 1) % len(self._events)
+        event = self._events[event_index]
+        copy_stream = self._copy_stream
+        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # codes made there; released views used there
+        with torch.cuda.stream(copy_stream):
+            for tensor, offset in zip(codes, codes_offsets):
+                self._codes_view(offset, tensor).copy_(tensor)
+            event.record(copy_stream)
+        event.synchronize()  # complete before the message leaves: the sidecar never waits on our work
+        packed = []
+        for tensor, samples, codes_offset, audio_offset in zip(codes, num_samples, codes_offsets, audio_offsets):
+            codes_desc = TensorDesc(_WIRE_DTYPES[tensor.dtype], tuple(tensor.shape),
+                                    CudaIpcLoc(self.codes_region, codes_offset, tensor.nbytes))
+            audio_desc = TensorDesc("float32", (samples,), CudaIpcLoc(self.audio_region, audio_offset, samples * 4))
+            packed.append(PackedChunk(self, codes_desc, event_index, audio_desc, codes_offset, audio_offset))
+        return packed
+
+    def _codes_view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        raw = self._codes_data[offset: offset + like.nbytes]  # [nbytes] uint8 in the codes region
+        return raw.view(like.dtype).view(like.shape)
+
+    def release(self, packed: PackedChunk, audio_used: bool) -> None:
+        """The chunk's reply arrived: its codes slot is free; its audio slot too unless a view now owns it."""
+        with self._lock:
+            self._codes.slots.free(packed.codes_offset)
+            if not audio_used:
+                self._audio.slots.free(packed.audio_offset)
+
+    def _free(self, codes_offsets: list[int], audio_offsets: list[int]) -> None:
+        for offset in codes_offsets:
+            self._codes.slots.free(offset)
+        for offset in audio_offsets:
+            self._audio.slots.free(offset)
+
+    def audio_tensor(self, packed: PackedChunk, event_index: int) -> torch.Tensor:
+        """A float32 view of the chunk's audio slot, once the sidecar's event says it is written."""
+        self._server_events[event_index].synchronize()
+        num_samples = packed.audio_out.shape[0]
+        lease = _Lease(self._audio.pointer + packed.audio_offset, num_samples, "<f4")
+        with self._lock:
+            self._live_audio += 1
+        weakref.finalize(lease, self._on_view_freed, packed.audio_offset)
+        return torch.as_tensor(lease, device=self.device)  # [num_samples] float32
+
+    def _on_view_freed(self, offset: int) -> None:
+        with self._lock:
+            self._live_audio -= 1
+            if not self.closed:
+                self._released.append(offset)
+
+    # ------------------------------------------------------------------ teardown
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"codes_bytes_in_use": self._codes.slots.used_nbytes,
+                    "audio_bytes_in_use": self._audio.slots.used_nbytes, "live_audio_views": self._live_audio}
+
+    def close(self) -> None:
+        """Free both regions (after the sidecar unregistered them). Audio views still alive keep the audio
+        region: it is then left allocated, with a warning, rather than freed under them."""
+        if self.closed:
+            return
+        self.closed = True
+        self._codes_data = None  # type: ignore[assignment]
+        try:
+            self._rt.free(self._codes.pointer)
+            with self._lock:
+                live = self._live_audio
+            if live:
+                log.warning("%d CUDA audio views are still alive; their region (%d bytes) stays allocated",
+                            live, self._audio.nbytes)
+            else:
+                self._rt.free(self._audio.pointer)
+        except RuntimeError as exc:
+            log.warning("freeing CUDA IPC regions failed: %s", exc)

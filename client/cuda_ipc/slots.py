@@ -1,0 +1,52 @@
+"""First-fit allocation of byte ranges inside one region (pure Python; no device work).
+
+Ranges are aligned to ``align`` bytes (256: what CUDA gives ``cudaMalloc`` blocks, enough for every dtype).
+Chunks are allocated and freed roughly in order, so the free list stays short.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+__all__ = ["SlotAllocator"]
+
+
+class SlotAllocator:
+    def __init__(self, nbytes: int, align: int = 256) -> None:
+        if nbytes <= 0 or align <= 0 or align & (align - 1):
+            raise ValueError(f"need nbytes > 0 and a power-of-two align, got {nbytes}, {align}")
+        self.nbytes = nbytes
+        self.align = align
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size), coalesced
+        self._used: dict[int, int] = {}  # offset -> size
+
+    @property
+    def used_nbytes(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """The offset of a free range of at least ``nbytes`` (rounded up to ``align``), or None when full."""
+        size = max(self.align, -(-nbytes // self.align) * self.align)
+        for index, (offset, free_size) in enumerate(self._free):
+            if free_size >= size:
+                if free_size == size:
+                    del self._free[index]
+                else:
+                    self._free[index] = (offset + size, free_size - size)
+                self._used[offset] = size
+                return offset
+        return None
+
+    def free(self, offset: int) -> None:
+        size = self._used.pop(offset)  # KeyError: a double free is a bug
+        index = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(index, (offset, size))
+        if index + 1 < len(self._free) and offset + size == self._free[index + 1][0]:  # merge right
+            self._free[index] = (offset, size + self._free.pop(index + 1)[1])
+        if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:  # merge left
+            left_offset, left_size = self._free[index - 1]
+            self._free[index - 1] = (left_offset, left_size + self._free.pop(index)[1])
