@@ -79,7 +79,7 @@ def test_ten_thousand_chunks_leave_gpu_memory_flat(gpu_sidecar):
     with SidecarClient(gpu_sidecar.address) as c:
         q = c.models[0].num_quantizers
         streams = [c.open_stream(f"flat-{i}", mode="window", left_context_frames=2) for i in range(num_streams)]
-        codes = _codes(q, 1, 0).cuda()
+        codes = _codes(q, 1, 0, c.models[0].codebook_size).cuda()
 
         def run(num_messages: int) -> None:
             for _ in range(num_messages):
@@ -129,6 +129,7 @@ class IpcPeer:
         self.channel.adopt(0, codes_reply.region_id, audio_reply.region_id, audio_reply.events)
         self.spf = self.welcome.models[0].samples_per_frame
         self.q = self.welcome.models[0].num_quantizers
+        self.codebook = self.welcome.models[0].codebook_size
 
     def send(self, msg, *buffers) -> None:
         self.sock.send_multipart(proto.encode(msg, buffers))
@@ -143,8 +144,8 @@ class IpcPeer:
         self.send(proto.OpenStream(10, stream_id))
         assert isinstance(self.recv(), proto.Opened)
 
-    def chunk(self, stream_id: str, seq: int, codes: torch.Tensor, **changes) -> tuple[proto.Chunk, object]:
-        packed = self.channel.pack([codes.cuda()], [codes.shape[1] * self.spf])[0]
+    def chunk(self, stream_id: str, seq: int, values: torch.Tensor, **changes) -> tuple[proto.Chunk, object]:
+        packed = self.channel.pack([values.cuda()], [values.shape[1] * self.spf])[0]
         fields = {"codes": packed.codes, "codes_event": packed.codes_event, "audio_out": packed.audio_out}
         fields.update(changes)
         return proto.Chunk(stream_id, seq, fields["codes"], codes_event=fields["codes_event"],
@@ -240,13 +241,13 @@ def test_unregister_in_flight_is_deferred_until_the_chunk_is_done(gpu_sidecar):
     peer = IpcPeer(gpu_sidecar.address, codes_nbytes=1 << 20, audio_nbytes=1 << 26)
     try:
         peer.open("long")
-        chunk, packed = peer.chunk("long", 0, _codes(peer.q, 200, 1))  # a slow chunk: ~200 frames
+        chunk, packed = peer.chunk("long", 0, _codes(peer.q, 200, 1, peer.codebook))  # a slow chunk: 200 frames
         peer.send(proto.Decode(50, (chunk,)))
         peer.send(proto.UnregisterRegion(51, packed.codes.loc.region_id))
         first, second = peer.recv(), peer.recv()
         assert isinstance(first, proto.DecodeResult) and first.results[0].error is None, first
         assert isinstance(second, proto.RegionUnregistered) and second.request_id == 51
-        later, _ = peer.chunk("long", 1, _codes(peer.q, 2, 2))
+        later, _ = peer.chunk("long", 1, _codes(peer.q, 2, 2, peer.codebook))
         peer.send(proto.Decode(52, (later,)))
         error = peer.recv().results[0].error
         assert error.code == ErrorCode.NOT_FOUND and "not registered" in error.message
@@ -271,7 +272,7 @@ time.sleep(60)
 def test_killed_client_regions_are_closed_and_others_unharmed(tmp_path, golden_cases):
     sidecar = start_sidecar(tmp_path, "--device", "cuda", "--stream-ttl-s", "2")
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         victim = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, sidecar.address], stdout=subprocess.PIPE,
                                   text=True, env=env)
         line = victim.stdout.readline()
