@@ -11,9 +11,10 @@ says ``bye``, re-handshakes or is forgotten after the server's TTL.
 
 - ``access="read"``: the server reads codes from it. The client also exports
   interprocess events (``events``); each chunk whose codes live there names the
-  event (``codes_event``) it recorded after writing them, and that event must be
-  complete when the message is sent (the server checks it and never waits on a
-  client's unfinished work).
+  event (``codes_event``) it recorded after writing them. The server decodes
+  the chunk once that event is complete (it queries it; it never waits on a
+  client's unfinished work on the device); a chunk whose event stays incomplete
+  fails with ``deadline_exceeded`` after the server's ``codes_event_timeout_s``.
 - ``access="write"``: the server writes audio into it. The server creates the
   events and returns their handles in ``region_registered``; each result whose
   audio went there names the event (``audio_event``) the server recorded after

@@ -84,6 +84,8 @@ class ServerConfig(_Section):
     seed: int = 0
     heartbeat_interval_s: float = Field(0.5, gt=0)
     cuda_ipc: bool = Field(True, description="accept CUDA IPC regions from clients on the same GPU (CUDA only)")
+    codes_event_timeout_s: float = Field(5.0, gt=0, description="a CUDA IPC chunk whose codes event is not "
+                                         "complete after this long fails with deadline_exceeded")
     streams: StreamsConfig = StreamsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     engine: EngineConfig = EngineConfig()

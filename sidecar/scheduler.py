@@ -82,6 +82,10 @@ class Scheduler:
         self._queue = kept
         return batch
 
+    def requeue(self, jobs: list[ChunkJob]) -> None:
+        """Put jobs taken by ``take_batch`` back at the front, in their order (their inputs were not ready)."""
+        self._queue.extendleft(reversed(jobs))
+
     def remove_stream(self, stream: Stream) -> list[ChunkJob]:
         """Drop and return every queued chunk of ``stream`` (abort, or an earlier chunk failed)."""
         dropped = [j for j in self._queue if j.stream is stream]

@@ -34,6 +34,9 @@ from .transport import Transport, check_bind_security
 
 log = logging.getLogger(__name__)
 
+_DEFERRED_RETRY_S = 0.0002
+"""Pause before retrying a step whose only chunks were waiting for their clients' codes."""
+
 
 class Server:
     def __init__(self, cfg: ServerConfig, metrics: Metrics | None = None) -> None:
@@ -197,7 +200,7 @@ class Server:
             self.metrics.batch_size.labels(mode=mode).observe(len(batch))
             self._busy = True
             try:
-                done, audios, refused = await loop.run_in_executor(self._pool, self._engine_step, batch)
+                done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step, batch)
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode)
                 for job in batch:
@@ -206,6 +209,10 @@ class Server:
                 self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
                 for job, code, message in refused:
                     self.sessions.fail_job(job, code, message)
+                if deferred:  # codes still being written by the client: first in line for the next step
+                    self.scheduler.requeue(deferred)
+                    if not done:
+                        await asyncio.sleep(_DEFERRED_RETRY_S)
                 for job, audio in zip(done, audios):
                     self.sessions.complete_job(job, audio)
             finally:
@@ -213,14 +220,16 @@ class Server:
             self.sessions.release_in_flight(batch)
             self._flush()
 
-    def _engine_step(self, batch: list) -> tuple[list, list, list]:
+    def _engine_step(self, batch: list) -> tuple[list, list, list, list]:
         """Engine thread: read CUDA IPC codes, decode, write CUDA IPC audio. Returns the decoded jobs, their
-        audio, and ``(job, code, message)`` for jobs refused before decoding (their state is untouched)."""
-        refused = load_codes(batch, self.model.codebook_size)
-        refused_ids = {id(job) for job, _, _ in refused}
-        done = [job for job in batch if id(job) not in refused_ids]
+        audio, ``(job, code, message)`` for jobs refused before decoding (their state is untouched), and jobs
+        whose client-side codes are not ready yet."""
+        refused, deferred = load_codes(batch, self.model.codebook_size, time.monotonic(),
+                                       self.cfg.codes_event_timeout_s)
+        skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
+        done = [job for job in batch if id(job) not in skipped]
         if not done:
-            return done, [], refused
+            return done, [], refused, deferred
         audios = self.engine.decode(self.sessions.build_items(done))
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
@@ -229,7 +238,7 @@ class Server:
         num_in = sum(job.ipc_codes is not None for job in done)
         if num_in:
             self.metrics.ipc_chunks.labels(direction="codes_in").inc(num_in)
-        return done, audios, refused
+        return done, audios, refused, deferred
 
     async def _run_device_ops(self) -> None:
         """Open and close client regions on the engine thread, between steps, in arrival order."""

@@ -255,6 +255,28 @@ def test_unregister_in_flight_is_deferred_until_the_chunk_is_done(gpu_sidecar):
         peer.close()
 
 
+def test_chunk_waits_for_its_codes_event_without_stalling_other_clients(gpu_sidecar, golden_cases):
+    codes = golden_cases["codes"][1]
+    peer = IpcPeer(gpu_sidecar.address)
+    try:
+        peer.open("slow")
+        chunk, packed = peer.chunk("slow", 0, codes[:, :4])
+        channel = peer.channel
+        event = channel._events[packed.codes_event]
+        with torch.cuda.stream(channel._copy_stream):  # the codes are "still being produced" for ~0.7 s
+            torch.cuda._sleep(1_400_000_000)
+            event.record()
+        peer.send(proto.Decode(60, (chunk,)))
+        with SidecarClient(gpu_sidecar.address) as c:
+            fast = c.open_stream("fast")
+            fast.decode(codes[:, :5].cuda())  # decoded while the slow chunk waits in the queue
+            assert not peer.sock.poll(0), "the slow chunk was answered before its codes were ready"
+        reply = peer.recv()
+        assert isinstance(reply, proto.DecodeResult) and reply.results[0].error is None, reply
+    finally:
+        peer.close()
+
+
 _KILLED_CLIENT = """
 import sys, time, torch
 from client import SidecarClient

@@ -2,9 +2,11 @@
 
 Ordering (no device-wide synchronisation anywhere):
 - Codes: a client-owned copy stream waits on the caller's current stream, copies each chunk's codes into
-  a slot of the codes region, and records one of the client's interprocess events; ``pack`` waits for that
-  event on the host before the message leaves, so the sidecar never waits on unfinished client work. A
-  codes slot is reusable once the chunk's reply arrives (the sidecar read it before replying).
+  a slot of the codes region, and records one of the client's interprocess events. Nobody blocks on it:
+  the sidecar decodes the chunk once that event is complete (until then the chunk waits in its queue), so
+  the caller's thread goes on at once and the sidecar never waits on unfinished client work. A codes slot
+  is reusable once the chunk's reply arrives (the sidecar read it before replying); the caller's codes
+  tensor is kept alive until then by the stream's unacknowledged-chunk record.
 - Audio: the sidecar writes into a slot of the audio region and names the event it recorded after
   writing; ``audio_tensor`` waits for that event before handing out the view.
 - An audio view is released when the last tensor using it is freed. Its slot is reused only after the
@@ -137,7 +139,6 @@ class IpcChannel:
             for tensor, offset in zip(codes, codes_offsets):
                 self._codes_view(offset, tensor).copy_(tensor)
             event.record(copy_stream)
-        event.synchronize()  # complete before the message leaves: the sidecar never waits on our work
         packed = []
         for tensor, samples, codes_offset, audio_offset in zip(codes, num_samples, codes_offsets, audio_offsets):
             codes_desc = TensorDesc(_WIRE_DTYPES[tensor.dtype], tuple(tensor.shape),

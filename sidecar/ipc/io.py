@@ -1,10 +1,12 @@
 """Engine-thread device work for chunks that use CUDA IPC regions: read codes in, write audio out.
 
-Codes: the engine stream waits on the client's event (which must already be complete: a sidecar never
-waits on a client's unfinished work, so one slow client cannot stall a batch), then reads the codes of all
-IPC chunks of the batch from their regions in one gather and one copy to the host, where they are checked
-like inline codes: a code outside the codebook would fault the device for every client, so they are never
-handed to a kernel unchecked. After that copy the client may reuse the codes' bytes.
+Codes: a chunk whose client event is not complete yet is not decoded in this step: it goes back to the
+queue (and fails with deadline_exceeded after ``codes_event_timeout_s``), so one client's slow producer
+never stalls a batch and the engine never waits on a client's unfinished work. For the others the engine
+stream waits on the event, then reads the codes of all IPC chunks of the batch from their regions in one
+gather and one copy to the host, where they are checked like inline codes: a code outside the codebook
+would fault the device for every client, so they are never handed to a kernel unchecked. After that copy
+the client may reuse the codes' bytes.
 
 Audio: each row is copied from the decoder's output straight into the client's region, the region's next
 event is recorded on the engine stream, and the step waits for that event before the reply leaves, so a
@@ -20,12 +22,13 @@ from proto import ErrorCode
 __all__ = ["load_codes", "store_audio"]
 
 
-def load_codes(jobs: list, codebook_size: int) -> list[tuple]:
-    """Give each IPC job host codes ``[Q, n]`` int64; return ``(job, code, message)`` for those refused."""
+def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float) -> tuple[list, list]:
+    """Give each IPC job host codes ``[Q, n]`` int64. Returns ``(refused, deferred)``: ``(job, code, message)``
+    for jobs refused, and jobs whose codes are not ready yet (to be queued again)."""
     ipc_jobs = [job for job in jobs if job.ipc_codes is not None]
     if not ipc_jobs:
-        return []
-    refused, ready = [], []
+        return [], []
+    refused, ready, deferred = [], [], []
     stream = torch.cuda.current_stream()
     waited = set()
     for job in ipc_jobs:
@@ -37,9 +40,11 @@ def load_codes(jobs: list, codebook_size: int) -> list[tuple]:
         event = region.opened.events[event_index]
         if id(event) not in waited:
             if not event.query():
-                refused.append((job, ErrorCode.INVALID_ARGUMENT, f"codes_event {event_index} of region "
-                                f"{region.region_id} was not complete when the chunk arrived: synchronize it "
-                                "before sending"))
+                if now_s - job.arrived_s > codes_event_timeout_s:
+                    refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {event_index} of region "
+                                    f"{region.region_id} did not complete within {codes_event_timeout_s:g}s"))
+                else:
+                    deferred.append(job)
                 continue
             stream.wait_event(event)
             waited.add(id(event))
@@ -59,7 +64,7 @@ def load_codes(jobs: list, codebook_size: int) -> list[tuple]:
                 refused.append((job, ErrorCode.INVALID_ARGUMENT, f"code {bad} out of range [0, {codebook_size})"))
                 continue
             job.codes = codes
-    return refused
+    return refused, deferred
 
 
 def store_audio(jobs: list, audios: list) -> list:
