@@ -89,6 +89,7 @@ class IpcChannel:
         with torch.cuda.device(device):
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_CODES_EVENTS)]
             self._copy_stream = torch.cuda.Stream(device)
+            self._fence = torch.cuda.Event()  # reused under the order lock: the caller's stream -> copy stream
         self._next_event = 0
         self._lock = threading.Lock()  # slots and released audio
         self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
@@ -134,11 +135,14 @@ class IpcChannel:
         self._next_event = (event_index + 1) % len(self._events)
         event = self._events[event_index]
         copy_stream = self._copy_stream
-        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # codes made there; released views used there
+        caller = torch.cuda.current_stream(self.device)
+        self._fence.record(caller)  # codes were made there; released audio views were used there
+        copy_stream.wait_event(self._fence)
         with torch.cuda.stream(copy_stream):
             for tensor, offset in zip(codes, codes_offsets):
                 self._codes_view(offset, tensor).copy_(tensor)
             event.record(copy_stream)
+        caller.wait_event(event)  # the caller may overwrite its codes buffer in stream order after this
         packed = []
         for tensor, samples, codes_offset, audio_offset in zip(codes, num_samples, codes_offsets, audio_offsets):
             codes_desc = TensorDesc(_WIRE_DTYPES[tensor.dtype], tuple(tensor.shape),

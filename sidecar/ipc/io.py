@@ -50,8 +50,9 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
             waited.add(id(event))
         ready.append(job)
     if ready:
-        flat = torch.cat([job.ipc_codes[1].reshape(-1).to(torch.int64) for job in ready])  # [sum Q*n] on device
-        host = flat.cpu()  # the step's one read of all IPC codes (synchronizes)
+        views = [job.ipc_codes[1].reshape(-1) for job in ready]
+        flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)
+        host = flat.to("cpu", torch.int64)  # the step's one read of all IPC codes (synchronizes)
         start = 0
         for job in ready:
             shape = job.ipc_codes[1].shape

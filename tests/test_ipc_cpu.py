@@ -1,0 +1,162 @@
+"""CPU tests for the policy side of CUDA IPC: slot allocation, bounds checks, region bookkeeping (deferred
+close), and the client's fallback decision against a real CPU-only sidecar. The device side (opening
+handles, events, two-process audio) is in test_cuda_ipc.py."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import proto
+from client import SidecarClient
+from client.cuda_ipc.slots import SlotAllocator
+from proto import CudaIpcLoc, ErrorCode, TensorDesc
+from sidecar.ipc.device import OpenedRegion
+from sidecar.ipc.regions import Region, RegionService, check_span
+from sidecar.metrics import Metrics
+from sidecar.work import ChunkRejected
+
+
+def test_slot_allocator_never_overlaps_and_coalesces() -> None:
+    slots = SlotAllocator(1 << 16, align=256)
+    rng = random.Random(0)
+    live: dict[int, int] = {}
+    for _ in range(5000):
+        if live and (rng.random() < 0.5 or len(live) > 40):
+            offset = rng.choice(list(live))
+            slots.free(offset)
+            del live[offset]
+            continue
+        nbytes = rng.randint(1, 5000)
+        offset = slots.alloc(nbytes)
+        if offset is None:
+            assert sum(-(-n // 256) * 256 for n in live.values()) + nbytes > (1 << 16) // 4  # it was fairly full
+            continue
+        assert offset % 256 == 0 and offset + nbytes <= 1 << 16
+        for other, size in live.items():
+            assert offset + nbytes <= other or other + size <= offset, "overlapping slots"
+        live[offset] = nbytes
+    for offset in list(live):
+        slots.free(offset)
+    assert slots.used_nbytes == 0 and slots.alloc(1 << 16) == 0  # everything merged back into one range
+
+
+def test_slot_allocator_full_and_double_free() -> None:
+    slots = SlotAllocator(1024, align=256)
+    offsets = [slots.alloc(256) for _ in range(4)]
+    assert offsets == [0, 256, 512, 768] and slots.alloc(1) is None
+    slots.free(256)
+    assert slots.alloc(200) == 256
+    with pytest.raises(KeyError):
+        slots.free(300)
+
+
+@pytest.mark.parametrize("offset, nbytes, itemsize, expected", [
+    (0, 100, 4, None),
+    (96, 4, 4, None),
+    (97, 4, 4, "alignment"),
+    (4, 100, 8, "alignment"),
+    (0, 101, 1, "outside"),
+    (100, 0, 4, None),
+    (2**62, 8, 8, "outside"),
+])
+def test_check_span(offset, nbytes, itemsize, expected) -> None:
+    reason = check_span(100, offset, nbytes, itemsize)
+    assert (reason is None) if expected is None else (expected in reason)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.errors: list = []
+
+    def send(self, identity, msg) -> None:
+        self.sent.append((identity, msg))
+
+    def error(self, identity, request_id, code, message) -> None:
+        self.errors.append((identity, request_id, code, message))
+
+
+def _service_with_region(access: str = "read") -> tuple[RegionService, Region, _Recorder]:
+    """Bookkeeping only: the 'opened' region is host memory standing in for a mapped device block."""
+    rec = _Recorder()
+    service = RegionService(None, "host-1", Metrics(), rec.send, rec.error, "test")
+    opened = OpenedRegion(pointer=0, nbytes=1024, data=torch.zeros(1024, dtype=torch.uint8))
+    region = Region(7, b"client-a", access, 1024, opened)
+    service.regions[7] = region
+    return service, region, rec
+
+
+def test_lookup_is_scoped_to_the_connection_and_the_access() -> None:
+    service, region, _ = _service_with_region()
+    desc = TensorDesc("int64", (2, 3), CudaIpcLoc(7, 64, 48))
+    assert service.view(service.lookup(b"client-a", desc.loc, "read", "codes"), desc, "codes").shape == (2, 3)
+    with pytest.raises(ChunkRejected) as info:
+        service.lookup(b"client-b", desc.loc, "read", "codes")
+    assert info.value.code == ErrorCode.NOT_FOUND
+    with pytest.raises(ChunkRejected, match="registered for read, not write"):
+        service.lookup(b"client-a", desc.loc, "write", "audio_out")
+    with pytest.raises(ChunkRejected, match="outside the region"):
+        service.view(region, TensorDesc("int64", (200,), CudaIpcLoc(7, 0, 1600)), "codes")
+
+
+def test_unregister_while_in_use_is_deferred_until_the_last_use_ends() -> None:
+    service, region, rec = _service_with_region()
+    service.acquire(region)
+    service.acquire(region)
+    service.on_unregister(b"client-a", proto.UnregisterRegion(11, 7))
+    assert service.device_ops == [] and region.closing  # two chunks still use it
+    with pytest.raises(ChunkRejected):  # new chunks may no longer name it
+        service.lookup(b"client-a", CudaIpcLoc(7, 0, 8), "read", "codes")
+    service.release(region)
+    assert service.device_ops == []
+    service.release(region)
+    (op,) = service.device_ops
+    assert op.kind == "close" and op.region is region and 7 not in service.regions
+    service.metrics.ipc_regions.labels(access="read").inc()  # as if it had been opened
+    service.op_done(op)
+    assert rec.sent == [(b"client-a", proto.RegionUnregistered(11, 7))]
+
+
+def test_dropping_a_client_closes_its_regions() -> None:
+    service, region, _ = _service_with_region()
+    service.drop_client(b"client-b")
+    assert service.device_ops == []
+    service.drop_client(b"client-a")
+    assert [op.region for op in service.device_ops] == [region]
+
+
+def test_cpu_sidecar_refuses_regions_and_the_client_falls_back(sidecar, caplog) -> None:
+    with SidecarClient(sidecar.address, cuda_ipc=True) as c:
+        assert c.server_info.capabilities == {"cuda_ipc": False}
+        reason = c._ipc.ensure(torch.device("cuda", 0), 1.0)  # decided from the welcome: CUDA is never touched
+        assert reason.startswith("sidecar_without_cuda_ipc")
+        with caplog.at_level(logging.WARNING, logger="code2wav.client"):
+            c._ipc.fallback(reason, 3)
+            c._ipc.fallback(reason, 2)
+        assert c.ipc_stats == {"inline_fallback:sidecar_without_cuda_ipc": 5}
+        assert len([r for r in caplog.records if "inline instead of by CUDA IPC" in r.message]) == 1  # logged once
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(sidecar.address)
+    try:
+        sock.send_multipart(proto.encode(proto.Hello(1, 1, "raw")))
+        proto.decode_server_message(sock.recv_multipart())
+        header = {"type": "register_region", "request_id": 2, "gpu_uuid": "GPU-1", "ipc_handle": "00" * 64,
+                  "nbytes": 4096, "access": "read", "events": ["00" * 64]}
+        sock.send_multipart([msgpack.packb(header)])
+        reply = proto.decode_server_message(sock.recv_multipart())
+        assert isinstance(reply, proto.Error) and reply.code == ErrorCode.INVALID_ARGUMENT
+        assert "no CUDA IPC" in reply.message and "send inline tensors" in reply.message
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    text = sidecar.scrape()
+    assert re.search(r'code2wav_sidecar_ipc_register_failures_total\{reason="unsupported"\} 1\.0', text)
