@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,6 +20,7 @@ from proto import ErrorCode, ProtocolError
 
 from .config import ServerConfig
 from .engine import DecodeItem
+from .inputs import read_chunk_inputs
 from .ipc.regions import RegionService
 from .metrics import Metrics
 from .models import LoadedModel
@@ -31,9 +31,6 @@ from .streams import SeqVerdict, Stream, check_seq
 from .work import ChunkRejected
 
 log = logging.getLogger(__name__)
-
-_NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64}
-
 
 @dataclass
 class ClientState:
@@ -183,7 +180,7 @@ class Sessions:
                     raise ChunkRejected(ErrorCode.OUT_OF_ORDER, reason)
                 job = ChunkJob(stream=stream, seq=chunk.seq, codes=None, context_frames=chunk.context_frames,
                                final=chunk.final, arrived_s=now, reply=reply, index=index)
-                self._read_codes(identity, job, chunk, frames)
+                read_chunk_inputs(self.model, self.regions, identity, job, chunk, frames)
                 if chunk.num_frames == 0:  # an empty final chunk: nothing to decode, an empty inline reply
                     job.codes, job.ipc_codes, job.audio_out = torch.zeros((chunk.codes.shape[0], 0), dtype=torch.long), None, None
                     stream.next_seq += 1
@@ -208,47 +205,6 @@ class Sessions:
                 self._reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message)
         self.metrics.queue_depth.set(len(self.scheduler))
         self._maybe_emit(reply)
-
-    def _read_codes(self, identity: bytes, job: ChunkJob, chunk: proto.Chunk, frames: list) -> None:
-        """Inline codes: checked and copied now (``job.codes``). CUDA IPC codes: bounds-checked now, read and
-        checked by the engine step (``job.ipc_codes``). An ``audio_out`` is bounds-checked too."""
-        desc = chunk.codes
-        if desc.dtype not in _NP_DTYPES:
-            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes must be int16/int32/int64, got {desc.dtype}")
-        num_q, num_frames = desc.shape
-        if num_q != self.model.num_quantizers:
-            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
-                                f"codes have {num_q} quantizers, model '{self.model.name}' needs "
-                                f"{self.model.num_quantizers} (shape [Q, n])")
-        if chunk.audio_out is not None:
-            num_samples = (num_frames - chunk.context_frames) * self.model.samples_per_frame
-            if chunk.audio_out.shape != (num_samples,):
-                raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"audio_out has shape {list(chunk.audio_out.shape)}; "
-                                    f"this chunk gives [{num_samples}] samples")
-            region = self.regions.lookup(identity, chunk.audio_out.loc, "write", "audio_out")
-            job.audio_out = (region, self.regions.view(region, chunk.audio_out, "audio_out"), chunk.audio_out)
-        if isinstance(desc.loc, proto.CudaIpcLoc):
-            if self.regions.device is None:
-                raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "cuda_ipc tensors are not supported by this "
-                                    "sidecar (capabilities.cuda_ipc is false)")
-            region = self.regions.lookup(identity, desc.loc, "read", "codes")
-            job.ipc_codes = (region, self.regions.view(region, desc, "codes"), chunk.codes_event)
-            return
-        job.codes = self._inline_codes(desc, frames)
-
-    def _inline_codes(self, desc: proto.TensorDesc, frames: list) -> Tensor:
-        num_q, num_frames = desc.shape
-        try:
-            view = proto.inline_view(desc, frames)
-        except ProtocolError as exc:
-            raise ChunkRejected(exc.code, exc.message) from None
-        array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
-        array = array.reshape(num_q, num_frames).astype(np.int64)  # [Q, n] (copy: codes are small)
-        if array.size and (array.min() < 0 or array.max() >= self.model.codebook_size):
-            bad = int(array.min()) if array.min() < 0 else int(array.max())
-            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
-                                f"code {bad} out of range [0, {self.model.codebook_size})")
-        return torch.from_numpy(array)
 
     def _finish(self, identity: bytes, msg: proto.Finish) -> None:
         stream = self.streams.get((identity, msg.stream_id))

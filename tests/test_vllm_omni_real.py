@@ -134,7 +134,6 @@ def test_model_from_overlay_returns_real_omni_output(tmp_path, sidecar, tiny_mod
     cls, _ = OmniModelRegistry.resolve_model_cls([ARCH_NAME], model_config=model_config)
     model = cls(vllm_config=SimpleNamespace(model_config=model_config))
     codes = torch.randint(0, 64, (Q, 6), generator=torch.Generator().manual_seed(0))
-    flat = codes.reshape(-1)
     buffers = [payload("r1", codes[:, :2]), payload("r2", codes, finished=True)]
     out = model(input_ids=torch.zeros(32, dtype=torch.long), positions=torch.arange(32),
                 model_intermediate_buffer=buffers, runtime_additional_information=buffers, seq_token_counts=[8, 24])

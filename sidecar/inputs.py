@@ -1,0 +1,65 @@
+"""A chunk's inputs as they arrive: inline codes are checked and copied now; CUDA IPC codes and an ``audio_out``
+are looked up and bounds-checked now (metadata only), read and written later by the engine step.
+
+Sans-IO like ``sessions``: every problem is a ``ChunkRejected`` with a typed code, scoped to the chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import proto
+from proto import ErrorCode, ProtocolError
+
+from .ipc.regions import RegionService
+from .models import LoadedModel
+from .scheduler import ChunkJob
+from .work import ChunkRejected
+
+_NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64}
+
+
+def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: bytes, job: ChunkJob, chunk: proto.Chunk,
+                      frames: list) -> None:
+    """Inline codes: checked and copied now (``job.codes``). CUDA IPC codes: bounds-checked now, read and
+    checked by the engine step (``job.ipc_codes``). An ``audio_out`` is bounds-checked too."""
+    desc = chunk.codes
+    if desc.dtype not in _NP_DTYPES:
+        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes must be int16/int32/int64, got {desc.dtype}")
+    num_q, num_frames = desc.shape
+    if num_q != model.num_quantizers:
+        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
+                            f"codes have {num_q} quantizers, model '{model.name}' needs "
+                            f"{model.num_quantizers} (shape [Q, n])")
+    if chunk.audio_out is not None:
+        num_samples = (num_frames - chunk.context_frames) * model.samples_per_frame
+        if chunk.audio_out.shape != (num_samples,):
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"audio_out has shape {list(chunk.audio_out.shape)}; "
+                                f"this chunk gives [{num_samples}] samples")
+        region = regions.lookup(identity, chunk.audio_out.loc, "write", "audio_out")
+        job.audio_out = (region, regions.view(region, chunk.audio_out, "audio_out"), chunk.audio_out)
+    if isinstance(desc.loc, proto.CudaIpcLoc):
+        if regions.device is None:
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "cuda_ipc tensors are not supported by this "
+                                "sidecar (capabilities.cuda_ipc is false)")
+        region = regions.lookup(identity, desc.loc, "read", "codes")
+        job.ipc_codes = (region, regions.view(region, desc, "codes"), chunk.codes_event)
+        return
+    job.codes = _inline_codes(model, desc, frames)
+
+
+def _inline_codes(model: LoadedModel, desc: proto.TensorDesc, frames: list) -> Tensor:
+    num_q, num_frames = desc.shape
+    try:
+        view = proto.inline_view(desc, frames)
+    except ProtocolError as exc:
+        raise ChunkRejected(exc.code, exc.message) from None
+    array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
+    array = array.reshape(num_q, num_frames).astype(np.int64)  # [Q, n] (copy: codes are small)
+    if array.size and (array.min() < 0 or array.max() >= model.codebook_size):
+        bad = int(array.min()) if array.min() < 0 else int(array.max())
+        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
+                            f"code {bad} out of range [0, {model.codebook_size})")
+    return torch.from_numpy(array)
