@@ -53,12 +53,16 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
         views = [job.ipc_codes[1].reshape(-1) for job in ready]
         flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)
         host = flat.to("cpu", torch.int64)  # the step's one read of all IPC codes (synchronizes)
+        all_valid = host.numel() == 0 or (int(host.min()) >= 0 and int(host.max()) < codebook_size)
         start = 0
         for job in ready:
             shape = job.ipc_codes[1].shape
             count = shape[0] * shape[1]
             codes = host[start: start + count].view(shape)  # [Q, n]
             start += count
+            if all_valid:  # the usual case: one check for the whole batch
+                job.codes = codes
+                continue
             low, high = int(codes.min()), int(codes.max())
             if low < 0 or high >= codebook_size:
                 bad = low if low < 0 else high
@@ -72,12 +76,14 @@ def store_audio(jobs: list, audios: list) -> list:
     """Write IPC rows into their regions; returns the audio each job keeps for resends (owned tensors)."""
     kept = list(audios)
     written = {}
-    for i, (job, audio) in enumerate(zip(jobs, audios)):
+    for i, job in enumerate(jobs):
         if job.audio_out is None:
             continue
         region, view, _desc = job.audio_out
-        view.copy_(audio)  # into the client's memory
-        kept[i] = audio.clone()  # our copy, for an idempotent resend (the decoder output is reused next step)
+        view.copy_(audios[i])  # into the client's memory
+        # Our own copy for an idempotent resend (the decoder output is reused next step); one per row, so an
+        # idle stream never pins the rows of other streams.
+        kept[i] = audios[i].clone()
         written.setdefault(id(region), (region, []))[1].append(job)
     last = None
     for region, region_jobs in written.values():
