@@ -116,7 +116,7 @@ class IpcLink:
         for msg in channel.register_messages(first):
             future: Future = Future()
             reply, failure = _resolve(future)
-            self._conn.submit(Call(msg.request_id, encode(msg), timeout_s, reply, failure, internal=True))
+            self._conn.submit(Call(msg.request_id, encode(msg), timeout_s, reply, failure))
             futures.append(future)
         try:
             codes, audio = (f.result(timeout_s + 1.0) for f in futures)
@@ -145,7 +145,7 @@ class IpcLink:
                 reply, failure = _resolve(future)
                 request_id = self._conn.next_request_id()
                 self._conn.submit(Call(request_id, encode(UnregisterRegion(request_id, region_id)), timeout_s,
-                                       reply, failure, internal=True))
+                                       reply, failure))  # fails at once when the sidecar is known dead
                 futures.append(future)
             for future in futures:
                 try:
