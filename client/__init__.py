@@ -6,7 +6,7 @@
     from client import SidecarClient
     with SidecarClient("ipc:///run/code2wav/sidecar.sock", timeout_s=30) as c:
         s = c.open_stream("req-1", mode="window", left_context_frames=25)
-        wav = s.decode(codes)            # float32 [(n - context_frames) * U] on CPU
+        wav = s.decode(codes)            # float32 [(n - context_frames) * U]; CUDA codes: CUDA audio (CUDA IPC)
         wav = await asyncio.wrap_future(s.submit(codes))   # from asyncio
 """
 

@@ -9,7 +9,7 @@ A background I/O thread owns the socket (see ``_io.py``).
 
     with SidecarClient("ipc:///run/code2wav/sidecar.sock", timeout_s=30) as c:
         s = c.open_stream("req-1", mode="window", left_context_frames=25)
-        wav = s.decode(codes)                      # float32 [(n - context) * U] on CPU
+        wav = s.decode(codes)                      # float32 [(n - context) * U], on the codes' device
         wav = s.decode(last, final=True)           # frees the stream after replying
         outs = c.decode_batch([(s1, codes1), (s2, codes2, {"final": True})])
 """
@@ -29,12 +29,10 @@ import torch
 
 from proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
-    CudaIpcLoc,
     STREAM_MODES,
     Aborted,
     Abort,
     Chunk,
-    ChunkResult,
     Decode,
     DecodeResult,
     Finish,
@@ -45,18 +43,17 @@ from proto import (
     OpenStream,
     Ping,
     Pong,
-    ProtocolError,
     ServerMessage,
     Welcome,
     encode,
 )
 
 from ._io import Call, Connection, Outcome
-from .cuda_ipc.channel import PackedChunk
 from .cuda_ipc.link import IpcLink
-from .errors import DeadlineExceeded, Internal, InvalidArgument, SidecarError, Unavailable, error_from
+from .errors import DeadlineExceeded, Internal, InvalidArgument, SidecarError, Unavailable
+from .results import Settle, chunk_outcome, settle_outcomes
 from .stream import SentChunk, Stream
-from .transport import CodesLike, InlineTransport, TensorTransport, as_wire_codes, audio_from_frames, host_id
+from .transport import CodesLike, InlineTransport, TensorTransport, as_wire_codes, cuda_wire_codes, host_id
 
 __all__ = ["SidecarClient", "DEFAULT_ADDRESS", "BatchItem"]
 
@@ -66,19 +63,6 @@ _HEADER_NBYTES_PER_CHUNK = 256
 """Generous estimate of a chunk's header bytes, for the message-size check before sending."""
 
 BatchItem = Union[tuple[Stream, CodesLike], tuple[Stream, CodesLike, dict[str, Any]]]
-_Settle = Literal["concat", "list", "list_with_exceptions"]
-
-
-def _cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
-    """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (no copy when already one)."""
-    tensor = codes.detach()
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
-    if tensor.dtype not in (torch.int16, torch.int32, torch.int64):
-        tensor = tensor.to(torch.int64)
-    if tensor.dim() != 2:
-        raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(tensor.shape)}")
-    return tensor.contiguous()
 
 
 def _set_result(future: Future[Any], value: Any) -> None:
@@ -326,7 +310,7 @@ class SidecarClient:
         return self._wait(self.submit_batch(items, return_exceptions=return_exceptions, timeout_s=timeout_s), timeout_s)
 
     def _submit_new(
-        self, entries: Sequence[tuple[Stream, CodesLike, bool, int]], timeout_s: float | None, settle: _Settle
+        self, entries: Sequence[tuple[Stream, CodesLike, bool, int]], timeout_s: float | None, settle: Settle
     ) -> Future[Any]:
         limits = self.limits
         if not entries:
@@ -367,7 +351,7 @@ class SidecarClient:
             raise InvalidArgument(f"stream {stream.stream_id!r} belongs to another client")
         stream._check_usable()
         if isinstance(codes, torch.Tensor) and codes.is_cuda:
-            array: Any = _cuda_wire_codes(codes)  # stays on the device: sent by CUDA IPC, or inline (audio comes
+            array: Any = cuda_wire_codes(codes)  # stays on the device: sent by CUDA IPC, or inline (audio comes
             # back on the device either way)
         else:
             array = as_wire_codes(codes)
@@ -385,10 +369,10 @@ class SidecarClient:
         return array
 
     def _submit_chunks(self, planned: list[tuple[Stream, SentChunk]], timeout_s: float | None,
-                       settle: _Settle) -> Future[Any]:
+                       settle: Settle) -> Future[Any]:
         """Send planned chunks as one ``decode`` message and settle one future from their outcomes."""
         request_id = self._conn.next_request_id()
-        packed = self._pack_ipc(planned)
+        packed = self._ipc.pack(planned)
         chunks: list[Chunk] = []
         buffers: list[Any] = []
         for (stream, chunk), ipc in zip(planned, packed):
@@ -406,8 +390,8 @@ class SidecarClient:
             if not isinstance(msg, DecodeResult) or len(msg.results) != len(planned):
                 got = len(msg.results) if isinstance(msg, DecodeResult) else msg.TYPE
                 raise Internal(f"expected {len(planned)} decode results, got {got}")
-            outcomes = [self._outcome(s, c, r, frames, ipc) for (s, c), r, ipc in zip(planned, msg.results, packed)]
-            return self._settle(outcomes, settle)
+            outcomes = [chunk_outcome(s, c, r, frames, ipc) for (s, c), r, ipc in zip(planned, msg.results, packed)]
+            return settle_outcomes(outcomes, settle)
 
         def on_failure(error: SidecarError, outcome: Outcome) -> None:
             if outcome != "unknown":  # else the sidecar may still use the slots: they stay reserved
@@ -425,84 +409,3 @@ class SidecarClient:
         frames = encode(Decode(request_id, tuple(chunks)), buffers)
         self._call(frames, request_id, timeout_s, on_reply, future, generation, on_failure)
         return future
-
-    def _pack_ipc(self, planned: list[tuple[Stream, SentChunk]]) -> list[PackedChunk | None]:
-        """Per chunk: its CUDA IPC placement, or None to send it inline (host codes, or a counted fallback)."""
-        rows = [i for i, (_, chunk) in enumerate(planned) if isinstance(chunk.codes, torch.Tensor)]
-        packed: list[PackedChunk | None] = [None] * len(planned)
-        if not rows or not self._ipc.enabled:
-            return packed
-        device = planned[rows[0]][1].codes.device
-        channel = self._ipc.ready(device)
-        same_device = all(planned[i][1].codes.device == device for i in rows)
-        if channel is None or not same_device:
-            reason = self._ipc.ensure(device, 0.0) if channel is None else "second_device: codes on several GPUs"
-            self._ipc.fallback(reason or "not_registered", len(rows))
-            return packed
-        num_samples = [(planned[i][1].num_frames - planned[i][1].context_frames) * planned[i][0].samples_per_frame
-                       for i in rows]
-        placed = channel.pack([planned[i][1].codes for i in rows], num_samples)
-        if placed is None:
-            self._ipc.fallback("region_full: codes or audio views in flight fill the regions", len(rows))
-            return packed
-        for i, ipc in zip(rows, placed):
-            packed[i] = ipc
-        self._ipc.stats["ipc_chunks"] += len(rows)
-        return packed
-
-    @staticmethod
-    def _settle(outcomes: list[Any], settle: _Settle) -> Any:
-        if settle == "list_with_exceptions":
-            return outcomes
-        for outcome in outcomes:
-            if isinstance(outcome, SidecarError):
-                raise outcome
-        if settle == "list":
-            return outcomes
-        return outcomes[0] if len(outcomes) == 1 else torch.cat(outcomes)
-
-    def _outcome(self, stream: Stream, chunk: SentChunk, result: ChunkResult, frames: list[memoryview],
-                 ipc: PackedChunk | None) -> torch.Tensor | SidecarError:
-        outcome = self._audio_outcome(stream, chunk, result, frames)
-        in_region = (result.audio is not None and isinstance(result.audio.loc, CudaIpcLoc)
-                     and not isinstance(outcome, SidecarError))
-        if in_region and (ipc is None or result.audio.loc != ipc.audio_out.loc):
-            outcome, in_region = Internal(f"stream {stream.stream_id!r} seq {chunk.seq}: audio placed in a region "
-                                          "slot this client did not offer"), False
-        if ipc is not None:
-            ipc.channel.release(ipc, audio_used=in_region)
-        if isinstance(outcome, SidecarError):
-            return outcome
-        if in_region:
-            assert ipc is not None and result.audio_event is not None
-            return ipc.channel.audio_tensor(ipc, result.audio_event)  # [num_samples] float32 on the GPU
-        if isinstance(chunk.codes, torch.Tensor) and outcome is not None:
-            return outcome.to(chunk.codes.device)  # CUDA codes in, CUDA audio out, whatever the path
-        return outcome
-
-    @staticmethod
-    def _audio_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
-                       frames: list[memoryview]) -> torch.Tensor | SidecarError | None:
-        """Check the result against the chunk; the inline audio tensor, None for region audio, or the error."""
-        if result.stream_id != stream.stream_id or result.seq != chunk.seq:
-            stream._on_chunk_failed(chunk, "unknown")
-            return Internal(f"result for {result.stream_id!r}/{result.seq} where "
-                            f"{stream.stream_id!r}/{chunk.seq} was expected")
-        if result.error is not None:
-            stream._on_chunk_failed(chunk, "rejected")
-            return error_from(result.error.code, result.error.message)
-        stream._on_chunk_ok(chunk)  # the server committed the chunk
-        assert result.audio is not None
-        expected_frames = chunk.num_frames - chunk.context_frames
-        expected_samples = expected_frames * stream.samples_per_frame
-        if result.num_frames != expected_frames or result.audio.numel != expected_samples:
-            return Internal(
-                f"stream {stream.stream_id!r} seq {chunk.seq}: expected {expected_frames} frames / "
-                f"{expected_samples} samples, got {result.num_frames} frames / {result.audio.numel} samples"
-            )
-        if isinstance(result.audio.loc, CudaIpcLoc):
-            return None
-        try:
-            return audio_from_frames(result.audio, frames)
-        except ProtocolError as exc:
-            return Internal(f"stream {stream.stream_id!r} seq {chunk.seq}: {exc.message}")

@@ -92,9 +92,14 @@ class Stream:
     def submit(
         self, codes: CodesLike, final: bool = False, context_frames: int = 0, *, timeout_s: float | None = None
     ) -> Future[torch.Tensor]:
-        """Send one chunk ``[Q, n]``; the future gives float32 audio ``[(n - context_frames) * U]`` on CPU.
+        """Send one chunk ``[Q, n]``; the future gives float32 audio ``[(n - context_frames) * U]``.
 
-        The codes' memory is sent without a copy: do not modify it until the future is done.
+        Host codes give host audio; their memory is sent without a copy, so do not modify it until the future
+        is done. CUDA codes give CUDA audio on the same device: by CUDA IPC when the sidecar shares the host and
+        GPU (the audio is then a view into this client's audio region, valid until you free it; ``clone()`` it
+        to keep it past ``client.close()``), else inline with a counted fallback (``client.ipc_stats``). The
+        codes are copied in stream order on the current stream: the buffer may be reused in stream order at
+        once, but keep the tensor unchanged until the future is done if you may call ``resend()``.
         """
         return self._client._submit_new([(self, codes, final, context_frames)], timeout_s, "concat")
 

@@ -19,7 +19,8 @@ from proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
 
 from .errors import InvalidArgument
 
-__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "audio_from_frames", "host_id"]
+__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "cuda_wire_codes", "audio_from_frames",
+           "host_id"]
 
 CodesLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
 
@@ -56,6 +57,18 @@ def as_wire_codes(codes: CodesLike) -> np.ndarray:
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
         array = array.astype(array.dtype.newbyteorder("<"))
     return array
+
+
+def cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
+    """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (no copy when already one)."""
+    tensor = codes.detach()
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+        raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
+    if tensor.dtype not in (torch.int16, torch.int32, torch.int64):
+        tensor = tensor.to(torch.int64)
+    if tensor.dim() != 2:
+        raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(tensor.shape)}")
+    return tensor.contiguous()
 
 
 class TensorTransport(Protocol):

@@ -20,7 +20,7 @@ from proto import RegionRegistered, ServerMessage, UnregisterRegion, encode
 
 from .._call import Call
 from ..errors import SidecarError
-from .channel import IpcChannel, IpcUnavailable, gpu_uuid
+from .channel import IpcChannel, IpcUnavailable, PackedChunk, gpu_uuid
 
 if TYPE_CHECKING:
     from .._io import Connection
@@ -132,6 +132,31 @@ class IpcLink:
         log.info("CUDA IPC regions registered on %s: codes %d bytes (region %d), audio %d bytes (region %d)",
                  channel.uuid, self._codes_nbytes, codes.region_id, self._audio_nbytes, audio.region_id)
         return None
+
+    def pack(self, planned: list) -> list[PackedChunk | None]:
+        """Per ``(stream, sent chunk)``: its CUDA IPC placement, or None to send it inline (host codes, or a
+        counted fallback). Called under the client's order lock; never blocks on the sidecar."""
+        rows = [i for i, (_, chunk) in enumerate(planned) if isinstance(chunk.codes, torch.Tensor)]
+        packed: list[PackedChunk | None] = [None] * len(planned)
+        if not rows or not self.enabled:
+            return packed
+        device = planned[rows[0]][1].codes.device
+        channel = self.ready(device)
+        same_device = all(planned[i][1].codes.device == device for i in rows)
+        if channel is None or not same_device:
+            reason = self.ensure(device, 0.0) if channel is None else "second_device: codes on several GPUs"
+            self.fallback(reason or "not_registered", len(rows))
+            return packed
+        num_samples = [(planned[i][1].num_frames - planned[i][1].context_frames) * planned[i][0].samples_per_frame
+                       for i in rows]
+        placed = channel.pack([planned[i][1].codes for i in rows], num_samples)
+        if placed is None:
+            self.fallback("region_full: codes or audio views in flight fill the regions", len(rows))
+            return packed
+        for i, ipc in zip(rows, placed):
+            packed[i] = ipc
+        self.stats["ipc_chunks"] += len(rows)
+        return packed
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Unregister (waiting for the sidecar to close them, bounded) and free the regions."""

@@ -1,0 +1,80 @@
+"""What a ``decode_result`` means for each chunk: checked audio (host, or a CUDA view) or a typed error, and how
+one future settles from several chunks' outcomes.
+
+``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from proto import ChunkResult, CudaIpcLoc, ProtocolError
+
+from .cuda_ipc.channel import PackedChunk
+from .errors import Internal, SidecarError, error_from
+from .stream import SentChunk, Stream
+from .transport import audio_from_frames
+
+__all__ = ["Settle", "settle_outcomes", "chunk_outcome"]
+
+Settle = Literal["concat", "list", "list_with_exceptions"]
+
+
+def settle_outcomes(outcomes: list[Any], settle: Settle) -> Any:
+    if settle == "list_with_exceptions":
+        return outcomes
+    for outcome in outcomes:
+        if isinstance(outcome, SidecarError):
+            raise outcome
+    if settle == "list":
+        return outcomes
+    return outcomes[0] if len(outcomes) == 1 else torch.cat(outcomes)
+
+
+def chunk_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult, frames: list[memoryview],
+                  ipc: PackedChunk | None) -> torch.Tensor | SidecarError:
+    outcome = _inline_outcome(stream, chunk, result, frames)
+    in_region = (result.audio is not None and isinstance(result.audio.loc, CudaIpcLoc)
+                 and not isinstance(outcome, SidecarError))
+    if in_region and (ipc is None or result.audio.loc != ipc.audio_out.loc):
+        outcome, in_region = Internal(f"stream {stream.stream_id!r} seq {chunk.seq}: audio placed in a region "
+                                      "slot this client did not offer"), False
+    if ipc is not None:
+        ipc.channel.release(ipc, audio_used=in_region)
+    if isinstance(outcome, SidecarError):
+        return outcome
+    if in_region:
+        assert ipc is not None and result.audio_event is not None
+        return ipc.channel.audio_tensor(ipc, result.audio_event)  # [num_samples] float32 on the GPU
+    if isinstance(chunk.codes, torch.Tensor) and outcome is not None:
+        return outcome.to(chunk.codes.device)  # CUDA codes in, CUDA audio out, whatever the path
+    return outcome
+
+
+def _inline_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
+                    frames: list[memoryview]) -> torch.Tensor | SidecarError | None:
+    """Check the result against the chunk; the inline audio tensor, None for region audio, or the error."""
+    if result.stream_id != stream.stream_id or result.seq != chunk.seq:
+        stream._on_chunk_failed(chunk, "unknown")
+        return Internal(f"result for {result.stream_id!r}/{result.seq} where "
+                        f"{stream.stream_id!r}/{chunk.seq} was expected")
+    if result.error is not None:
+        stream._on_chunk_failed(chunk, "rejected")
+        return error_from(result.error.code, result.error.message)
+    stream._on_chunk_ok(chunk)  # the server committed the chunk
+    assert result.audio is not None
+    expected_frames = chunk.num_frames - chunk.context_frames
+    expected_samples = expected_frames * stream.samples_per_frame
+    if result.num_frames != expected_frames or result.audio.numel != expected_samples:
+        return Internal(
+            f"stream {stream.stream_id!r} seq {chunk.seq}: expected {expected_frames} frames / "
+            f"{expected_samples} samples, got {result.num_frames} frames / {result.audio.numel} samples"
+        )
+    if isinstance(result.audio.loc, CudaIpcLoc):
+        return None
+    try:
+        return audio_from_frames(result.audio, frames)
+    except ProtocolError as exc:
+        return Internal(f"stream {stream.stream_id!r} seq {chunk.seq}: {exc.message}")
