@@ -104,7 +104,9 @@ class Server:
             except CudaIpcError as exc:
                 reason = str(exc)
         log.info("CUDA IPC regions: %s", f"accepted on {ipc_device.uuid}" if ipc_device else f"off ({reason})")
-        return RegionService(ipc_device, host_id(), self.metrics, self.sessions._send, self.sessions.error, reason)
+        sessions = self.sessions
+        return RegionService(ipc_device, host_id(), self.metrics, sessions._send, sessions.error, reason,
+                             session_of=sessions.clients.get)
 
     def _build_graphs(self, arena: StateArena) -> GraphManager:
         """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""

@@ -60,7 +60,8 @@ class Sessions:
         self.outbox: list[Outbound] = []
         self.draining = False
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
-        self.regions = regions or RegionService(None, None, metrics, self._send, self.error, "not configured")
+        self.regions = regions or RegionService(None, None, metrics, self._send, self.error, "not configured",
+                                                session_of=self.clients.get)
 
     def _pending_added(self, stream: Stream) -> None:
         stream.num_pending += 1

@@ -18,7 +18,7 @@ from client import SidecarClient
 from client.cuda_ipc.slots import SlotAllocator
 from proto import CudaIpcLoc, ErrorCode, TensorDesc
 from sidecar.ipc.device import OpenedRegion
-from sidecar.ipc.regions import Region, RegionService, check_span
+from sidecar.ipc.regions import DeviceOp, Region, RegionService, check_span
 from sidecar.metrics import Metrics
 from sidecar.work import ChunkRejected
 
@@ -86,7 +86,9 @@ class _Recorder:
 def _service_with_region(access: str = "read") -> tuple[RegionService, Region, _Recorder]:
     """Bookkeeping only: the 'opened' region is host memory standing in for a mapped device block."""
     rec = _Recorder()
-    service = RegionService(None, "host-1", Metrics(), rec.send, rec.error, "test")
+    sessions = {b"client-a": object()}
+    service = RegionService(None, "host-1", Metrics(), rec.send, rec.error, "test", session_of=sessions.get)
+    service.test_sessions = sessions  # type: ignore[attr-defined]
     opened = OpenedRegion(pointer=0, nbytes=1024, data=torch.zeros(1024, dtype=torch.uint8))
     region = Region(7, b"client-a", access, 1024, opened)
     service.regions[7] = region
@@ -130,6 +132,22 @@ def test_dropping_a_client_closes_its_regions() -> None:
     assert service.device_ops == []
     service.drop_client(b"client-a")
     assert [op.region for op in service.device_ops] == [region]
+
+
+def test_a_region_opened_after_its_session_ended_is_closed_not_registered() -> None:
+    service, _, rec = _service_with_region()
+    sessions = service.test_sessions
+    msg = proto.RegisterRegion(21, "GPU-1", "ab" * 64, 1024, "write")
+    opened = OpenedRegion(pointer=0, nbytes=1024, data=torch.zeros(1024, dtype=torch.uint8), event_handles=("cd" * 64,))
+    live = DeviceOp("open", b"client-a", message=msg, session=sessions[b"client-a"], result=opened)
+    stale = DeviceOp("open", b"client-a", message=msg, session=sessions[b"client-a"], result=opened)
+    service.op_done(live)
+    assert isinstance(rec.sent[-1][1], proto.RegionRegistered) and len(service.regions) == 2
+    sessions[b"client-a"] = object()  # the client said hello again while the second region was opening
+    service.op_done(stale)
+    assert len(rec.sent) == 1 and len(service.regions) == 2  # no reply to a session that is gone
+    (close,) = service.device_ops
+    assert close.kind == "close" and close.region.region_id not in service.regions
 
 
 def test_cpu_sidecar_refuses_regions_and_the_client_falls_back(sidecar, caplog) -> None:

@@ -61,6 +61,7 @@ class DeviceOp:
     kind: str  # "open" | "close"
     identity: bytes
     message: Any = None  # proto.RegisterRegion for "open"
+    session: Any = None  # for "open": the client session that asked (its regions die with it)
     region: Region | None = None
     result: Any = None
     error: str | None = None
@@ -69,13 +70,16 @@ class DeviceOp:
 class RegionService:
     def __init__(self, device: CudaIpcDevice | None, host_id: str | None, metrics,
                  send: Callable[[bytes, Any], None], error: Callable[[bytes, int, ErrorCode, str], None],
-                 unavailable_reason: str = "") -> None:
+                 unavailable_reason: str, session_of: Callable[[bytes], Any]) -> None:
+        """``session_of(identity)``: the connection's current session (any object, None when it has none); a
+        region whose opening finishes after its session ended is closed at once instead of registered."""
         self.device = device
         self.host_id = host_id
         self.metrics = metrics
         self._send = send
         self._error = error
         self.unavailable_reason = unavailable_reason
+        self.session_of = session_of
         self.regions: dict[int, Region] = {}
         self.device_ops: list[DeviceOp] = []
         self._ids = itertools.count(1)
@@ -95,7 +99,7 @@ class RegionService:
             return self._refuse(identity, rid, "different_gpu",
                                 f"the region is on {msg.gpu_uuid}, this sidecar decodes on {self.device.uuid}; "
                                 "CUDA IPC needs the same GPU: send inline tensors")
-        self.device_ops.append(DeviceOp("open", identity, message=msg))
+        self.device_ops.append(DeviceOp("open", identity, message=msg, session=self.session_of(identity)))
 
     def on_unregister(self, identity: bytes, msg: proto.UnregisterRegion) -> None:
         region = self.regions.get(msg.region_id)
@@ -163,8 +167,12 @@ class RegionService:
             return self._refuse(op.identity, msg.request_id, "open_failed",
                                 f"cannot open the CUDA IPC region: {op.error}; send inline tensors")
         region = Region(next(self._ids), op.identity, msg.access, msg.nbytes, op.result)
-        self.regions[region.region_id] = region
         self.metrics.ipc_regions.labels(access=msg.access).inc()
+        current = self.session_of(op.identity)
+        if current is None or current is not op.session:  # bye, re-handshake or TTL while it was opening
+            self.device_ops.append(DeviceOp("close", region.client, region=region))
+            return
+        self.regions[region.region_id] = region
         self._send(op.identity, proto.RegionRegistered(msg.request_id, region.region_id, op.result.event_handles))
 
     def _close_when_idle(self, region: Region) -> None:
