@@ -74,6 +74,28 @@ def test_ipc_audio_equals_inline_exactly(gpu_sidecar, golden_cases):
     assert _metric(text, "code2wav_sidecar_ipc_chunks_total", direction="audio_out") >= stats["ipc_chunks"]
 
 
+def test_context_frames_full_region_fallback_and_resend(gpu_sidecar, golden_cases):
+    codes = golden_cases["codes"][1]  # [Q, 40]; the tiny model gives 48 samples (192 bytes) per frame
+    with SidecarClient(gpu_sidecar.address, ipc_audio_nbytes=4096) as c, \
+            SidecarClient(gpu_sidecar.address, cuda_ipc=False) as ref_client:
+        assert c.models[0].samples_per_frame == 48
+        s, ref = c.open_stream("ctx"), ref_client.open_stream("ctx-ref")
+        first = s.decode(codes[:, :10].cuda(), context_frames=4)  # frames 0-3: state only, no audio
+        assert first.is_cuda and torch.equal(first.cpu(), ref.decode(codes[:, :10], context_frames=4))
+        del first  # its slot returns to the region
+        held = s.decode(codes[:, 10:25].cuda())  # 15 frames: 3072 of the 4096 bytes while `held` lives
+        assert torch.equal(held.cpu(), ref.decode(codes[:, 10:25]))
+        spill = s.decode(codes[:, 25:35].cuda())  # no room: sent inline, and still CUDA audio
+        assert spill.is_cuda and torch.equal(spill.cpu(), ref.decode(codes[:, 25:35]))
+        assert c.ipc_stats["inline_fallback:region_full"] == 1 and c.ipc_stats["ipc_chunks"] == 2
+        del held
+        again = s.resend()  # the last chunk again, by IPC now; the sidecar answers a resend inline
+        assert again.is_cuda and torch.equal(again.cpu(), spill.cpu()) and s.next_seq == 3
+        last = s.decode(codes[:, 35:].cuda(), final=True)
+        assert torch.equal(last.cpu(), ref.decode(codes[:, 35:], final=True))
+        assert c.ipc_stats["ipc_chunks"] == 4 and c.ipc_stats["inline_fallback:region_full"] == 1
+
+
 def test_ten_thousand_chunks_leave_gpu_memory_flat(gpu_sidecar):
     num_streams, total = 8, 10_000
     with SidecarClient(gpu_sidecar.address) as c:
