@@ -50,6 +50,8 @@ class IpcLink:
         self._audio_nbytes = audio_nbytes
         self._channel: IpcChannel | None = None
         self._off: str | None = None  # a reason that holds for the rest of the connection
+        self._failed: tuple[int, str] | None = None  # (session, reason): registration refused in that session
+        self._last_reason = "not_registered: no chunk registered the regions yet"
         self._lock = threading.Lock()  # one registration at a time
         self.stats: collections.Counter[str] = collections.Counter()
         self._logged: set[str] = set()
@@ -74,14 +76,23 @@ class IpcLink:
             return None
         if self._off is not None:
             return self._off
+        if self._failed is not None and self._failed[0] == self._conn.session:
+            return self._failed[1]  # not again in this session: every chunk would pay two round trips
         if self._conn.on_io_thread:
-            return "registration_from_callback: regions are registered on the first chunk sent outside callbacks"
+            self._last_reason = ("registration_from_callback: regions are registered on the first chunk sent "
+                                 "outside callbacks")
+            return self._last_reason
         with self._lock:
             if self.ready(device) is not None:
                 return None
+            session = self._conn.session
             reason = self._why_not(device)
             if reason is None:
                 reason = self._register(device, timeout_s)
+                if reason is not None:
+                    self._failed = (session, reason)
+            if reason is not None:
+                self._last_reason = reason
             return reason
 
     def _why_not(self, device: torch.device) -> str | None:
@@ -143,9 +154,8 @@ class IpcLink:
         device = planned[rows[0]][1].codes.device
         channel = self.ready(device)
         same_device = all(planned[i][1].codes.device == device for i in rows)
-        if channel is None or not same_device:
-            reason = self.ensure(device, 0.0) if channel is None else "second_device: codes on several GPUs"
-            self.fallback(reason or "not_registered", len(rows))
+        if channel is None or not same_device:  # never registers here: this runs under the order lock
+            self.fallback(self._last_reason if channel is None else "second_device: codes on several GPUs", len(rows))
             return packed
         num_samples = [(planned[i][1].num_frames - planned[i][1].context_frames) * planned[i][0].samples_per_frame
                        for i in rows]
