@@ -324,13 +324,13 @@ class SidecarClient:
         for stream, codes, final, context_frames in entries:
             prepared.append((stream, self._checked_codes(stream, codes, final, context_frames), final, context_frames))
             nbytes += prepared[-1][1].nbytes + _HEADER_NBYTES_PER_CHUNK
-        cuda_devices = {array.device for _, array, _, _ in prepared if isinstance(array, torch.Tensor)}
-        for device in cuda_devices if self._ipc.enabled else ():  # export and register the regions once, outside the order lock
-            self._ipc.ensure(device, self.timeout_s if timeout_s is None else timeout_s)
-        if nbytes > limits.max_message_bytes and not cuda_devices:
+        if nbytes > limits.max_message_bytes:  # counted as if inline: CUDA codes may fall back to it
             raise InvalidArgument(
                 f"batch is about {nbytes} bytes; the server's limit is {limits.max_message_bytes}: split it"
             )
+        if self._ipc.enabled:  # export and register the regions once per session, outside the order lock
+            for device in {array.device for _, array, _, _ in prepared if isinstance(array, torch.Tensor)}:
+                self._ipc.ensure(device, self.timeout_s if timeout_s is None else timeout_s)
         with self._order_lock:
             planned: list[tuple[Stream, SentChunk]] = []
             try:

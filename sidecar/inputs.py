@@ -33,6 +33,9 @@ def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: byte
         raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
                             f"codes have {num_q} quantizers, model '{model.name}' needs "
                             f"{model.num_quantizers} (shape [Q, n])")
+    if num_frames == 0:  # an empty final chunk: nothing to read, wherever it says the codes are
+        job.codes = torch.zeros((num_q, 0), dtype=torch.long)
+        return
     if chunk.audio_out is not None:
         num_samples = (num_frames - chunk.context_frames) * model.samples_per_frame
         if chunk.audio_out.shape != (num_samples,):
@@ -45,6 +48,10 @@ def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: byte
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "cuda_ipc tensors are not supported by this "
                                 "sidecar (capabilities.cuda_ipc is false)")
         region = regions.lookup(identity, desc.loc, "read", "codes")
+        num_events = len(region.opened.events)
+        if chunk.codes_event >= num_events:
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes_event {chunk.codes_event} is not one of the "
+                                f"{num_events} events registered with region {region.region_id}")
         job.ipc_codes = (region, regions.view(region, desc, "codes"), chunk.codes_event)
         return
     job.codes = _inline_codes(model, desc, frames)

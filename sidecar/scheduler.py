@@ -32,6 +32,11 @@ class ChunkJob:
     audio_event: int | None = None  # set by the engine step: the region event recorded after writing
 
     @property
+    def regions(self) -> list:
+        """The CUDA IPC regions this chunk reads or writes (each holds one use per chunk)."""
+        return [use[0] for use in (self.ipc_codes, self.audio_out) if use is not None]
+
+    @property
     def batch_key(self) -> tuple[str, str]:
         return (self.stream.model, self.stream.mode)
 

@@ -23,7 +23,6 @@ from .graphs.plan import build_buckets
 from .ipc.cudart import CudaIpcError, host_id
 from .ipc.device import CudaIpcDevice
 from .ipc.io import load_codes, store_audio
-from .ipc.regions import RegionService
 from .metrics import HealthServer, Metrics
 from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
@@ -83,16 +82,17 @@ class Server:
         if device.type == "cuda" and cfg.graphs.enabled:  # capture on the engine thread; /healthz stays live
             graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
         self.engine = Engine(self.model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=self.metrics)
-        self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics)
-        self.sessions.regions = self._region_service(device)
+        ipc_device, ipc_off_reason = self._ipc_device(device)
+        self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics, ipc_device, host_id(),
+                                 ipc_off_reason)
         sec = cfg.security
         self.transport = Transport(self._zmq, cfg.address, cfg.limits.max_message_bytes,
                                    sec.curve_secret_key_file, sec.insecure)
         self.ready = True
         self.metrics.ready.set(1)
 
-    def _region_service(self, device) -> RegionService:
-        assert self.sessions is not None
+    def _ipc_device(self, device) -> tuple[CudaIpcDevice | None, str]:
+        """What opens clients' CUDA IPC regions, or None and why not."""
         reason, ipc_device = "", None
         if device.type != "cuda":
             reason = "the sidecar runs on the CPU"
@@ -104,9 +104,7 @@ class Server:
             except CudaIpcError as exc:
                 reason = str(exc)
         log.info("CUDA IPC regions: %s", f"accepted on {ipc_device.uuid}" if ipc_device else f"off ({reason})")
-        sessions = self.sessions
-        return RegionService(ipc_device, host_id(), self.metrics, sessions._send, sessions.error, reason,
-                             session_of=sessions.clients.get)
+        return ipc_device, reason
 
     def _build_graphs(self, arena: StateArena) -> GraphManager:
         """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""
@@ -246,8 +244,7 @@ class Server:
         """Open and close client regions on the engine thread, between steps, in arrival order."""
         regions = self.sessions.regions
         loop = asyncio.get_running_loop()
-        self._ops_running = True
-        try:
+        try:  # _flush set _ops_running when it started this task
             while regions.device_ops:
                 op = regions.device_ops.pop(0)
                 await loop.run_in_executor(self._pool, regions.run_op, op)

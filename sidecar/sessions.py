@@ -21,6 +21,7 @@ from proto import ErrorCode, ProtocolError
 from .config import ServerConfig
 from .engine import DecodeItem
 from .inputs import read_chunk_inputs
+from .ipc.device import CudaIpcDevice
 from .ipc.regions import RegionService
 from .metrics import Metrics
 from .models import LoadedModel
@@ -41,8 +42,8 @@ class ClientState:
 
 class Sessions:
     def __init__(self, cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
-                 metrics: Metrics, regions: RegionService | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics, ipc_device: CudaIpcDevice | None = None, host_id: str | None = None,
+                 ipc_off_reason: str = "not configured", clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.model = model
         self.arena = arena
@@ -60,8 +61,8 @@ class Sessions:
         self.outbox: list[Outbound] = []
         self.draining = False
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
-        self.regions = regions or RegionService(None, None, metrics, self._send, self.error, "not configured",
-                                                session_of=self.clients.get)
+        self.regions = RegionService(ipc_device, host_id, metrics, self._send, self.error, ipc_off_reason,
+                                     session_of=self.clients.get)
 
     def _pending_added(self, stream: Stream) -> None:
         stream.num_pending += 1
@@ -69,9 +70,8 @@ class Sessions:
 
     def _job_done(self, job: ChunkJob) -> None:
         """A queued chunk got its outcome: release the regions it used and its pending count."""
-        for use in (job.ipc_codes, job.audio_out):
-            if use is not None:
-                self.regions.release(use[0])
+        for region in job.regions:
+            self.regions.release(region)
         job.ipc_codes = job.audio_out = None
         self._pending_done(job.stream)
 
@@ -183,7 +183,6 @@ class Sessions:
                                final=chunk.final, arrived_s=now, reply=reply, index=index)
                 read_chunk_inputs(self.model, self.regions, identity, job, chunk, frames)
                 if chunk.num_frames == 0:  # an empty final chunk: nothing to decode, an empty inline reply
-                    job.codes, job.ipc_codes, job.audio_out = torch.zeros((chunk.codes.shape[0], 0), dtype=torch.long), None, None
                     stream.next_seq += 1
                     self._pending_added(stream)
                     self.complete_job(job, torch.zeros(0, dtype=torch.float32))
@@ -194,9 +193,8 @@ class Sessions:
                 if not self.scheduler.submit(job):
                     raise ChunkRejected(ErrorCode.BUSY, f"{len(self.scheduler)} chunks are queued "
                                         "(scheduler.max_pending_chunks); retry with backoff")
-                for use in (job.ipc_codes, job.audio_out):
-                    if use is not None:
-                        self.regions.acquire(use[0])
+                for region in job.regions:
+                    self.regions.acquire(region)
                 stream.next_seq += 1
                 self._pending_added(stream)
                 stream.last_active_s = now

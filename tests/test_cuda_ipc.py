@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -22,6 +21,7 @@ from client.cuda_ipc.channel import IpcChannel
 from proto import CudaIpcLoc, ErrorCode, TensorDesc
 
 from conftest import ROOT, start_sidecar
+from test_server_e2e import RawPeer
 
 pytestmark = pytest.mark.cuda
 
@@ -130,18 +130,13 @@ def test_ten_thousand_chunks_leave_gpu_memory_flat(gpu_sidecar):
     assert usage["audio_bytes_in_use"] <= num_streams * 8192, usage  # the last views return at the next send
 
 
-class IpcPeer:
+class IpcPeer(RawPeer):
     """A raw DEALER plus an exported channel, for messages the client library would never send."""
 
     def __init__(self, address: str, codes_nbytes: int = 1 << 16, audio_nbytes: int = 1 << 22) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        super().__init__(address)
         self.sock.setsockopt(zmq.RCVTIMEO, 20_000)
-        self.sock.connect(address)
-        self.send(proto.Hello(1, 1, "raw-ipc"))
-        self.welcome = self.recv()
-        assert isinstance(self.welcome, proto.Welcome)
+        self.welcome = self.hello()
         self.channel = IpcChannel(torch.device("cuda", 0), codes_nbytes, audio_nbytes)
         self.codes_nbytes = codes_nbytes
         for msg in self.channel.register_messages(2):
@@ -153,15 +148,6 @@ class IpcPeer:
         self.q = self.welcome.models[0].num_quantizers
         self.codebook = self.welcome.models[0].codebook_size
 
-    def send(self, msg, *buffers) -> None:
-        self.sock.send_multipart(proto.encode(msg, buffers))
-
-    def send_raw(self, header: dict) -> None:
-        self.sock.send_multipart([msgpack.packb(header)])
-
-    def recv(self):
-        return proto.decode_server_message(self.sock.recv_multipart())
-
     def open(self, stream_id: str) -> None:
         self.send(proto.OpenStream(10, stream_id))
         assert isinstance(self.recv(), proto.Opened)
@@ -172,10 +158,6 @@ class IpcPeer:
         fields.update(changes)
         return proto.Chunk(stream_id, seq, fields["codes"], codes_event=fields["codes_event"],
                            audio_out=fields["audio_out"]), packed
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
 
 
 def _moved(desc: TensorDesc, **loc_changes) -> TensorDesc:
@@ -342,20 +324,15 @@ def test_killed_client_regions_are_closed_and_others_unharmed(tmp_path, golden_c
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_region_on_another_gpu_is_refused_even_with_a_spoofed_uuid(gpu_sidecar):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, 20_000)
-    sock.connect(gpu_sidecar.address)
+    peer = RawPeer(gpu_sidecar.address)
     try:
-        sock.send_multipart(proto.encode(proto.Hello(1, 1, "spoof")))
-        welcome = proto.decode_server_message(sock.recv_multipart())
+        welcome = peer.hello()
         channel = IpcChannel(torch.device("cuda", 1), 1 << 16, 1 << 16)
         msg = channel.register_messages(2)[1]
         spoofed = proto.RegisterRegion(2, welcome.capabilities["gpu_uuid"], msg.ipc_handle, msg.nbytes, "write")
-        sock.send_multipart(proto.encode(spoofed))
-        reply = proto.decode_server_message(sock.recv_multipart())
+        peer.send(spoofed)
+        reply = peer.recv()
         assert isinstance(reply, proto.Error) and reply.code == ErrorCode.INVALID_ARGUMENT
         assert "device 1" in reply.message or "cannot open" in reply.message, reply.message
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        peer.close()

@@ -8,10 +8,8 @@ import logging
 import random
 import re
 
-import msgpack
 import pytest
 import torch
-import zmq
 
 import proto
 from client import SidecarClient
@@ -21,6 +19,8 @@ from sidecar.ipc.device import OpenedRegion
 from sidecar.ipc.regions import DeviceOp, Region, RegionService, check_span
 from sidecar.metrics import Metrics
 from sidecar.work import ChunkRejected
+
+from test_server_e2e import RawPeer
 
 
 def test_slot_allocator_never_overlaps_and_coalesces() -> None:
@@ -160,21 +160,15 @@ def test_cpu_sidecar_refuses_regions_and_the_client_falls_back(sidecar, caplog) 
             c._ipc.fallback(reason, 2)
         assert c.ipc_stats == {"inline_fallback:sidecar_without_cuda_ipc": 5}
         assert len([r for r in caplog.records if "inline instead of by CUDA IPC" in r.message]) == 1  # logged once
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(sidecar.address)
+    peer = RawPeer(sidecar.address)
     try:
-        sock.send_multipart(proto.encode(proto.Hello(1, 1, "raw")))
-        proto.decode_server_message(sock.recv_multipart())
-        header = {"type": "register_region", "request_id": 2, "gpu_uuid": "GPU-1", "ipc_handle": "00" * 64,
-                  "nbytes": 4096, "access": "read", "events": ["00" * 64]}
-        sock.send_multipart([msgpack.packb(header)])
-        reply = proto.decode_server_message(sock.recv_multipart())
+        peer.hello()
+        peer.send({"type": "register_region", "request_id": 2, "gpu_uuid": "GPU-1", "ipc_handle": "00" * 64,
+                   "nbytes": 4096, "access": "read", "events": ["00" * 64]})
+        reply = peer.recv()
         assert isinstance(reply, proto.Error) and reply.code == ErrorCode.INVALID_ARGUMENT
         assert "no CUDA IPC" in reply.message and "send inline tensors" in reply.message
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        peer.close()
     text = sidecar.scrape()
     assert re.search(r'code2wav_sidecar_ipc_register_failures_total\{reason="unsupported"\} 1\.0', text)

@@ -142,7 +142,10 @@ class RawPeer:
         self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
         self.sock.connect(address)
 
-    def send(self, header: dict | bytes, *buffers: bytes) -> None:
+    def send(self, header, *buffers: bytes) -> None:
+        """``header``: a proto message, a header dict, or packed bytes (sent as they are)."""
+        if hasattr(header, "to_wire"):
+            header = header.to_wire()
         head = header if isinstance(header, bytes) else msgpack.packb(header)
         self.sock.send_multipart([head, *buffers])
 
@@ -150,9 +153,11 @@ class RawPeer:
         frames = self.sock.recv_multipart()
         return proto.decode_server_message(frames)
 
-    def hello(self) -> None:
+    def hello(self) -> proto.Welcome:
         self.send({"type": "hello", "request_id": 1, "version": 1, "client_id": "raw", "capabilities": {}})
-        assert isinstance(self.recv(), proto.Welcome)
+        welcome = self.recv()
+        assert isinstance(welcome, proto.Welcome)
+        return welcome
 
     def close(self) -> None:
         self.sock.close()

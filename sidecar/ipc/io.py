@@ -32,11 +32,7 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
     stream = torch.cuda.current_stream()
     waited = set()
     for job in ipc_jobs:
-        region, view, event_index = job.ipc_codes
-        if event_index >= len(region.opened.events):
-            refused.append((job, ErrorCode.INVALID_ARGUMENT, f"codes_event {event_index} is not one of the "
-                            f"{len(region.opened.events)} events registered with region {region.region_id}"))
-            continue
+        region, view, event_index = job.ipc_codes  # the index was checked against the region on arrival
         event = region.opened.events[event_index]
         if id(event) not in waited:
             if not event.query():
@@ -53,23 +49,26 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
         views = [job.ipc_codes[1].reshape(-1) for job in ready]
         flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)
         host = flat.to("cpu", torch.int64)  # the step's one read of all IPC codes (synchronizes)
-        all_valid = host.numel() == 0 or (int(host.min()) >= 0 and int(host.max()) < codebook_size)
+        all_valid = _out_of_range(host, codebook_size) is None  # the usual case: one check for the whole batch
         start = 0
         for job in ready:
             shape = job.ipc_codes[1].shape
-            count = shape[0] * shape[1]
-            codes = host[start: start + count].view(shape)  # [Q, n]
-            start += count
-            if all_valid:  # the usual case: one check for the whole batch
-                job.codes = codes
-                continue
-            low, high = int(codes.min()), int(codes.max())
-            if low < 0 or high >= codebook_size:
-                bad = low if low < 0 else high
+            codes = host[start: start + shape.numel()].view(shape)  # [Q, n]
+            start += shape.numel()
+            bad = None if all_valid else _out_of_range(codes, codebook_size)
+            if bad is not None:
                 refused.append((job, ErrorCode.INVALID_ARGUMENT, f"code {bad} out of range [0, {codebook_size})"))
-                continue
-            job.codes = codes
+            else:
+                job.codes = codes
     return refused, deferred
+
+
+def _out_of_range(codes: torch.Tensor, codebook_size: int) -> int | None:
+    """A code of ``codes`` outside ``[0, codebook_size)``, or None."""
+    if codes.numel() == 0:
+        return None
+    low, high = int(codes.min()), int(codes.max())
+    return low if low < 0 else high if high >= codebook_size else None
 
 
 def store_audio(jobs: list, audios: list) -> list:
