@@ -1,16 +1,21 @@
-"""The connection: one background I/O thread that alone owns the ZeroMQ DEALER socket.
+"""The connection: one ZeroMQ DEALER socket, a background I/O thread, and a direct send path for callers.
 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 
-Other threads hand the I/O thread ``Call``s through a deque and wake it through
-an ``os.pipe`` registered in its ``zmq.Poller`` (no sleeps, no polling
-intervals). The thread sends, receives, matches replies to calls by
-request_id, enforces each call's deadline (``DeadlineExceeded``), sends
-``ping`` when it has heard nothing for ``heartbeat_interval_s``, declares the
-server dead after ``DEAD_AFTER_INTERVALS`` silent intervals (``Unavailable``),
-and notices a server restart (boot epoch change): it then bumps
-``generation`` (calls on older streams fail with ``StreamLost``) and says
-``hello`` again so new streams work.
+The socket and the call bookkeeping are guarded by one lock (``_io_lock``). A caller that finds the lock
+free and nothing queued ahead of it sends its ``Call`` itself, on its own thread (no hand-off: this is the
+latency of every chunk); otherwise the call goes through a deque and the I/O thread is woken through an
+``os.pipe``. The I/O thread sleeps in a poll on the wake pipe and the socket's file descriptor (not on the
+socket itself, which only the lock holder may touch) and, holding the lock, sends what is queued, receives,
+matches replies to calls by request_id, enforces each call's deadline (``DeadlineExceeded``), sends
+``ping`` when it has heard nothing for ``heartbeat_interval_s``, declares the server dead after
+``DEAD_AFTER_INTERVALS`` silent intervals (``Unavailable``), and notices a server restart (boot epoch
+change): it then bumps ``generation`` (calls on older streams fail with ``StreamLost``) and says ``hello``
+again so new streams work.
+
+ZeroMQ's descriptor only signals that the socket's state may have changed, and any operation on the socket
+(a caller's send included) may consume that signal; so every lock holder checks ``ZMQ_EVENTS`` before
+letting go, and wakes the I/O thread when a message is waiting.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ class Connection:
         self._state = _State()
         self._closed = threading.Event()
         self._submit_lock = threading.Lock()  # orders submit() against close()
+        self._io_lock = threading.Lock()  # the socket, _pending, _unsent, _deadlines, _state
+        self._wake_at = 0.0  # when the sleeping I/O thread will look at deadlines next (monotonic)
+        self._held_failures: list | None = None  # set while a caller sends directly
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -106,9 +114,9 @@ class Connection:
             self._sock.curve_publickey = public
             self._sock.curve_secretkey = secret
         self._sock.connect(address)
-        self._poller = zmq.Poller()
+        self._poller = zmq.Poller()  # on file descriptors only: the socket itself is touched under _io_lock
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._sock.getsockopt(zmq.FD), zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name="code2wav-client-io", daemon=True)
         self._thread.start()
 
@@ -138,13 +146,37 @@ class Connection:
         return next(self._ids)
 
     def submit(self, call: Call) -> None:
-        """Queue ``call``; its callbacks fire on the I/O thread (or here, if closed)."""
+        """Send ``call`` now from this thread when the socket is free and nothing is queued ahead of it, else
+        queue it for the I/O thread. Reply callbacks fire on the I/O thread; a failure found while sending
+        here (or a closed client) is reported on this thread."""
         with self._submit_lock:
-            if not self._closed.is_set():
-                self._inbox.append(call)
+            if self._closed.is_set():
+                failures = None
+            elif self._inbox or not self._io_lock.acquire(blocking=False):
+                self._inbox.append(call)  # the I/O thread holds the socket or has calls queued: hand it over
                 self._wake()
                 return
-        call.on_failure(Unavailable(f"client for {self.address} is closed"), "not_sent")
+            else:
+                failures = self._send_direct(call)
+        if failures is None:
+            call.on_failure(Unavailable(f"client for {self.address} is closed"), "not_sent")
+            return
+        for failed, error, outcome in failures:
+            self._settle_failure(failed, error, outcome)
+
+    def _send_direct(self, call: Call) -> list:
+        """Caller's thread, holding ``_io_lock`` (released here): accept and send ``call``; returns the failures
+        to report once the locks are released (callbacks must not run under them)."""
+        self._held_failures = []
+        try:
+            self._accept(call, front=False)
+            self._flush()
+            if self._unsent or call.deadline < self._wake_at or self._readable():
+                self._wake()  # a backlog to send, an earlier deadline, or a reply to receive
+        finally:
+            failures, self._held_failures = self._held_failures, None
+            self._io_lock.release()
+        return failures
 
     def hello_call(self, timeout_s: float, on_welcome: Callable[[Welcome], None],
                    on_failure: OnFailure) -> Call:
@@ -178,27 +210,38 @@ class Connection:
         except (BlockingIOError, OSError):
             pass  # pipe full (already woken) or closed
 
-    # ------------------------------------------------------------------ I/O thread only
+    # ------------------------------------------------------------------ holder of _io_lock only
 
     def _run(self) -> None:
         try:
-            while self._intake():
-                self._flush()
-                flags = zmq.POLLIN | (zmq.POLLOUT if self._unsent else 0)
-                self._poller.register(self._sock, flags)
-                events = dict(self._poller.poll(self._poll_timeout_ms()))
-                if self._wake_r in events:
-                    self._drain_wake_pipe()
-                if events.get(self._sock, 0) & zmq.POLLIN:
+            while True:
+                with self._io_lock:
+                    if not self._intake():
+                        break
+                    self._flush()
                     self._receive()
-                now = time.monotonic()
-                self._expire(now)
-                self._heartbeat(now)
+                    now = time.monotonic()
+                    self._expire(now)
+                    self._heartbeat(now)
+                    self._flush()  # a re-handshake may have been queued
+                    if self._readable() or (self._unsent and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
+                        continue
+                    timeout_ms = self._poll_timeout_ms()
+                    self._wake_at = time.monotonic() + timeout_ms / 1000.0
+                self._poller.poll(timeout_ms)
+                self._wake_at = 0.0
+                self._drain_wake_pipe()
         except Exception as exc:  # a bug here must not leave callers waiting forever
             log.exception("sidecar client I/O thread failed")
-            self._fail_all(Internal(f"client I/O thread failed: {exc!r}"), include_internal=True)
+            with self._io_lock:
+                self._fail_all(Internal(f"client I/O thread failed: {exc!r}"), include_internal=True)
         finally:
-            self._shutdown()
+            with self._io_lock:
+                self._shutdown()
+
+    def _readable(self) -> bool:
+        """A message is waiting (lock holder only; also re-arms the descriptor's signal)."""
+        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _intake(self) -> bool:
         """Move submitted calls into the send queue; False once close was requested."""
@@ -396,6 +439,9 @@ class Connection:
             self._settle_failure(call, error, "unknown" if call.sent else "not_sent")
 
     def _settle_failure(self, call: Call, error: SidecarError, outcome: Outcome) -> None:
+        if self._held_failures is not None:  # a direct send: reported after its locks are released
+            self._held_failures.append((call, error, outcome))
+            return
         try:
             call.on_failure(error, outcome)
         except Exception:

@@ -373,6 +373,7 @@ class SidecarClient:
         """Send planned chunks as one ``decode`` message and settle one future from their outcomes."""
         request_id = self._conn.next_request_id()
         packed = self._ipc.pack(planned)
+        caller_stream = next((ipc.stream for ipc in packed if ipc is not None), None)
         chunks: list[Chunk] = []
         buffers: list[Any] = []
         for (stream, chunk), ipc in zip(planned, packed):
@@ -391,7 +392,10 @@ class SidecarClient:
                 got = len(msg.results) if isinstance(msg, DecodeResult) else msg.TYPE
                 raise Internal(f"expected {len(planned)} decode results, got {got}")
             outcomes = [chunk_outcome(s, c, r, frames, ipc) for (s, c), r, ipc in zip(planned, msg.results, packed)]
-            return settle_outcomes(outcomes, settle)
+            if caller_stream is None:
+                return settle_outcomes(outcomes, settle)
+            with torch.cuda.stream(caller_stream):  # a concat of region views runs after the sidecar's writes
+                return settle_outcomes(outcomes, settle)
 
         def on_failure(error: SidecarError, outcome: Outcome) -> None:
             if outcome != "unknown":  # else the sidecar may still use the slots: they stay reserved

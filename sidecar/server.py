@@ -1,7 +1,10 @@
 """The sidecar server: drain input -> step -> emit, on one asyncio loop (uvloop where available).
 
-The loop thread owns the socket, the sessions and the scheduler; the model runs in one worker thread
-(``Engine.decode``), so receiving and replying go on while the device works.
+The loop thread owns the socket, the sessions and the scheduler. A step whose every chunk writes its audio
+into a client's CUDA IPC region never waits for the device (its reply names an event instead), so it runs on
+the loop thread itself: no thread hand-off on the latency path. Any other step waits for the device (audio
+copied to the host, eager work), so it runs in one worker thread, and receiving and replying go on meanwhile.
+Only one step runs at a time, and never while a region is being opened or closed.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import logging
 import signal
 import time
 
-import zmq.asyncio
+import torch
+import zmq
 
 from proto import ErrorCode
 
@@ -33,6 +37,8 @@ from .transport import Transport, check_bind_security
 
 log = logging.getLogger(__name__)
 
+_RECEIVE_BATCH = 256
+"""Messages handled per wake-up before other loop work (steps, timers) gets a turn."""
 _DEFERRED_RETRY_S = 0.0002
 """Pause before retrying a step whose only chunks were waiting for their clients' codes."""
 
@@ -51,7 +57,7 @@ class Server:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._work = asyncio.Event()
         self._stop = asyncio.Event()
-        self._zmq = zmq.asyncio.Context()
+        self._zmq = zmq.Context()
         self._busy = False  # an engine step is in flight
         self._ops_running = False  # a task is draining region open/close work
         self.metrics_port = 0
@@ -83,6 +89,7 @@ class Server:
             graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
         self.engine = Engine(self.model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=self.metrics)
         ipc_device, ipc_off_reason = self._ipc_device(device)
+        self._read_stream = torch.cuda.Stream(device) if ipc_device is not None else None  # CUDA IPC codes reads
         self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics, ipc_device, host_id(),
                                  ipc_off_reason)
         sec = cfg.security
@@ -140,17 +147,20 @@ class Server:
 
     async def serve(self) -> None:
         """Run until ``stop()``; then drain: queued chunks finish, new ones are refused, replies flushed."""
-        tasks = [asyncio.create_task(self._receive_loop(), name="receive"),
-                 asyncio.create_task(self._step_loop(), name="step"),
+        assert self.sessions is not None and self.transport is not None
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.transport.fd, self._on_readable)
+        loop.call_soon(self._on_readable)  # anything that arrived before the reader was added
+        tasks = [asyncio.create_task(self._step_loop(), name="step"),
                  asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
-        assert self.sessions is not None
         self.sessions.draining = True
         self.ready = False
         self.metrics.ready.set(0)
         while len(self.scheduler) or self._busy:
             await asyncio.sleep(0.005)
         self._flush()
+        loop.remove_reader(self.transport.fd)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -167,17 +177,23 @@ class Server:
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ loops
-    async def _receive_loop(self) -> None:
+    def _on_readable(self) -> None:
+        """Drain input: every waiting message goes to the sessions, then replies go out and the step loop wakes."""
         assert self.transport is not None and self.sessions is not None
-        while True:
-            identity, frames = await self.transport.recv()
+        for _ in range(_RECEIVE_BATCH):
+            received = self.transport.recv_nowait()
+            if received is None:
+                break
+            identity, frames = received
             try:
                 self.sessions.on_message(identity, frames)
-            except Exception:  # a bug must not stop the loop; the client gets an internal error
+            except Exception:  # a bug must not stop the server; the client gets an internal error
                 log.exception("internal error while handling a message")
                 self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
-            self._flush()
-            self._work.set()
+        else:
+            asyncio.get_running_loop().call_soon(self._on_readable)  # more waiting: after other loop work
+        self._flush()
+        self._work.set()
 
     async def _step_loop(self) -> None:
         assert self.sessions is not None
@@ -200,7 +216,11 @@ class Server:
             self.metrics.batch_size.labels(mode=mode).observe(len(batch))
             self._busy = True
             try:
-                done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step, batch)
+                if self._step_on_loop(batch):
+                    done, audios, refused, deferred = self._engine_step(batch)
+                else:
+                    done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step,
+                                                                                 batch)
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode)
                 for job in batch:
@@ -220,12 +240,17 @@ class Server:
             self.sessions.release_in_flight(batch)
             self._flush()
 
+    def _step_on_loop(self, batch: list) -> bool:
+        """Policy: run on the loop thread a step that does not wait for the device (every chunk's audio goes
+        to a client region), unless a region is being opened or closed in the worker thread meanwhile."""
+        return not self._ops_running and all(job.audio_out is not None for job in batch)
+
     def _engine_step(self, batch: list) -> tuple[list, list, list, list]:
-        """Engine thread: read CUDA IPC codes, decode, write CUDA IPC audio. Returns the decoded jobs, their
-        audio, ``(job, code, message)`` for jobs refused before decoding (their state is untouched), and jobs
-        whose client-side codes are not ready yet."""
+        """Worker thread (or the loop thread, see ``_step_on_loop``): read CUDA IPC codes, decode, write CUDA IPC
+        audio. Returns the decoded jobs, their audio, ``(job, code, message)`` for jobs refused before decoding
+        (their state is untouched), and jobs whose client-side codes are not ready yet."""
         refused, deferred = load_codes(batch, self.model.codebook_size, time.monotonic(),
-                                       self.cfg.codes_event_timeout_s)
+                                       self.cfg.codes_event_timeout_s, self._read_stream)
         skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
         done = [job for job in batch if id(job) not in skipped]
         if not done:
@@ -266,6 +291,8 @@ class Server:
         outbox, self.sessions.outbox = self.sessions.outbox, []
         for out in outbox:
             self.transport.send(out.identity, out.message, out.buffers)
+        if outbox and self.transport.readable():  # sending may have consumed the descriptor's signal
+            asyncio.get_running_loop().call_soon(self._on_readable)
         if self.sessions.regions.device_ops and not self._ops_running:
             self._ops_running = True
             asyncio.get_running_loop().create_task(self._run_device_ops(), name="region-ops")

@@ -2,6 +2,11 @@
 
 ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600.
 Frames are received without copies (``copy=False``) and sent zero-copy for large buffers.
+
+The socket is a plain (non-asyncio) one, used from the server's loop thread only: the loop watches its file
+descriptor and the server drains it with non-blocking receives, which costs far less per message than
+``zmq.asyncio``'s futures. The descriptor only says the socket's state may have changed, and a send may
+consume that signal; so after sending, the server asks ``readable()`` before waiting on the descriptor again.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
-import zmq.asyncio
 import zmq.auth
 
 import proto
@@ -39,11 +43,6 @@ def prepare_ipc_path(address: str) -> Path | None:
     if path.exists():
         path.unlink()  # a stale socket of a previous run
     return path
-
-
-def _log_send_failure(future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("sending a reply failed: %s", future.exception())
 
 
 class InsecureBind(ValueError):
@@ -80,7 +79,7 @@ def check_bind_security(address: str, curve_secret_key_file: str | None, insecur
 
 
 class Transport:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, max_message_bytes: int,
+    def __init__(self, ctx: zmq.Context, address: str, max_message_bytes: int,
                  curve_secret_key_file: str | None = None, insecure: bool = False) -> None:
         self.address = address
         self.security = check_bind_security(address, curve_secret_key_file, insecure, warn=False)
@@ -107,18 +106,30 @@ class Transport:
             os.chmod(ipc_path, 0o600)
         self.bound_address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    async def recv(self) -> tuple[bytes, list]:
-        """``(identity, frames)`` of the next message; frames are zero-copy buffers."""
-        parts = await self.socket.recv_multipart(copy=False)
-        identity = parts[0].bytes
-        return identity, [p.buffer for p in parts[1:]]
+    @property
+    def fd(self) -> int:
+        """Readable when the socket's state may have changed (then drain with ``recv_nowait``)."""
+        return self.socket.getsockopt(zmq.FD)
+
+    def readable(self) -> bool:
+        """A message is waiting (also re-arms the descriptor's signal)."""
+        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def recv_nowait(self) -> tuple[bytes, list] | None:
+        """``(identity, frames)`` of the next message, or None when none is waiting; frames are zero-copy."""
+        try:
+            parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return parts[0].bytes, [p.buffer for p in parts[1:]]
 
     def send(self, identity: bytes, message, buffers: list) -> None:
         frames = [identity, *proto.encode(message, buffers)]
         big = any(memoryview(f).nbytes >= ZERO_COPY_MIN_NBYTES for f in frames[2:])
-        # ROUTER never blocks: a reply to a vanished or saturated peer is dropped by libzmq.
-        done = self.socket.send_multipart(frames, copy=not big)
-        done.add_done_callback(_log_send_failure)
+        try:  # ROUTER never blocks: a reply to a vanished or saturated peer is dropped by libzmq
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=not big)
+        except zmq.ZMQError as exc:
+            log.warning("sending a reply failed: %s", exc)
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -62,13 +62,21 @@ def test_ipc_audio_equals_inline_exactly(gpu_sidecar, golden_cases):
                 outs.append(a.cpu())
             if mode == "exact":
                 torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-4)
+        # on a side stream: codes made there, audio ordered there (the reply does not wait for the decode)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            s_side, s_ref = c.open_stream("side"), c.open_stream("side-ref")
+            for start, end in zip(cuts, cuts[1:]):
+                a = s_side.decode(codes[:, start:end].pin_memory().cuda(non_blocking=True))
+                b = s_ref.decode(codes[:, start:end])
+                assert torch.equal(a.cpu(), b), (start, end)
         # one message mixing CUDA and host codes: each goes its own way, results in order
         s1, s2 = c.open_stream("mix-1"), c.open_stream("mix-2")
         a, b = c.decode_batch([(s1, codes[:, :5].cuda()), (s2, codes[:, :5])])
         assert a.is_cuda and not b.is_cuda
         torch.testing.assert_close(a.cpu(), b, rtol=0, atol=1e-6)
         stats = c.ipc_stats
-    assert stats["ipc_chunks"] == 2 * (len(cuts) - 1) + 1
+    assert stats["ipc_chunks"] == 3 * (len(cuts) - 1) + 1
     assert not [k for k in stats if k.startswith("inline_fallback")], stats
     text = gpu_sidecar.scrape()
     assert _metric(text, "code2wav_sidecar_ipc_chunks_total", direction="audio_out") >= stats["ipc_chunks"]

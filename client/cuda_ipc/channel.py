@@ -7,8 +7,11 @@ Ordering (no device-wide synchronisation anywhere):
   the caller's thread goes on at once and the sidecar never waits on unfinished client work. A codes slot
   is reusable once the chunk's reply arrives (the sidecar read it before replying); the caller's codes
   tensor is kept alive until then by the stream's unacknowledged-chunk record.
-- Audio: the sidecar writes into a slot of the audio region and names the event it recorded after
-  writing; ``audio_tensor`` waits for that event before handing out the view.
+- Audio: the sidecar writes into a slot of the audio region, records one of its events after the write and
+  replies at once (the reply overlaps the decode). ``audio_tensor`` makes the sending caller's stream wait
+  for that event (``cudaStreamWaitEvent``, no host wait) before handing out the view: work queued on that
+  stream sees the finished audio, as with torch's own non-blocking copies; another stream or a host read
+  through raw pointers must synchronise with that stream first.
 - An audio view is released when the last tensor using it is freed. Its slot is reused only after the
   copy stream has waited on the current stream of a later sender, and the sidecar writes into it only
   after that sender's codes event: work queued on that stream with the view is therefore finished first.
@@ -71,6 +74,7 @@ class PackedChunk:
     audio_out: TensorDesc
     codes_offset: int
     audio_offset: int
+    stream: torch.cuda.Stream  # the caller's stream when it sent the chunk: the audio is ordered on it
 
 
 class IpcChannel:
@@ -148,7 +152,7 @@ class IpcChannel:
             codes_desc = TensorDesc(_WIRE_DTYPES[tensor.dtype], tuple(tensor.shape),
                                     CudaIpcLoc(self.codes_region, codes_offset, tensor.nbytes))
             audio_desc = TensorDesc("float32", (samples,), CudaIpcLoc(self.audio_region, audio_offset, samples * 4))
-            packed.append(PackedChunk(self, codes_desc, event_index, audio_desc, codes_offset, audio_offset))
+            packed.append(PackedChunk(self, codes_desc, event_index, audio_desc, codes_offset, audio_offset, caller))
         return packed
 
     def _codes_view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -169,8 +173,8 @@ class IpcChannel:
             self._audio.slots.free(offset)
 
     def audio_tensor(self, packed: PackedChunk, event_index: int) -> torch.Tensor:
-        """A float32 view of the chunk's audio slot, once the sidecar's event says it is written."""
-        self._server_events[event_index].synchronize()
+        """A float32 view of the chunk's audio slot, ordered on the sender's stream after the sidecar's write."""
+        packed.stream.wait_event(self._server_events[event_index])
         num_samples = packed.audio_out.shape[0]
         lease = _Lease(self._audio.pointer + packed.audio_offset, num_samples, "<f4")
         with self._lock:

@@ -77,7 +77,9 @@ class CudaIpcDevice:
         return OpenedRegion(pointer, msg.nbytes, data, events, handles)
 
     def close(self, region: OpenedRegion) -> None:
-        """Unmap; the caller guarantees no queued work still reads or writes it (the engine syncs each step)."""
+        """Unmap, once the work queued on the engine stream (which may still write into it: replies do not wait
+        for the audio) is done; the caller guarantees no chunk that uses it is still to be decoded."""
+        torch.cuda.current_stream(self.device).synchronize()
         region.data = None  # type: ignore[assignment]
         region.events = []
         self.cudart.close_mem_handle(region.pointer)
