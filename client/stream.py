@@ -99,7 +99,9 @@ class Stream:
         GPU (the audio is then a view into this client's audio region, valid until you free it; ``clone()`` it
         to keep it past ``client.close()``), else inline with a counted fallback (``client.ipc_stats``). The
         codes are copied in stream order on the current stream: the buffer may be reused in stream order at
-        once, but keep the tensor unchanged until the future is done if you may call ``resend()``.
+        once, but keep the tensor unchanged until the future is done if you may call ``resend()``. The audio
+        is ready in the order of that same stream (it waits on the sidecar's event, not the host): use it
+        there, or synchronise that stream before using it elsewhere.
         """
         return self._client._submit_new([(self, codes, final, context_frames)], timeout_s, "concat")
 

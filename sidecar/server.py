@@ -1,10 +1,12 @@
 """The sidecar server: drain input -> step -> emit, on one asyncio loop (uvloop where available).
 
 The loop thread owns the socket, the sessions and the scheduler. A step whose every chunk writes its audio
-into a client's CUDA IPC region never waits for the device (its reply names an event instead), so it runs on
-the loop thread itself: no thread hand-off on the latency path. Any other step waits for the device (audio
-copied to the host, eager work), so it runs in one worker thread, and receiving and replying go on meanwhile.
-Only one step runs at a time, and never while a region is being opened or closed.
+into a client's CUDA IPC region does not wait for the device (its replies name events instead), so it is
+launched from the loop thread itself, with no thread hand-off on the latency path, and its replies leave at
+once; the worker thread then waits for the device to finish it before the next batch is formed, so batches
+fill while the device works. Any other step waits for the device (audio copied to the host), so it runs in
+the worker thread, and receiving and replying go on meanwhile. One step at a time, and none on the loop thread
+while a region is being opened or closed in the worker.
 """
 
 from __future__ import annotations
@@ -89,7 +91,6 @@ class Server:
             graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
         self.engine = Engine(self.model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=self.metrics)
         ipc_device, ipc_off_reason = self._ipc_device(device)
-        self._read_stream = torch.cuda.Stream(device) if ipc_device is not None else None  # CUDA IPC codes reads
         self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics, ipc_device, host_id(),
                                  ipc_off_reason)
         sec = cfg.security
@@ -208,15 +209,12 @@ class Server:
                     pass
                 continue
             batch = self.scheduler.take_batch()
-            self.metrics.queue_depth.set(len(self.scheduler))
             mode = batch[0].stream.mode
             now = time.monotonic()
-            for job in batch:
-                self.metrics.batch_wait.observe(now - job.arrived_s)
-            self.metrics.batch_size.labels(mode=mode).observe(len(batch))
             self._busy = True
+            on_loop = self._step_on_loop(batch)
             try:
-                if self._step_on_loop(batch):
+                if on_loop:
                     done, audios, refused, deferred = self._engine_step(batch)
                 else:
                     done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step,
@@ -226,7 +224,6 @@ class Server:
                 for job in batch:
                     self.sessions.fail_job(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
             else:
-                self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
                 for job, code, message in refused:
                     self.sessions.fail_job(job, code, message)
                 if deferred:  # codes still being written by the client: first in line for the next step
@@ -235,8 +232,18 @@ class Server:
                         await asyncio.sleep(_DEFERRED_RETRY_S)
                 for job, audio in zip(done, audios):
                     self.sessions.complete_job(job, audio)
+                if on_loop and done:  # the replies leave now; the next batch forms while the device works
+                    finished = torch.cuda.Event()
+                    finished.record()
+                    self._flush()
+                    await loop.run_in_executor(self._pool, finished.synchronize)
+                self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
             finally:
                 self._busy = False
+            self.metrics.queue_depth.set(len(self.scheduler))  # counted after the launch: off the latency path
+            for job in batch:
+                self.metrics.batch_wait.observe(now - job.arrived_s)
+            self.metrics.batch_size.labels(mode=mode).observe(len(batch))
             self.sessions.release_in_flight(batch)
             self._flush()
 
@@ -250,7 +257,7 @@ class Server:
         audio. Returns the decoded jobs, their audio, ``(job, code, message)`` for jobs refused before decoding
         (their state is untouched), and jobs whose client-side codes are not ready yet."""
         refused, deferred = load_codes(batch, self.model.codebook_size, time.monotonic(),
-                                       self.cfg.codes_event_timeout_s, self._read_stream)
+                                       self.cfg.codes_event_timeout_s)
         skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
         done = [job for job in batch if id(job) not in skipped]
         if not done:

@@ -275,7 +275,7 @@ def test_chunk_waits_for_its_codes_event_without_stalling_other_clients(gpu_side
         chunk, packed = peer.chunk("slow", 0, codes[:, :4])
         channel = peer.channel
         event = channel._events[packed.codes_event]
-        with torch.cuda.stream(channel._copy_stream):  # the codes are "still being produced" for ~0.7 s
+        with torch.cuda.stream(torch.cuda.Stream()):  # the codes are "still being produced" for ~0.7 s
             torch.cuda._sleep(1_400_000_000)
             event.record()
         peer.send(proto.Decode(60, (chunk,)))

@@ -1,10 +1,10 @@
 """One connection's CUDA IPC state: two exported regions (codes in, audio out), their events, their slots.
 
 Ordering (no device-wide synchronisation anywhere):
-- Codes: a client-owned copy stream waits on the caller's current stream, copies each chunk's codes into
-  a slot of the codes region, and records one of the client's interprocess events. Nobody blocks on it:
-  the sidecar decodes the chunk once that event is complete (until then the chunk waits in its queue), so
-  the caller's thread goes on at once and the sidecar never waits on unfinished client work. A codes slot
+- Codes: each chunk's codes are copied into a slot of the codes region on the caller's current stream (where
+  they were made), and one of the client's interprocess events is recorded after the copy. Nobody blocks on
+  it: the sidecar decodes the chunk once that event is complete (until then the chunk waits in its queue),
+  so the caller's thread goes on at once and the sidecar never waits on unfinished client work. A codes slot
   is reusable once the chunk's reply arrives (the sidecar read it before replying); the caller's codes
   tensor is kept alive until then by the stream's unacknowledged-chunk record.
 - Audio: the sidecar writes into a slot of the audio region, records one of its events after the write and
@@ -12,9 +12,9 @@ Ordering (no device-wide synchronisation anywhere):
   for that event (``cudaStreamWaitEvent``, no host wait) before handing out the view: work queued on that
   stream sees the finished audio, as with torch's own non-blocking copies; another stream or a host read
   through raw pointers must synchronise with that stream first.
-- An audio view is released when the last tensor using it is freed. Its slot is reused only after the
-  copy stream has waited on the current stream of a later sender, and the sidecar writes into it only
-  after that sender's codes event: work queued on that stream with the view is therefore finished first.
+- An audio view is released when the last tensor using it is freed. Its slot is reused only by a later
+  chunk, and the sidecar writes into it only after that chunk's codes event, recorded on the sender's
+  current stream: work queued on that stream with the view is therefore finished first.
   (As with torch's caching allocator, work on another stream must be synchronised by the caller.)
 """
 
@@ -92,8 +92,6 @@ class IpcChannel:
         self._codes_data = torch.as_tensor(_Lease(self._codes.pointer, codes_nbytes, "|u1"), device=device)  # [nbytes]
         with torch.cuda.device(device):
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_CODES_EVENTS)]
-            self._copy_stream = torch.cuda.Stream(device)
-            self._fence = torch.cuda.Event()  # reused under the order lock: the caller's stream -> copy stream
         self._next_event = 0
         self._lock = threading.Lock()  # slots and released audio
         self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
@@ -138,15 +136,10 @@ class IpcChannel:
         event_index = self._next_event
         self._next_event = (event_index + 1) % len(self._events)
         event = self._events[event_index]
-        copy_stream = self._copy_stream
-        caller = torch.cuda.current_stream(self.device)
-        self._fence.record(caller)  # codes were made there; released audio views were used there
-        copy_stream.wait_event(self._fence)
-        with torch.cuda.stream(copy_stream):
-            for tensor, offset in zip(codes, codes_offsets):
-                self._codes_view(offset, tensor).copy_(tensor)
-            event.record(copy_stream)
-        caller.wait_event(event)  # the caller may overwrite its codes buffer in stream order after this
+        caller = torch.cuda.current_stream(self.device)  # codes were made there; released audio views used there
+        for tensor, offset in zip(codes, codes_offsets):
+            self._codes_view(offset, tensor).copy_(tensor)  # in the caller's stream order
+        event.record(caller)
         packed = []
         for tensor, samples, codes_offset, audio_offset in zip(codes, num_samples, codes_offsets, audio_offsets):
             codes_desc = TensorDesc(_WIRE_DTYPES[tensor.dtype], tuple(tensor.shape),

@@ -4,10 +4,10 @@ Codes: a chunk whose client event is not complete yet is not decoded in this ste
 queue (and fails with deadline_exceeded after ``codes_event_timeout_s``), so one client's slow producer
 never stalls a batch and the engine never waits on a client's unfinished work. For the others the engine
 stream waits on the event (ordering the audio writes after the client's work), and the codes of all IPC
-chunks of the batch are gathered and copied to the host on a side stream (``read_stream``), so that read
-waits only for the client's copy, never for earlier steps still running on the engine stream. On the host
-they are checked like inline codes: a code outside the codebook would fault the device for every client,
-so they are never handed to a kernel unchecked. After that copy the client may reuse the codes' bytes.
+chunks of the batch are gathered and copied to the host in one read (the server forms a batch only once the
+device finished the previous one, so this waits for nothing else). On the host they are checked like inline
+codes: a code outside the codebook would fault the device for every client, so they are never handed to a
+kernel unchecked. After that copy the client may reuse the codes' bytes.
 
 Audio: each row is copied from the decoder's output straight into the client's region and the region's next
 event is recorded on the engine stream. The reply leaves without waiting for it: it names the event, and
@@ -25,8 +25,7 @@ from proto import ErrorCode
 __all__ = ["load_codes", "store_audio"]
 
 
-def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float,
-               read_stream: torch.cuda.Stream) -> tuple[list, list]:
+def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float) -> tuple[list, list]:
     """Give each IPC job host codes ``[Q, n]`` int64. Returns ``(refused, deferred)``: ``(job, code, message)``
     for jobs refused, and jobs whose codes are not ready yet (to be queued again)."""
     ipc_jobs = [job for job in jobs if job.ipc_codes is not None]
@@ -47,14 +46,12 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
                     deferred.append(job)
                 continue
             stream.wait_event(event)  # the audio writes come after the client's work
-            read_stream.wait_event(event)
             waited.add(id(event))
         ready.append(job)
     if ready:
-        with torch.cuda.stream(read_stream):
-            views = [job.ipc_codes[1].reshape(-1) for job in ready]
-            flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per use)
-            host = flat.to("cpu", torch.int64)  # the step's one read of all IPC codes (syncs the read stream)
+        views = [job.ipc_codes[1].reshape(-1) for job in ready]
+        flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)
+        host = flat.to("cpu", torch.int64)  # the step's one read of all IPC codes (synchronizes)
         all_valid = _out_of_range(host, codebook_size) is None  # the usual case: one check for the whole batch
         start = 0
         for job in ready:
