@@ -7,11 +7,8 @@ free and nothing queued ahead of it sends its ``Call`` itself, on its own thread
 latency of every chunk); otherwise the call goes through a deque and the I/O thread is woken through an
 ``os.pipe``. The I/O thread sleeps in a poll on the wake pipe and the socket's file descriptor (not on the
 socket itself, which only the lock holder may touch) and, holding the lock, sends what is queued, receives,
-matches replies to calls by request_id, enforces each call's deadline (``DeadlineExceeded``), sends
-``ping`` when it has heard nothing for ``heartbeat_interval_s``, declares the server dead after
-``DEAD_AFTER_INTERVALS`` silent intervals (``Unavailable``), and notices a server restart (boot epoch
-change): it then bumps ``generation`` (calls on older streams fail with ``StreamLost``) and says ``hello``
-again so new streams work.
+matches replies to calls by request_id, enforces each call's deadline (``DeadlineExceeded``), and keeps
+track of the server (``_liveness``: heartbeats, a dead server, a restart that loses the streams).
 
 ZeroMQ's descriptor only signals that the socket's state may have changed, and any operation on the socket
 (a caller's send included) may consume that signal; so every lock holder checks ``ZMQ_EVENTS`` before
@@ -27,7 +24,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -37,7 +33,6 @@ from proto import (
     Bye,
     Error,
     Hello,
-    Ping,
     Pong,
     ProtocolError,
     ServerMessage,
@@ -47,40 +42,20 @@ from proto import (
 )
 
 from ._call import RECEIVE_LIMITS, Call, OnFailure, Outcome
-from .errors import (
-    DeadlineExceeded,
-    Internal,
-    SidecarError,
-    StreamLost,
-    Unavailable,
-    VersionMismatch,
-    error_from,
-)
+from ._liveness import DEAD_AFTER_INTERVALS, LinkState, Liveness
+from .errors import DeadlineExceeded, Internal, SidecarError, Unavailable, error_from
 
 __all__ = ["Call", "Connection", "Outcome", "DEAD_AFTER_INTERVALS"]
 
 log = logging.getLogger("code2wav.client")
 
-DEAD_AFTER_INTERVALS = 3.0
-"""Silent heartbeat intervals after which the server is considered dead."""
 _BYE_LINGER_MS = 100
 """How long closing waits for the ``bye`` to leave (bounded; 0 once the server is dead)."""
 _RECEIVE_BATCH = 256
-@dataclass
-class _State:
-    welcome: Welcome | None = None
-    boot_epoch: str | None = None
-    generation: int = 0
-    dead_reason: str | None = None
-    broken: SidecarError | None = None
-    last_rx: float = field(default_factory=time.monotonic)
-    last_ping_tx: float = 0.0
-    recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
-    rehello_pending: bool = False
-    session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
+"""Messages received per wake-up before deadlines and heartbeats get a turn."""
 
 
-class Connection:
+class Connection(Liveness):
     """Owns the DEALER socket and the I/O thread. Thread-safe entry points: ``submit``, ``close``."""
 
     def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any],
@@ -93,7 +68,7 @@ class Connection:
         self._pending: dict[int, Call] = {}
         self._unsent: collections.deque[Call] = collections.deque()
         self._deadlines: list[tuple[float, int]] = []
-        self._state = _State()
+        self._state = LinkState()
         self._closed = threading.Event()
         self._submit_lock = threading.Lock()  # orders submit() against close()
         self._io_lock = threading.Lock()  # the socket, _pending, _unsent, _deadlines, _state
@@ -350,69 +325,6 @@ class Connection:
         except Exception as exc:
             log.exception("reply handler failed")
             self._settle_failure(call, Internal(f"could not handle the {msg.TYPE} reply: {exc!r}"), "unknown")
-
-    def _adopt_welcome(self, welcome: Welcome) -> None:
-        self._state.welcome = welcome
-        self._state.session += 1
-        self._observe_epoch(welcome.boot_epoch, via_welcome=True)
-
-    def _observe_epoch(self, boot_epoch: str, via_welcome: bool) -> None:
-        state = self._state
-        if state.boot_epoch is None or state.boot_epoch == boot_epoch:
-            state.boot_epoch = boot_epoch
-            return
-        old_epoch, state.boot_epoch = state.boot_epoch, boot_epoch
-        state.generation += 1
-        log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
-                    self.address, old_epoch, boot_epoch)
-        self._fail_all(self._lost_error(old_epoch), include_internal=False)
-        if not via_welcome:
-            self._rehello()
-
-    def _lost_error(self, old_epoch: str | None = None) -> StreamLost:
-        detail = f" (boot epoch {old_epoch} -> {self._state.boot_epoch})" if old_epoch else ""
-        return StreamLost(f"the sidecar at {self.address} restarted{detail}; streams opened before are gone")
-
-    def _rehello(self) -> None:
-        if self._state.rehello_pending:
-            return
-        self._state.rehello_pending = True
-
-        def on_welcome(welcome: Welcome) -> None:
-            self._state.rehello_pending = False
-            log.info("re-handshake with %s done (server %s)", self.address, welcome.server_id)
-
-        def on_failure(error: SidecarError, outcome: Outcome) -> None:
-            self._state.rehello_pending = False
-            if isinstance(error, VersionMismatch):
-                self._state.broken = error  # the new server speaks another version
-            log.warning("re-handshake with %s failed: %s", self.address, error)
-
-        interval_s = self._state.welcome.heartbeat_interval_s if self._state.welcome else 0.5
-        call = self.hello_call(max(1.0, DEAD_AFTER_INTERVALS * interval_s), on_welcome, on_failure)
-        self._accept(call, front=True)  # goes out before anything queued after the restart
-
-    def _heartbeat(self, now: float) -> None:
-        state = self._state
-        if state.welcome is None or state.broken is not None:
-            return
-        interval_s = state.welcome.heartbeat_interval_s
-        silent_s = now - state.last_rx
-        if silent_s >= DEAD_AFTER_INTERVALS * interval_s and state.dead_reason is None:
-            state.dead_reason = (
-                f"the sidecar at {self.address} has not answered for {silent_s:.1f}s "
-                f"(heartbeat interval {interval_s}s); is `code2wav-sidecar serve` still running?"
-            )
-            log.warning("%s", state.dead_reason)
-            self._fail_all(Unavailable(state.dead_reason), include_internal=False)
-        if silent_s >= interval_s and now - state.last_ping_tx >= interval_s:
-            state.last_ping_tx = now
-            request_id = self.next_request_id()
-            state.recent_ping_ids.append(request_id)
-            try:  # straight to the socket: a ping that cannot leave now is simply skipped
-                self._sock.send_multipart(encode(Ping(request_id)), zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:

@@ -18,7 +18,8 @@ says ``bye``, re-handshakes or is forgotten after the server's TTL.
 - ``access="write"``: the server writes audio into it. The server creates the
   events and returns their handles in ``region_registered``; each result whose
   audio went there names the event (``audio_event``) the server recorded after
-  writing. Clients wait on it (stream- or host-side) before reading.
+  writing. The result may arrive before that event completes (the server does
+  not wait for it): clients wait on it (stream- or host-side) before reading.
 """
 
 from __future__ import annotations

@@ -302,7 +302,8 @@ class ChunkResult:
 
     ``num_frames`` is the number of frames that produced audio (``n - context_frames``;
     0 on error), so ``num_samples == num_frames * samples_per_frame``. ``audio_event`` (cuda_ipc audio
-    only) names the event of the audio's region that the server recorded after writing it.
+    only) names the event of the audio's region that the server recorded after writing it; the result may
+    arrive before that event completes, so readers wait on it first.
     """
 
     stream_id: str

@@ -344,6 +344,53 @@ def test_pipelined_chunks_and_asyncio(client: SidecarClient) -> None:
     assert stream.next_seq == 4
 
 
+def test_threads_send_directly_and_callbacks_hand_over(client: SidecarClient, fake: FakeSidecar,
+                                                        monkeypatch: Any) -> None:
+    """Callers send on their own threads when the socket is free; a submit from a reply callback (the I/O
+    thread, which holds the socket) is handed over instead. Every reply reaches its caller with its values."""
+    conn = client._conn
+    direct = []
+    real_send_direct = conn._send_direct
+    monkeypatch.setattr(conn, "_send_direct", lambda call: direct.append(1) or real_send_direct(call))
+    streams = [client.open_stream(f"t{i}") for i in range(8)]
+    errors: list[BaseException] = []
+
+    def run(stream: Any, base: int) -> None:
+        try:
+            for i in range(40):
+                codes = make_codes(2, base + 2 * i)
+                assert torch.equal(stream.decode(codes), expected_audio(codes))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s, 1000 * k)) for k, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[0]
+    assert all(s.next_seq == 40 for s in streams) and direct
+
+    chained = client.open_stream("chained")
+    fake.reply_delay_s["chained"] = 0.2  # the callback is attached before the reply arrives
+    first_codes, second_codes = make_codes(2, 5), make_codes(3, 50)
+    second: list[Any] = []
+    on_io_thread: list[bool] = []
+
+    def chain(_future: Any) -> None:
+        on_io_thread.append(conn.on_io_thread)
+        second.append(chained.submit(second_codes))
+
+    first = chained.submit(first_codes)
+    first.add_done_callback(chain)
+    assert torch.equal(first.result(5), expected_audio(first_codes))
+    deadline = time.monotonic() + 5
+    while not second and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert on_io_thread == [True]
+    assert torch.equal(second[0].result(5), expected_audio(second_codes)) and chained.next_seq == 2
+
+
 @pytest.mark.parametrize("applied", [False, True])
 def test_deadline_then_resend(client: SidecarClient, fake: FakeSidecar, applied: bool) -> None:
     stream = client.open_stream("slowpoke")

@@ -164,6 +164,20 @@ class RawPeer:
         self.ctx.term()
 
 
+def test_a_burst_larger_than_one_drain_is_answered_in_full(sidecar):
+    """The server drains at most 256 messages per wake-up, then yields to its other work and goes on: a burst
+    of 700 pings sent without waiting gets 700 pongs."""
+    peer = RawPeer(sidecar.address)
+    try:
+        peer.hello()
+        for rid in range(100, 800):
+            peer.send(proto.Ping(rid))
+        got = sorted(msg.request_id for msg in (peer.recv() for _ in range(700)) if isinstance(msg, proto.Pong))
+        assert got == list(range(100, 800))
+    finally:
+        peer.close()
+
+
 def _chunk_header(rid: int, stream_id: str, seq: int, dtype: str, shape: list, **extra) -> dict:
     return {"type": "decode", "request_id": rid, "chunks": [
         {"stream_id": stream_id, "seq": seq, "final": False, "context_frames": 0,

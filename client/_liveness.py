@@ -1,0 +1,109 @@
+"""What the client knows about the server behind its socket: the handshake it adopted, the boot epoch (a change
+means the server restarted and every stream opened before is lost), and whether it still answers
+(heartbeat pings; dead after ``DEAD_AFTER_INTERVALS`` silent intervals).
+
+``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
+
+``Liveness`` is mixed into ``Connection`` and runs with its ``_io_lock`` held; it relies on the connection's
+``_state``, ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept`` and ``_fail_all``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from proto import Ping, Welcome, encode
+
+from ._call import Outcome
+from .errors import SidecarError, StreamLost, Unavailable, VersionMismatch
+
+__all__ = ["DEAD_AFTER_INTERVALS", "LinkState", "Liveness"]
+
+log = logging.getLogger("code2wav.client")
+
+DEAD_AFTER_INTERVALS = 3.0
+"""Silent heartbeat intervals after which the server is considered dead."""
+
+
+@dataclass
+class LinkState:
+    welcome: Welcome | None = None
+    boot_epoch: str | None = None
+    generation: int = 0
+    dead_reason: str | None = None
+    broken: SidecarError | None = None
+    last_rx: float = field(default_factory=time.monotonic)
+    last_ping_tx: float = 0.0
+    recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
+    rehello_pending: bool = False
+    session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
+
+
+class Liveness:
+    def _adopt_welcome(self, welcome: Welcome) -> None:
+        self._state.welcome = welcome
+        self._state.session += 1
+        self._observe_epoch(welcome.boot_epoch, via_welcome=True)
+
+    def _observe_epoch(self, boot_epoch: str, via_welcome: bool) -> None:
+        state = self._state
+        if state.boot_epoch is None or state.boot_epoch == boot_epoch:
+            state.boot_epoch = boot_epoch
+            return
+        old_epoch, state.boot_epoch = state.boot_epoch, boot_epoch
+        state.generation += 1
+        log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
+                    self.address, old_epoch, boot_epoch)
+        self._fail_all(self._lost_error(old_epoch), include_internal=False)
+        if not via_welcome:
+            self._rehello()
+
+    def _lost_error(self, old_epoch: str | None = None) -> StreamLost:
+        detail = f" (boot epoch {old_epoch} -> {self._state.boot_epoch})" if old_epoch else ""
+        return StreamLost(f"the sidecar at {self.address} restarted{detail}; streams opened before are gone")
+
+    def _rehello(self) -> None:
+        if self._state.rehello_pending:
+            return
+        self._state.rehello_pending = True
+
+        def on_welcome(welcome: Welcome) -> None:
+            self._state.rehello_pending = False
+            log.info("re-handshake with %s done (server %s)", self.address, welcome.server_id)
+
+        def on_failure(error: SidecarError, outcome: Outcome) -> None:
+            self._state.rehello_pending = False
+            if isinstance(error, VersionMismatch):
+                self._state.broken = error  # the new server speaks another version
+            log.warning("re-handshake with %s failed: %s", self.address, error)
+
+        interval_s = self._state.welcome.heartbeat_interval_s if self._state.welcome else 0.5
+        call = self.hello_call(max(1.0, DEAD_AFTER_INTERVALS * interval_s), on_welcome, on_failure)
+        self._accept(call, front=True)  # goes out before anything queued after the restart
+
+    def _heartbeat(self, now: float) -> None:
+        state = self._state
+        if state.welcome is None or state.broken is not None:
+            return
+        interval_s = state.welcome.heartbeat_interval_s
+        silent_s = now - state.last_rx
+        if silent_s >= DEAD_AFTER_INTERVALS * interval_s and state.dead_reason is None:
+            state.dead_reason = (
+                f"the sidecar at {self.address} has not answered for {silent_s:.1f}s "
+                f"(heartbeat interval {interval_s}s); is `code2wav-sidecar serve` still running?"
+            )
+            log.warning("%s", state.dead_reason)
+            self._fail_all(Unavailable(state.dead_reason), include_internal=False)
+        if silent_s >= interval_s and now - state.last_ping_tx >= interval_s:
+            state.last_ping_tx = now
+            request_id = self.next_request_id()
+            state.recent_ping_ids.append(request_id)
+            try:  # straight to the socket: a ping that cannot leave now is simply skipped
+                self._sock.send_multipart(encode(Ping(request_id)), zmq.NOBLOCK)
+            except zmq.Again:
+                return
