@@ -51,9 +51,9 @@ from proto import (
 from ._io import Call, Connection, Outcome
 from .cuda_ipc.link import IpcLink
 from .errors import DeadlineExceeded, Internal, InvalidArgument, SidecarError, Unavailable
-from .results import Settle, chunk_outcome, settle_outcomes
+from .results import Settle, settle_reply
 from .stream import SentChunk, Stream
-from .transport import CodesLike, InlineTransport, TensorTransport, as_wire_codes, cuda_wire_codes, host_id
+from .transport import CodesLike, InlineTransport, TensorTransport, host_id
 
 __all__ = ["SidecarClient", "DEFAULT_ADDRESS", "BatchItem"]
 
@@ -322,7 +322,9 @@ class SidecarClient:
         prepared = []
         nbytes = 0
         for stream, codes, final, context_frames in entries:
-            prepared.append((stream, self._checked_codes(stream, codes, final, context_frames), final, context_frames))
+            if stream._client is not self:
+                raise InvalidArgument(f"stream {stream.stream_id!r} belongs to another client")
+            prepared.append((stream, stream._wire_codes(codes, final, context_frames, limits), final, context_frames))
             nbytes += prepared[-1][1].nbytes + _HEADER_NBYTES_PER_CHUNK
         if nbytes > limits.max_message_bytes:  # counted as if inline: CUDA codes may fall back to it
             raise InvalidArgument(
@@ -346,34 +348,11 @@ class SidecarClient:
         with self._order_lock:
             return self._submit_chunks(stream._take_resend_chunks(), timeout_s, "concat")
 
-    def _checked_codes(self, stream: Stream, codes: CodesLike, final: bool, context_frames: int) -> Any:
-        if stream._client is not self:
-            raise InvalidArgument(f"stream {stream.stream_id!r} belongs to another client")
-        stream._check_usable()
-        if isinstance(codes, torch.Tensor) and codes.is_cuda:
-            array: Any = cuda_wire_codes(codes)  # stays on the device: sent by CUDA IPC, or inline (audio comes
-            # back on the device either way)
-        else:
-            array = as_wire_codes(codes)
-        num_quantizers, num_frames = (int(d) for d in array.shape)
-        if num_quantizers != stream.num_quantizers:
-            raise InvalidArgument(
-                f"codes have {num_quantizers} quantizers; stream {stream.stream_id!r} needs {stream.num_quantizers}"
-            )
-        if num_frames > self.limits.max_chunk_frames:
-            raise InvalidArgument(f"chunk has {num_frames} frames; the limit is {self.limits.max_chunk_frames}")
-        if num_frames == 0 and not final:
-            raise InvalidArgument("a chunk with 0 frames must be final")
-        if not 0 <= context_frames <= num_frames:
-            raise InvalidArgument(f"context_frames must be in [0, {num_frames}], got {context_frames}")
-        return array
-
     def _submit_chunks(self, planned: list[tuple[Stream, SentChunk]], timeout_s: float | None,
                        settle: Settle) -> Future[Any]:
         """Send planned chunks as one ``decode`` message and settle one future from their outcomes."""
         request_id = self._conn.next_request_id()
         packed = self._ipc.pack(planned)
-        caller_stream = next((ipc.stream for ipc in packed if ipc is not None), None)
         chunks: list[Chunk] = []
         buffers: list[Any] = []
         for (stream, chunk), ipc in zip(planned, packed):
@@ -391,11 +370,7 @@ class SidecarClient:
             if not isinstance(msg, DecodeResult) or len(msg.results) != len(planned):
                 got = len(msg.results) if isinstance(msg, DecodeResult) else msg.TYPE
                 raise Internal(f"expected {len(planned)} decode results, got {got}")
-            outcomes = [chunk_outcome(s, c, r, frames, ipc) for (s, c), r, ipc in zip(planned, msg.results, packed)]
-            if caller_stream is None:
-                return settle_outcomes(outcomes, settle)
-            with torch.cuda.stream(caller_stream):  # a concat of region views runs after the sidecar's writes
-                return settle_outcomes(outcomes, settle)
+            return settle_reply(planned, msg.results, frames, packed, settle)
 
         def on_failure(error: SidecarError, outcome: Outcome) -> None:
             if outcome != "unknown":  # else the sidecar may still use the slots: they stay reserved

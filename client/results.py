@@ -17,9 +17,21 @@ from .errors import Internal, SidecarError, error_from
 from .stream import SentChunk, Stream
 from .transport import audio_from_frames
 
-__all__ = ["Settle", "settle_outcomes", "chunk_outcome"]
+__all__ = ["Settle", "settle_reply", "settle_outcomes", "chunk_outcome"]
 
 Settle = Literal["concat", "list", "list_with_exceptions"]
+
+
+def settle_reply(planned: list[tuple[Stream, SentChunk]], results: tuple[ChunkResult, ...], frames: list[memoryview],
+                 packed: list[PackedChunk | None], settle: Settle) -> Any:
+    """Each chunk's outcome, then the future's value. Runs on the I/O thread, but in the stream order of the
+    caller that sent CUDA IPC chunks: a concat of region views must come after the sidecar's writes."""
+    outcomes = [chunk_outcome(s, c, r, frames, ipc) for (s, c), r, ipc in zip(planned, results, packed)]
+    caller_stream = next((ipc.stream for ipc in packed if ipc is not None), None)
+    if caller_stream is None:
+        return settle_outcomes(outcomes, settle)
+    with torch.cuda.stream(caller_stream):
+        return settle_outcomes(outcomes, settle)
 
 
 def settle_outcomes(outcomes: list[Any], settle: Settle) -> Any:

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from proto import Opened
+from proto import Limits, Opened
 
 from .errors import InvalidArgument, NotFound, OutOfOrder, SidecarError, StreamLost
+from .transport import as_wire_codes, cuda_wire_codes
 
 if TYPE_CHECKING:
     from ._io import Outcome
@@ -159,6 +160,24 @@ class Stream:
             )
         if self._closed_reason is not None:
             raise NotFound(f"stream {self.stream_id!r} is closed ({self._closed_reason})")
+
+    def _wire_codes(self, codes: CodesLike, final: bool, context_frames: int, limits: Limits) -> Any:
+        """``codes`` in wire form, checked against this stream and the server's limits: CUDA codes stay on
+        their device (sent by CUDA IPC, or inline; the audio comes back on the device either way)."""
+        self._check_usable()
+        array: Any = cuda_wire_codes(codes) if isinstance(codes, torch.Tensor) and codes.is_cuda else as_wire_codes(codes)
+        num_quantizers, num_frames = (int(d) for d in array.shape)
+        if num_quantizers != self.num_quantizers:
+            raise InvalidArgument(
+                f"codes have {num_quantizers} quantizers; stream {self.stream_id!r} needs {self.num_quantizers}"
+            )
+        if num_frames > limits.max_chunk_frames:
+            raise InvalidArgument(f"chunk has {num_frames} frames; the limit is {limits.max_chunk_frames}")
+        if num_frames == 0 and not final:
+            raise InvalidArgument("a chunk with 0 frames must be final")
+        if not 0 <= context_frames <= num_frames:
+            raise InvalidArgument(f"context_frames must be in [0, {num_frames}], got {context_frames}")
+        return array
 
     def _reserve(self, codes: np.ndarray, final: bool, context_frames: int) -> SentChunk:
         with self._lock:

@@ -3,8 +3,9 @@
 The loop thread owns the socket, the sessions and the scheduler. A step whose every chunk writes its audio
 into a client's CUDA IPC region does not wait for the device (its replies name events instead), so it is
 launched from the loop thread itself, with no thread hand-off on the latency path, and its replies leave at
-once; the worker thread then waits for the device to finish it before the next batch is formed, so batches
-fill while the device works. Any other step waits for the device (audio copied to the host), so it runs in
+once. After any step that wrote into client regions the worker thread waits for the device to finish it
+before the next batch is formed, so batches fill while the device works and a step never starts while the
+last one still reads its inputs. Any other step waits for the device (audio copied to the host), so it runs in
 the worker thread, and receiving and replying go on meanwhile. One step at a time, and none on the loop thread
 while a region is being opened or closed in the worker.
 """
@@ -232,7 +233,8 @@ class Server:
                         await asyncio.sleep(_DEFERRED_RETRY_S)
                 for job, audio in zip(done, audios):
                     self.sessions.complete_job(job, audio)
-                if on_loop and done:  # the replies leave now; the next batch forms while the device works
+                if any(job.audio_out is not None for job in done):  # the step may still be running: the
+                    # replies leave now, and the next batch forms (in the queue) until the device is done
                     finished = torch.cuda.Event()
                     finished.record()
                     self._flush()

@@ -2,12 +2,13 @@
 
 Codes: a chunk whose client event is not complete yet is not decoded in this step: it goes back to the
 queue (and fails with deadline_exceeded after ``codes_event_timeout_s``), so one client's slow producer
-never stalls a batch and the engine never waits on a client's unfinished work. For the others the engine
-stream waits on the event (ordering the audio writes after the client's work), and the codes of all IPC
-chunks of the batch are gathered and copied to the host in one read (the server forms a batch only once the
-device finished the previous one, so this waits for nothing else). On the host they are checked like inline
-codes: a code outside the codebook would fault the device for every client, so they are never handed to a
-kernel unchecked. After that copy the client may reuse the codes' bytes.
+never stalls a batch and the engine never waits on a client's unfinished work. A complete event means the
+client's work up to it is done (its copy, and its earlier use of any audio slot now written again), so the
+engine stream needs no wait on it. The codes of all IPC chunks of the batch are gathered and copied to the
+host in one read (the server forms a batch only once the device finished the previous one, so this waits for
+nothing else). On the host they are checked like inline codes: a code outside the codebook would fault the
+device for every client, so they are never handed to a kernel unchecked. After that copy the client may
+reuse the codes' bytes.
 
 Audio: each row is copied from the decoder's output straight into the client's region and the region's next
 event is recorded on the engine stream. The reply leaves without waiting for it: it names the event, and
@@ -32,22 +33,19 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
     if not ipc_jobs:
         return [], []
     refused, ready, deferred = [], [], []
-    stream = torch.cuda.current_stream()
-    waited = set()
+    complete: dict[int, bool] = {}  # per event: chunks of one message share theirs
     for job in ipc_jobs:
-        region, view, event_index = job.ipc_codes  # the index was checked against the region on arrival
+        region, _view, event_index = job.ipc_codes  # the index was checked against the region on arrival
         event = region.opened.events[event_index]
-        if id(event) not in waited:
-            if not event.query():
-                if now_s - job.arrived_s > codes_event_timeout_s:
-                    refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {event_index} of region "
-                                    f"{region.region_id} did not complete within {codes_event_timeout_s:g}s"))
-                else:
-                    deferred.append(job)
-                continue
-            stream.wait_event(event)  # the audio writes come after the client's work
-            waited.add(id(event))
-        ready.append(job)
+        if id(event) not in complete:
+            complete[id(event)] = event.query()  # complete: the client's copy is done, nothing to wait on
+        if complete[id(event)]:
+            ready.append(job)
+        elif now_s - job.arrived_s > codes_event_timeout_s:
+            refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {event_index} of region "
+                            f"{region.region_id} did not complete within {codes_event_timeout_s:g}s"))
+        else:
+            deferred.append(job)
     if ready:
         views = [job.ipc_codes[1].reshape(-1) for job in ready]
         flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)

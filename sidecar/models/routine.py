@@ -52,9 +52,6 @@ class StreamRoutine:
         self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)  # [Bmax]
         self._codes_host = torch.zeros((max_batch, num_q, max_frames), dtype=torch.long, pin_memory=pin)
         self._meta_host = torch.zeros((2, max_batch), dtype=torch.long, pin_memory=pin)  # num_frames, slots
-        # Steps do not always end with a host sync (CUDA IPC replies do not wait for the audio), so the pinned
-        # staging buffers are rewritten only once the previous step's copies out of them have run.
-        self._staged = torch.cuda.Event() if pin else None
 
     def prime(self, batch: int, frames: int) -> None:
         """Safe inputs for warm-up and capture: every row on the scratch slot, zero codes."""
@@ -63,8 +60,8 @@ class StreamRoutine:
         self.slots[:batch].fill_(self.scratch_slot)
 
     def copy_in(self, batch: int, frames: int, items: list[DecodeItem]) -> None:
-        if self._staged is not None:
-            self._staged.synchronize()  # returns at once when nothing was recorded yet
+        """Stage a batch through pinned host buffers (non-blocking copies): callers start a step only once the
+        device finished the previous one (the server's step loop waits for it), so those buffers are free."""
         host = self._codes_host[:batch, :, :frames]
         host.zero_()
         meta = self._meta_host[:, :batch]
@@ -79,8 +76,6 @@ class StreamRoutine:
         self.codes[:batch, :, :frames].copy_(host, non_blocking=True)
         self.num_frames[:batch].copy_(meta[0], non_blocking=True)
         self.slots[:batch].copy_(meta[1], non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
 
     def forward(self, batch: int, frames: int) -> Tensor:
         """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``."""
