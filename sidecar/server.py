@@ -231,10 +231,11 @@ class Server:
                     self.scheduler.requeue(deferred)
                     if not done:
                         await asyncio.sleep(_DEFERRED_RETRY_S)
+                wrote_regions = any(job.audio_out is not None for job in done)  # (completing a job clears it)
                 for job, audio in zip(done, audios):
                     self.sessions.complete_job(job, audio)
-                if any(job.audio_out is not None for job in done):  # the step may still be running: the
-                    # replies leave now, and the next batch forms (in the queue) until the device is done
+                if wrote_regions:  # the step may still be running: the replies leave now, and the next batch
+                    # forms in the queue until the device is done
                     finished = torch.cuda.Event()
                     finished.record()
                     self._flush()
