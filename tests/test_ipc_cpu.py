@@ -13,7 +13,7 @@ import torch
 
 import proto
 from client import SidecarClient
-from client.cuda_ipc.slots import SlotAllocator
+from client.cuda_ipc.slots import EventPool, SlotAllocator
 from proto import CudaIpcLoc, ErrorCode, TensorDesc
 from sidecar.ipc.device import OpenedRegion
 from sidecar.ipc.regions import DeviceOp, Region, RegionService, check_span
@@ -21,6 +21,34 @@ from sidecar.metrics import Metrics
 from sidecar.work import ChunkRejected
 
 from test_server_e2e import RawPeer
+
+
+def test_event_pool_never_hands_out_an_event_a_chunk_in_flight_names() -> None:
+    pool = EventPool(3)
+    first = pool.alloc(2)  # one message of two chunks
+    second, third = pool.alloc(1), pool.alloc(1)
+    assert sorted([first, second, third]) == [0, 1, 2]
+    assert pool.alloc(1) is None  # every event is named by a chunk still in flight
+    pool.free(second)
+    assert pool.alloc(1) == second  # the only free one
+    pool.free(first)
+    assert pool.alloc(1) is None  # one of the first message's chunks is still unanswered
+    pool.free(first)
+    assert pool.alloc(1) == first
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free(first) or pool.free(first)
+    pool.free(second)
+    pool.free(third)
+    rng = random.Random(1)
+    live: list[int] = []
+    for _ in range(2000):  # whatever the order of answers, an allocated event is never named twice
+        if live and rng.random() < 0.5:
+            pool.free(live.pop(rng.randrange(len(live))))
+        else:
+            index = pool.alloc(1)
+            if index is not None:
+                assert index not in live
+                live.append(index)
 
 
 def test_slot_allocator_never_overlaps_and_coalesces() -> None:

@@ -5,7 +5,8 @@ Ordering (no device-wide synchronisation anywhere):
   they were made), and one of the client's interprocess events is recorded after the copy. Nobody blocks on
   it: the sidecar decodes the chunk once that event is complete (until then the chunk waits in its queue),
   so the caller's thread goes on at once and the sidecar never waits on unfinished client work. A codes slot
-  is reusable once the chunk's reply arrives (the sidecar read it before replying); the caller's codes
+  and its event are reusable once the chunk's reply arrives (the sidecar read it before replying; see
+  ``slots.EventPool`` for why an event named by a chunk in flight is never recorded again); the caller's codes
   tensor is kept alive until then by the stream's unacknowledged-chunk record.
 - Audio: the sidecar writes into a slot of the audio region, records one of its events after the write and
   replies at once (the reply overlaps the decode). ``audio_tensor`` makes the sending caller's stream wait
@@ -30,13 +31,14 @@ import torch
 from proto import CudaIpcLoc, RegisterRegion, TensorDesc
 
 from ._cudart import Runtime, runtime
-from .slots import SlotAllocator
+from .slots import EventPool, SlotAllocator
 
 __all__ = ["IpcChannel", "IpcUnavailable", "PackedChunk", "gpu_uuid"]
 
 log = logging.getLogger("code2wav.client")
 
-NUM_CODES_EVENTS = 16
+NUM_CODES_EVENTS = 64
+"""The most a region may register (``proto.MAX_REGION_EVENTS``): one per message in flight."""
 _WIRE_DTYPES = {torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
 
 
@@ -92,7 +94,7 @@ class IpcChannel:
         self._codes_data = torch.as_tensor(_Lease(self._codes.pointer, codes_nbytes, "|u1"), device=device)  # [nbytes]
         with torch.cuda.device(device):
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_CODES_EVENTS)]
-        self._next_event = 0
+        self._event_pool = EventPool(NUM_CODES_EVENTS)
         self._lock = threading.Lock()  # slots and released audio
         self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
         self._live_audio = 0
@@ -116,7 +118,8 @@ class IpcChannel:
 
     # ------------------------------------------------------------------ per message (under the client's order lock)
     def pack(self, codes: list[torch.Tensor], num_samples: list[int]) -> list[PackedChunk] | None:
-        """Copy each chunk's codes into the codes region, reserve its audio slot; None when a region is full."""
+        """Copy each chunk's codes into the codes region, reserve its audio slot and an event; None when a region
+        is full or every event is named by a chunk still in flight."""
         with self._lock:
             released, self._released = self._released, []
             for offset in released:
@@ -133,8 +136,10 @@ class IpcChannel:
                     return None
                 codes_offsets.append(codes_offset)
                 audio_offsets.append(audio_offset)
-        event_index = self._next_event
-        self._next_event = (event_index + 1) % len(self._events)
+            event_index = self._event_pool.alloc(len(codes))
+            if event_index is None:
+                self._free(codes_offsets, audio_offsets)
+                return None
         event = self._events[event_index]
         caller = torch.cuda.current_stream(self.device)  # codes were made there; released audio views used there
         for tensor, offset in zip(codes, codes_offsets):
@@ -153,9 +158,11 @@ class IpcChannel:
         return raw.view(like.dtype).view(like.shape)
 
     def release(self, packed: PackedChunk, audio_used: bool) -> None:
-        """The chunk's reply arrived: its codes slot is free; its audio slot too unless a view now owns it."""
+        """The chunk's reply arrived: its codes slot and event are free; its audio slot too unless a view now
+        owns it."""
         with self._lock:
             self._codes.slots.free(packed.codes_offset)
+            self._event_pool.free(packed.codes_event)
             if not audio_used:
                 self._audio.slots.free(packed.audio_offset)
 

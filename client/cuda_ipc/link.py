@@ -161,7 +161,8 @@ class IpcLink:
                        for i in rows]
         placed = channel.pack([planned[i][1].codes for i in rows], num_samples)
         if placed is None:
-            self.fallback("region_full: codes or audio views in flight fill the regions", len(rows))
+            self.fallback("region_full: codes or audio views in flight fill the regions, or every codes event "
+                          "is named by a message in flight", len(rows))
             return packed
         for i, ipc in zip(rows, placed):
             packed[i] = ipc

@@ -1,14 +1,19 @@
-"""First-fit allocation of byte ranges inside one region (pure Python; no device work).
+"""What a connection hands out per message, in pure Python (no device work): byte ranges of a region
+(``SlotAllocator``) and codes events (``EventPool``).
 
-Ranges are aligned to ``align`` bytes (256: what CUDA gives ``cudaMalloc`` blocks, enough for every dtype).
-Chunks are allocated and freed roughly in order, so the free list stays short.
+Ranges are first-fit, aligned to ``align`` bytes (256: what CUDA gives ``cudaMalloc`` blocks, enough for every
+dtype). Chunks are allocated and freed roughly in order, so the free list stays short.
+
+An event is handed out again only once no unanswered chunk names it: recording it again replaces what a query
+or a wait sees, so if an older chunk still named it, the sidecar could read that chunk's codes as soon as a
+later copy on another stream finished, before the chunk's own copy did.
 """
 
 from __future__ import annotations
 
 import bisect
 
-__all__ = ["SlotAllocator"]
+__all__ = ["EventPool", "SlotAllocator"]
 
 
 class SlotAllocator:
@@ -50,3 +55,28 @@ class SlotAllocator:
         if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:  # merge left
             left_offset, left_size = self._free[index - 1]
             self._free[index - 1] = (left_offset, left_size + self._free.pop(index)[1])
+
+
+class EventPool:
+    """Round-robin over ``num_events`` events, skipping those still named by unanswered chunks."""
+
+    def __init__(self, num_events: int) -> None:
+        self.uses = [0] * num_events  # unanswered chunks naming each event
+        self._next = 0
+
+    def alloc(self, num_chunks: int) -> int | None:
+        """An event for a message of ``num_chunks`` chunks, or None when every event is still named."""
+        num_events = len(self.uses)
+        for step in range(num_events):
+            index = (self._next + step) % num_events
+            if self.uses[index] == 0:
+                self._next = (index + 1) % num_events
+                self.uses[index] = num_chunks
+                return index
+        return None
+
+    def free(self, index: int) -> None:
+        """One chunk naming ``index`` got its answer."""
+        if self.uses[index] <= 0:
+            raise ValueError(f"event {index} is not in use")  # a double free is a bug
+        self.uses[index] -= 1
