@@ -145,7 +145,8 @@ class IpcPeer(RawPeer):
         super().__init__(address)
         self.sock.setsockopt(zmq.RCVTIMEO, 20_000)
         self.welcome = self.hello()
-        self.channel = IpcChannel(torch.device("cuda", 0), codes_nbytes, audio_nbytes)
+        # 16 codes events, so indices 16..63 are valid on the wire but not registered
+        self.channel = IpcChannel(torch.device("cuda", 0), codes_nbytes, audio_nbytes, num_events=16)
         self.codes_nbytes = codes_nbytes
         for msg in self.channel.register_messages(2):
             self.send(msg)

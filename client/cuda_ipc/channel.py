@@ -80,7 +80,8 @@ class PackedChunk:
 
 
 class IpcChannel:
-    def __init__(self, device: torch.device, codes_nbytes: int, audio_nbytes: int) -> None:
+    def __init__(self, device: torch.device, codes_nbytes: int, audio_nbytes: int,
+                 num_events: int = NUM_CODES_EVENTS) -> None:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -93,8 +94,8 @@ class IpcChannel:
             raise IpcUnavailable(f"cannot export device memory: {exc}") from None
         self._codes_data = torch.as_tensor(_Lease(self._codes.pointer, codes_nbytes, "|u1"), device=device)  # [nbytes]
         with torch.cuda.device(device):
-            self._events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_CODES_EVENTS)]
-        self._event_pool = EventPool(NUM_CODES_EVENTS)
+            self._events = [torch.cuda.Event(interprocess=True) for _ in range(num_events)]
+        self._event_pool = EventPool(num_events)
         self._lock = threading.Lock()  # slots and released audio
         self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
         self._live_audio = 0
