@@ -61,6 +61,8 @@ def as_wire_codes(codes: CodesLike) -> np.ndarray:
 
 def cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
     """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (no copy when already one)."""
+    if codes.dtype in _TORCH_WIRE_INTS and codes.dim() == 2 and codes.is_contiguous():
+        return codes  # already wire form (integer tensors never require grad): the per-chunk common case
     tensor = codes.detach()
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")

@@ -10,9 +10,11 @@ same device, model, dtype and chunk shape:
 - ``ipc``: the sidecar with CUDA IPC: codes copied into the client's registered region, only offsets travel,
   audio written by the sidecar straight into the client's region.
 
-At concurrency 1 a chunk's overhead is its p50 minus the in-process p50. At concurrency C the sidecar
-batches up to ``B`` chunks per step, so the in-process reference for one chunk's round trip is
-``C / B`` steps at batch ``B``; the overhead is the p50 minus that. The sidecar runs with a batching window
+At concurrency 1 a chunk's overhead is its p50 minus the p50 of in-process steps run in this process in blocks
+between blocks of its chunks (the GPU's speed drifts over a run by more than the wire costs, so the two are
+interleaved). At concurrency C the sidecar batches up to ``B`` chunks per step, so the in-process reference for
+one chunk's round trip is ``C / B`` steps at batch ``B``, measured right before and after the inline/ipc pair;
+the overhead is the p50 minus that. The sidecar runs with a batching window
 of 0 here, so the window's deliberate wait is not counted as wire cost.
 """
 
@@ -24,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,50 +41,78 @@ def _percentiles(times_s: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e3, ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] * 1e3
 
 
-def in_process(model, chunk_frames: int, batches: tuple[int, ...], iters: int) -> dict[int, float]:
-    """p50 ms of one exact graph step per batch size, GPU codes in, GPU audio out (copied once, as for IPC)."""
-    from prometheus_client import CollectorRegistry
+class InProcessReference:
+    """One exact graph step per batch size, GPU codes in, GPU audio out (copied once, as for IPC), in this
+    process. Kept alive during the sidecar runs and measured right before and right after each transport pair
+    (the pair's reference is their mean), so a drift of the GPU's clocks over the run does not show up as wire
+    cost."""
 
-    from sidecar.engine import DecodeItem
-    from sidecar.graphs.manager import GraphManager
-    from sidecar.graphs.plan import BucketKey
-    from sidecar.metrics import Metrics
-    from sidecar.models.routine import StreamRoutine
-    from sidecar.state_store import StateArena
+    def __init__(self, model, chunk_frames: int, batches: tuple[int, ...]) -> None:
+        from prometheus_client import CollectorRegistry
 
-    arena = StateArena(model.module.state_layout(), max(batches), model.dtype, model.device)
-    buckets = tuple(BucketKey("exact", b, chunk_frames) for b in batches)
-    manager = GraphManager({"exact": StreamRoutine(model, arena, max(batches), chunk_frames)}, buckets,
-                           model.device, Metrics(CollectorRegistry()), max_graph_memory_bytes=None)
-    manager.capture_startup()
-    codes = synthetic_codes(model.num_quantizers, chunk_frames, model.codebook_size, seed=3).to(model.device)
-    out: dict[int, float] = {}
-    for key in buckets:
-        slots = [arena.allocate() for _ in range(key.batch)]
+        from sidecar.graphs.manager import GraphManager
+        from sidecar.graphs.plan import BucketKey
+        from sidecar.metrics import Metrics
+        from sidecar.models.routine import StreamRoutine
+        from sidecar.state_store import StateArena
 
-        def step() -> None:
-            host = codes.cpu()  # [Q, n]: the engine reads codes on the host (and checks them there)
-            items = [DecodeItem(codes=host, slot=s, skip_frames=0, out_device=True) for s in slots]
-            kept = [audio.clone() for audio in manager.run(key, items)]  # [n * U] each, on the device
-            torch.cuda.synchronize()
-            del kept
+        self.arena = StateArena(model.module.state_layout(), max(batches), model.dtype, model.device)
+        self.buckets = {b: BucketKey("exact", b, chunk_frames) for b in batches}
+        self.manager = GraphManager({"exact": StreamRoutine(model, self.arena, max(batches), chunk_frames)},
+                                    tuple(self.buckets.values()), model.device, Metrics(CollectorRegistry()),
+                                    max_graph_memory_bytes=None)
+        self.manager.capture_startup()
+        self.codes = synthetic_codes(model.num_quantizers, chunk_frames, model.codebook_size, seed=3).to(model.device)
+        self.slots = [self.arena.allocate() for _ in range(max(batches))]
 
+    def step_s(self, batch: int) -> float:
+        """Seconds of one step at ``batch``, from the host read of the codes to the device being done."""
+        from sidecar.engine import DecodeItem
+
+        t0 = time.perf_counter()
+        host = self.codes.cpu()  # [Q, n]: the engine reads codes on the host (and checks them there)
+        items = [DecodeItem(codes=host, slot=s, skip_frames=0, out_device=True) for s in self.slots[:batch]]
+        kept = [audio.clone() for audio in self.manager.run(self.buckets[batch], items)]  # [n * U] each, on device
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        del kept
+        return seconds
+
+    def p50_ms(self, batch: int, iters: int) -> float:
         for _ in range(10):
-            step()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        out[key.batch] = _percentiles(times)[0]
-        for s in slots:
-            arena.release(s)
-    return out
+            self.step_s(batch)
+        return _percentiles([self.step_s(batch) for _ in range(iters)])[0]
+
+
+_BLOCK = 50
+"""Chunks per block at concurrency 1; the in-process reference runs as many steps after each block."""
+
+_COUNTERS = {"deferred": ("code2wav_sidecar_ipc_codes_deferred_total", {}),
+             "polled": ("code2wav_sidecar_input_pickups_total", {"how": "polled"}),
+             "woken": ("code2wav_sidecar_input_pickups_total", {"how": "woken"})}
+
+
+def _server_counters(spawned) -> dict[str, float]:
+    """The sidecar's counters that explain a run: IPC chunks deferred for their codes, input pickups."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = dict.fromkeys(_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(spawned.scrape()):
+        for sample in family.samples:
+            for key, (name, labels) in _COUNTERS.items():
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    values[key] += sample.value
+    return values
 
 
 def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int, chunk_frames: int,
-           num_quantizers: int, codebook_size: int) -> tuple[list[float], dict]:
+           num_quantizers: int, codebook_size: int,
+           between: Callable[[], list[float]] | None = None) -> tuple[list[float], dict, list[float]]:
+    """Round trips of ``concurrency`` streams; with ``between`` (concurrency 1), also what it returns, called
+    after every ``_BLOCK`` measured chunks (the in-process reference, interleaved block by block: in blocks, so
+    the chunks still follow each other as in a stream, and the sidecar sees their usual spacing)."""
     latencies: list[float] = []
+    between_s: list[float] = []
     lock = threading.Lock()
     with SidecarClient(address, timeout_s=120, cuda_ipc=use_ipc) as client:
         codes = synthetic_codes(num_quantizers, chunk_frames, codebook_size, seed=4).cuda()
@@ -97,6 +128,10 @@ def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int
                 if i >= 5:  # warm-up: registration, first replays
                     mine.append(time.perf_counter() - t0)
                 del audio
+                if between is not None and i >= 5 and (i - 5) % _BLOCK == _BLOCK - 1:
+                    between_s.extend(between())
+            if between is not None and not between_s:  # fewer chunks than one block
+                between_s.extend(between())
             stream.abort()
             with lock:
                 latencies.extend(mine)
@@ -107,7 +142,7 @@ def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int
         for t in threads:
             t.join()
         stats = client.ipc_stats
-    return latencies, stats
+    return latencies, stats, between_s
 
 
 def run(args) -> int:
@@ -122,9 +157,7 @@ def run(args) -> int:
     model = load_model(args.model, device, args.dtype)
     q, k = model.num_quantizers, model.codebook_size
     batch_cap = args.transport_batch
-    ref = in_process(model, args.chunk_frames, tuple(sorted({1, batch_cap})), args.baseline_iters)
-    del model
-    torch.cuda.empty_cache()
+    ref = InProcessReference(model, args.chunk_frames, tuple(sorted({1, batch_cap})))
     workdir = Path(tempfile.mkdtemp(prefix="code2wav-transport-"))
     config = workdir / "sidecar.yaml"
     config.write_text(f"scheduler:\n  batch_window_us: 0\n  max_batch_size: {batch_cap}\n")
@@ -132,29 +165,54 @@ def run(args) -> int:
                             "--config", str(config), *args.serve_arg, workdir=workdir)
     print(spawned.ready_line, flush=True)
     rows = []
+    first_ref: dict[int, float] = {}
     try:
         for level in levels:
             per_stream = max(10, args.transport_chunks // level)
+            batch = 1 if level == 1 else batch_cap
+            steps = level / min(level, batch_cap)
+            interleave = level == 1  # reference blocks between chunk blocks: both see the same GPU state
+
+            def between() -> list[float]:
+                return [ref.step_s(1) for _ in range(_BLOCK)]
+
+            before_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
+            pair = []
             for transport in ("inline", "ipc"):
-                times, stats = _drive(spawned.address, transport == "ipc", level, per_stream, args.chunk_frames, q, k)
+                before = _server_counters(spawned)
+                times, stats, ref_s = _drive(spawned.address, transport == "ipc", level, per_stream,
+                                             args.chunk_frames, q, k, between if interleave else None)
+                after = _server_counters(spawned)
+                pair.append((transport, times, stats, {key: after[key] - before[key] for key in after}, ref_s))
+            after_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
+            for transport, times, stats, counters, ref_s in pair:
+                if interleave:
+                    reference, how = _percentiles(ref_s)[0], "interleaved"
+                else:
+                    reference, how = steps * (before_ms + after_ms) / 2, [steps * before_ms, steps * after_ms]
+                first_ref.setdefault(batch, reference / steps)
                 p50, p95 = _percentiles(times)
-                steps = level / min(level, batch_cap)
-                reference = ref[1] if level == 1 else steps * ref[batch_cap]
                 rows.append({"transport": transport, "concurrency": level, "chunks": len(times), "p50_ms": p50,
                              "p95_ms": p95, "in_process_ms": reference, "overhead_p50_us": (p50 - reference) * 1e3,
-                             "ipc_chunks": stats.get("ipc_chunks", 0),
+                             "in_process_measured": how,
+                             "ipc_chunks": stats.get("ipc_chunks", 0), "server_counters": counters,
                              "fallbacks": {k2: v for k2, v in stats.items() if k2.startswith("inline_fallback")}})
     finally:
         spawned.stop()
-    print(f"\nin-process graph step (GPU codes -> GPU audio), {args.chunk_frames} frames: "
-          + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in ref.items()))
+    print(f"\nin-process graph step (GPU codes -> GPU audio), {args.chunk_frames} frames, first measurement: "
+          + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in sorted(first_ref.items()))
+          + f"; each row's inproc_ms: at concurrency 1 the p50 of reference steps run in blocks of {_BLOCK} between "
+          f"blocks of its chunks, "
+          "else the mean of measurements right before and after its inline/ipc pair")
     print(f"{'transport':>9} {'conc':>5} {'chunks':>7} {'p50_ms':>8} {'p95_ms':>8} {'inproc_ms':>9} "
-          f"{'overhead_us':>11} {'ipc_chunks':>10}")
+          f"{'overhead_us':>11} {'ipc_chunks':>10} {'deferred':>8} {'polled':>7} {'woken':>6}")
     for r in rows:
+        c = r["server_counters"]
         print(f"{r['transport']:>9} {r['concurrency']:>5} {r['chunks']:>7} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f} "
-              f"{r['in_process_ms']:>9.3f} {r['overhead_p50_us']:>11.0f} {r['ipc_chunks']:>10} {r['fallbacks'] or ''}")
+              f"{r['in_process_ms']:>9.3f} {r['overhead_p50_us']:>11.0f} {r['ipc_chunks']:>10} {c['deferred']:>8.0f} "
+              f"{c['polled']:>7.0f} {c['woken']:>6.0f} {r['fallbacks'] or ''}")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"in_process_ms": ref, "rows": rows,
+        Path(args.json_path).write_text(json.dumps({"in_process_ms": first_ref, "rows": rows,
                                                     "settings": {"dtype": args.dtype, "model": args.model,
                                                                  "chunk_frames": args.chunk_frames,
                                                                  "batch_cap": batch_cap}}, indent=2))

@@ -36,10 +36,10 @@ def type_name(value: object) -> str:
 
 
 def as_map(value: object, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         invalid(f"{what} must be a map, got {type_name(value)}")
     for key in value:
-        if not isinstance(key, str):
+        if type(key) is not str:  # msgpack gives exactly dict and str (raw=False)
             invalid(f"{what} has a non-string key of type {type_name(key)}")
     return value
 
@@ -61,6 +61,8 @@ def is_int(value: object) -> bool:
 
 
 def check_int(value: object, name: str, *, lo: int, hi: int) -> int:
+    if type(value) is int and lo <= value <= hi:  # the common case first
+        return value
     if not is_int(value):
         invalid(f"{name} must be an integer, got {type_name(value)}")
     assert isinstance(value, int)
@@ -72,7 +74,10 @@ def check_int(value: object, name: str, *, lo: int, hi: int) -> int:
 def get_int(
     obj: Mapping[str, Any], key: str, what: str, *, lo: int, hi: int = INT64_MAX, default: Any = MISSING
 ) -> int:
-    if key not in obj and default is not MISSING:
+    value = obj.get(key, MISSING)
+    if type(value) is int and lo <= value <= hi:  # the common case first; names are built only for errors
+        return value
+    if value is MISSING and default is not MISSING:
         return int(default)
     value = require(obj, key, what)
     return check_int(value, f"{what}.{key}", lo=lo, hi=hi)

@@ -146,10 +146,11 @@ def _parse_shape(value: object, limits: Limits) -> tuple[int, ...]:
     if len(value) > limits.max_rank:
         invalid(f"tensor rank {len(value)} exceeds the limit of {limits.max_rank}")
     numel = 1
-    dims: list[int] = []
     for index, dim in enumerate(value):
-        dims.append(check_int(dim, f"tensor shape[{index}]", lo=0, hi=INT64_MAX))
+        if type(dim) is not int or dim < 0 or dim > INT64_MAX:
+            check_int(dim, f"tensor shape[{index}]", lo=0, hi=INT64_MAX)  # raises, naming the dimension
         numel *= dim
+    dims = list(value)
     if numel > limits.max_tensor_elements:
         invalid(
             f"tensor shape {dims} has {numel} elements; the limit is {limits.max_tensor_elements}"

@@ -61,6 +61,12 @@ class Metrics:
                                              ["reason"], registry=r)
         self.ipc_chunks = Counter(p + "ipc_chunks", "Chunks whose codes or audio used a CUDA IPC region",
                                   ["direction"], registry=r)
+        self.ipc_codes_deferred = Counter(p + "ipc_codes_deferred", "CUDA IPC chunks put back in the queue because "
+                                          "their codes event was not complete when their batch formed", registry=r)
+        self.input_pickups = Counter(p + "input_pickups", "Times the loop found input waiting: polled = taken by "
+                                     "busy polling (busy_poll_us), woken = after sleeping", ["how"], registry=r)
+        for how in ("polled", "woken"):
+            self.input_pickups.labels(how=how)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,14 @@ before the next batch is formed, so batches fill while the device works and a st
 last one still reads its inputs. Any other step waits for the device (audio copied to the host), so it runs in
 the worker thread, and receiving and replying go on meanwhile. One step at a time, and none on the loop thread
 while a region is being opened or closed in the worker.
+
+Busy polling (``busy_poll_us``, on by default on CUDA): for that long after any input or step, the step loop
+polls the socket instead of sleeping, and handles what arrives itself (no descriptor wake-up, no hand-off to
+another task), so a chunk goes from the socket to the device on a thread that never slept. After a CUDA IPC
+step it polls the device's completion the same way instead of waiting for it in the worker thread. And a batch
+whose CUDA IPC codes events are not all complete yet polls them for a moment (``_CODES_GRACE_S``) before it
+puts those chunks back for the next step. It never spins while the worker thread runs a step, which needs the
+GIL.
 """
 
 from __future__ import annotations
@@ -23,13 +31,13 @@ import zmq
 
 from proto import ErrorCode
 
-from .config import ServerConfig
+from .config import ServerConfig, busy_poll_s
 from .engine import Engine
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
 from .ipc.cudart import CudaIpcError, host_id
 from .ipc.device import CudaIpcDevice
-from .ipc.io import load_codes, store_audio
+from .ipc.io import incomplete_codes_events, load_codes, store_audio
 from .metrics import HealthServer, Metrics
 from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
@@ -44,6 +52,10 @@ _RECEIVE_BATCH = 256
 """Messages handled per wake-up before other loop work (steps, timers) gets a turn."""
 _DEFERRED_RETRY_S = 0.0002
 """Pause before retrying a step whose only chunks were waiting for their clients' codes."""
+_CODES_GRACE_S = 0.0002
+"""With busy polling: how long a batch waits for codes events still incomplete before those chunks are put back
+(a chunk put back waits a whole step). The copy behind such an event was usually queued on the client's context
+while the sidecar's step held the GPU, and runs as soon as that step ends, within microseconds."""
 
 
 class Server:
@@ -63,6 +75,11 @@ class Server:
         self._zmq = zmq.Context()
         self._busy = False  # an engine step is in flight
         self._ops_running = False  # a task is draining region open/close work
+        self._busy_poll_s = 0.0  # resolved for the device at start
+        self._poll_until = 0.0  # monotonic: the step loop polls instead of sleeping until then
+        self._polling = False  # the step loop is busy-polling now (input found now was not waited for)
+        self._pickups_polled = self.metrics.input_pickups.labels(how="polled")
+        self._pickups_woken = self.metrics.input_pickups.labels(how="woken")
         self.metrics_port = 0
 
     async def start(self) -> None:
@@ -73,6 +90,7 @@ class Server:
         device = resolve_device(cfg.device)
         if device.type == "cuda":
             configure_cuda(cfg.graphs.allow_tf32)
+        self._busy_poll_s = busy_poll_s(cfg, device.type)
         t0 = time.perf_counter()
         self.model = await loop.run_in_executor(
             self._pool, lambda: load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed))
@@ -180,12 +198,15 @@ class Server:
 
     # ------------------------------------------------------------------ loops
     def _on_readable(self) -> None:
-        """Drain input: every waiting message goes to the sessions, then replies go out and the step loop wakes."""
+        """Drain input: every waiting message goes to the sessions, then replies go out and the step loop wakes.
+        Called by the descriptor's callback after the loop slept, or while the step loop busy-polls."""
         assert self.transport is not None and self.sessions is not None
-        for _ in range(_RECEIVE_BATCH):
+        count = 0
+        while count < _RECEIVE_BATCH:
             received = self.transport.recv_nowait()
             if received is None:
                 break
+            count += 1
             identity, frames = received
             try:
                 self.sessions.on_message(identity, frames)
@@ -194,6 +215,9 @@ class Server:
                 self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
         else:
             asyncio.get_running_loop().call_soon(self._on_readable)  # more waiting: after other loop work
+        if count:
+            self._poll_until = time.monotonic() + self._busy_poll_s  # traffic flows: poll for a while
+            (self._pickups_polled if self._polling else self._pickups_woken).inc()
         self._flush()
         self._work.set()
 
@@ -201,8 +225,12 @@ class Server:
         assert self.sessions is not None
         loop = asyncio.get_running_loop()
         while True:
-            wait_s = self.scheduler.seconds_until_ready(time.monotonic())
+            now = time.monotonic()
+            wait_s = self.scheduler.seconds_until_ready(now)
             if wait_s is None or wait_s > 0:
+                if now < self._poll_until:  # traffic flows: poll, and take what arrives on this thread
+                    await self._poll(self._batch_ready, self._poll_until if wait_s is None else now + wait_s)
+                    continue
                 self._work.clear()
                 try:
                     await asyncio.wait_for(self._work.wait(), timeout=wait_s)
@@ -212,10 +240,15 @@ class Server:
             batch = self.scheduler.take_batch()
             mode = batch[0].stream.mode
             now = time.monotonic()
-            self._busy = True
-            on_loop = self._step_on_loop(batch)
+            self._busy = True  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
             try:
-                if on_loop:
+                if self._busy_poll_s:
+                    pending = incomplete_codes_events(batch)
+                    if pending:  # a moment's grace rather than a whole step's delay for those chunks
+                        await self._poll(lambda: all(event.query() for event in pending),
+                                         time.monotonic() + _CODES_GRACE_S)
+                now = time.monotonic()
+                if self._step_on_loop(batch):
                     done, audios, refused, deferred = self._engine_step(batch)
                 else:
                     done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step,
@@ -229,6 +262,7 @@ class Server:
                     self.sessions.fail_job(job, code, message)
                 if deferred:  # codes still being written by the client: first in line for the next step
                     self.scheduler.requeue(deferred)
+                    self.metrics.ipc_codes_deferred.inc(len(deferred))
                     if not done:
                         await asyncio.sleep(_DEFERRED_RETRY_S)
                 wrote_regions = any(job.audio_out is not None for job in done)  # (completing a job clears it)
@@ -239,7 +273,10 @@ class Server:
                     finished = torch.cuda.Event()
                     finished.record()
                     self._flush()
-                    await loop.run_in_executor(self._pool, finished.synchronize)
+                    if self._busy_poll_s:
+                        await self._poll(finished.query, float("inf"))
+                    else:
+                        await loop.run_in_executor(self._pool, finished.synchronize)
                 self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
             finally:
                 self._busy = False
@@ -249,6 +286,27 @@ class Server:
             self.metrics.batch_size.labels(mode=mode).observe(len(batch))
             self.sessions.release_in_flight(batch)
             self._flush()
+            self._poll_until = time.monotonic() + self._busy_poll_s
+
+    async def _poll(self, done, until_s: float) -> None:
+        """Busy-poll until ``done()`` or ``until_s`` (monotonic): input is handled as soon as it is there, and
+        the loop's other work gets a turn at every check (``sleep(0)`` runs one loop iteration)."""
+        assert self.transport is not None
+        self._polling = True
+        try:
+            while not done():
+                if self.transport.readable():
+                    self._on_readable()
+                    if done():
+                        return
+                elif time.monotonic() >= until_s:
+                    return
+                await asyncio.sleep(0)
+        finally:
+            self._polling = False
+
+    def _batch_ready(self) -> bool:
+        return self.scheduler.seconds_until_ready(time.monotonic()) == 0
 
     def _step_on_loop(self, batch: list) -> bool:
         """Policy: run on the loop thread a step that does not wait for the device (every chunk's audio goes

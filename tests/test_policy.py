@@ -101,3 +101,20 @@ def test_config_rejects_unknown_keys_with_hint(tmp_path):
     path.write_text("dtype: bfloat16\nscheduler:\n  max_batch_size: 8\n")
     cfg = load_config(path, {"metrics_port": 0})
     assert cfg.dtype == "bfloat16" and cfg.scheduler.max_batch_size == 8 and cfg.metrics_port == 0
+
+
+def test_busy_poll_setting_resolves_per_device_and_rejects_bad_values(tmp_path):
+    from sidecar.config import AUTO_BUSY_POLL_US, busy_poll_s
+
+    cfg = load_config()
+    assert cfg.busy_poll_us == "auto"
+    assert busy_poll_s(cfg, "cuda") == AUTO_BUSY_POLL_US / 1e6 and busy_poll_s(cfg, "cpu") == 0.0
+    path = tmp_path / "c.yaml"
+    path.write_text("busy_poll_us: 500\n")
+    assert busy_poll_s(load_config(path), "cpu") == 500e-6  # an explicit value holds on any device
+    path.write_text("busy_poll_us: 0\n")
+    assert busy_poll_s(load_config(path), "cuda") == 0.0
+    for bad in ("-1", "fast"):
+        path.write_text(f"busy_poll_us: {bad}\n")
+        with pytest.raises(ConfigError, match="busy_poll_us"):
+            load_config(path)

@@ -14,6 +14,7 @@ import zmq
 import proto
 from client import SidecarClient
 from client import errors as cerr
+from conftest import start_sidecar
 
 TOL = 1e-5
 
@@ -84,6 +85,8 @@ def test_metrics_move_and_health_endpoints(sidecar, golden_cases):
     assert _metric(after, "code2wav_sidecar_chunk_latency_seconds_count", mode="exact") >= 2
     assert _metric(after, "code2wav_sidecar_active_streams") == 0
     assert 'le="0.0005"' in after  # latency buckets start at 0.5 ms
+    assert _metric(after, "code2wav_sidecar_input_pickups_total", how="polled") == 0  # busy polling: CUDA only
+    assert _metric(after, "code2wav_sidecar_input_pickups_total", how="woken") >= 3
     assert sidecar.http_status("/nope") == 404
 
 
@@ -176,6 +179,42 @@ def test_a_burst_larger_than_one_drain_is_answered_in_full(sidecar):
         assert got == list(range(100, 800))
     finally:
         peer.close()
+
+
+def test_a_busy_polling_sidecar_decodes_exactly_and_drains_bursts(tmp_path, golden_cases):
+    """``busy_poll_us`` (on by default on CUDA) forced on here on the CPU, with a window long enough that
+    chunks surely arrive inside it: the step loop polls the socket and takes them itself. Concurrent streams
+    still match the golden audio, a stream decodes on after an idle gap, a burst larger than one drain is
+    answered in full, and the pickups are counted as polled."""
+    config = tmp_path / "poll.yaml"
+    config.write_text("busy_poll_us: 50000\nscheduler:\n  batch_window_us: 0\n")
+    running = start_sidecar(tmp_path, "--config", str(config))
+    try:
+        codes, chunked = golden_cases["codes"], golden_cases["chunked"][:, 0]
+        with SidecarClient(running.address, timeout_s=30) as client:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                outs = list(pool.map(lambda i: _window_stream(client, f"p{i}", codes[i % 2]), range(4)))
+            for i, out in enumerate(outs):
+                assert (out - chunked[i % 2]).abs().max().item() <= TOL, i
+            stream = client.open_stream("gap", mode="window", left_context_frames=5)
+            first = stream.decode(codes[0, :, :12])
+            time.sleep(0.2)  # idle: the window most likely ends (unless a heartbeat lands in the gap)
+            second = stream.decode(codes[0, :, 12:24])
+            assert (torch.cat([first, second]) - chunked[0, : 24 * 48]).abs().max().item() <= TOL
+        peer = RawPeer(running.address)
+        try:
+            peer.hello()
+            for rid in range(100, 700):
+                peer.send(proto.Ping(rid))
+            got = sorted(msg.request_id for msg in (peer.recv() for _ in range(600)) if isinstance(msg, proto.Pong))
+            assert got == list(range(100, 700))
+        finally:
+            peer.close()
+        scraped = running.scrape()
+        assert _metric(scraped, "code2wav_sidecar_input_pickups_total", how="polled") >= 1
+        assert _metric(scraped, "code2wav_sidecar_input_pickups_total", how="woken") >= 1  # at least the hello
+    finally:
+        running.stop()
 
 
 def _chunk_header(rid: int, stream_id: str, seq: int, dtype: str, shape: list, **extra) -> dict:

@@ -1,6 +1,7 @@
 """ctypes calls torch does not offer: ``cudaMalloc``/``cudaFree`` outside torch's caching allocator (so the
 export works whatever ``PYTORCH_CUDA_ALLOC_CONF`` says, ``expandable_segments`` included) and
-``cudaIpcGetMemHandle``. Bound to the ``libcudart`` torch itself loaded."""
+``cudaIpcGetMemHandle``; and ``cudaMemcpyAsync`` into such memory, which spares building a tensor view per
+chunk. Bound to the ``libcudart`` torch itself loaded (same runtime, same contexts, same streams)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def _torch_cudart_path() -> str:
     return sorted(paths)[0]
 
 
+_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
+
+
 class Runtime:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -29,6 +33,8 @@ class Runtime:
         lib.cudaFree.argtypes = [ctypes.c_void_p]
         lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_MemHandle), ctypes.c_void_p]
         lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                        ctypes.c_void_p]
 
     def _call(self, status: int, what: str) -> None:
         if status:
@@ -42,6 +48,10 @@ class Runtime:
 
     def free(self, pointer: int) -> None:
         self._call(self._lib.cudaFree(ctypes.c_void_p(pointer)), "cudaFree")
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Device-to-device copy queued on the raw CUDA ``stream`` (``torch.cuda.Stream.cuda_stream``)."""
+        self._call(self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEVICE_TO_DEVICE, stream), "cudaMemcpyAsync")
 
     def export(self, pointer: int) -> bytes:
         handle = _MemHandle()

@@ -92,7 +92,6 @@ class IpcChannel:
             self._audio = _ExportedRegion(self._rt, device, audio_nbytes)
         except (OSError, RuntimeError) as exc:
             raise IpcUnavailable(f"cannot export device memory: {exc}") from None
-        self._codes_data = torch.as_tensor(_Lease(self._codes.pointer, codes_nbytes, "|u1"), device=device)  # [nbytes]
         with torch.cuda.device(device):
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(num_events)]
         self._event_pool = EventPool(num_events)
@@ -142,9 +141,9 @@ class IpcChannel:
                 self._free(codes_offsets, audio_offsets)
                 return None
         event = self._events[event_index]
-        caller = torch.cuda.current_stream(self.device)  # codes were made there; released audio views used there
-        for tensor, offset in zip(codes, codes_offsets):
-            self._codes_view(offset, tensor).copy_(tensor)  # in the caller's stream order
+        caller = torch.cuda.current_stream(self.device.index)  # codes were made there; released audio views too
+        for tensor, offset in zip(codes, codes_offsets):  # contiguous, on this device (``cuda_wire_codes``)
+            self._rt.copy_async(self._codes.pointer + offset, tensor.data_ptr(), tensor.nbytes, caller.cuda_stream)
         event.record(caller)
         packed = []
         for tensor, samples, codes_offset, audio_offset in zip(codes, num_samples, codes_offsets, audio_offsets):
@@ -153,10 +152,6 @@ class IpcChannel:
             audio_desc = TensorDesc("float32", (samples,), CudaIpcLoc(self.audio_region, audio_offset, samples * 4))
             packed.append(PackedChunk(self, codes_desc, event_index, audio_desc, codes_offset, audio_offset, caller))
         return packed
-
-    def _codes_view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        raw = self._codes_data[offset: offset + like.nbytes]  # [nbytes] uint8 in the codes region
-        return raw.view(like.dtype).view(like.shape)
 
     def release(self, packed: PackedChunk, audio_used: bool) -> None:
         """The chunk's reply arrived: its codes slot and event are free; its audio slot too unless a view now
@@ -201,7 +196,6 @@ class IpcChannel:
         if self.closed:
             return
         self.closed = True
-        self._codes_data = None  # type: ignore[assignment]
         try:
             self._rt.free(self._codes.pointer)
             with self._lock:

@@ -23,7 +23,18 @@ import torch
 
 from proto import ErrorCode
 
-__all__ = ["load_codes", "store_audio"]
+__all__ = ["incomplete_codes_events", "load_codes", "store_audio"]
+
+
+def incomplete_codes_events(jobs: list) -> list:
+    """The distinct codes events of ``jobs``' CUDA IPC chunks that are not complete yet (one query each)."""
+    events = {}
+    for job in jobs:
+        if job.ipc_codes is not None:
+            region, _view, event_index = job.ipc_codes
+            event = region.opened.events[event_index]
+            events[id(event)] = event
+    return [event for event in events.values() if not event.query()]
 
 
 def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float) -> tuple[list, list]:
