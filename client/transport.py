@@ -60,17 +60,15 @@ def as_wire_codes(codes: CodesLike) -> np.ndarray:
 
 
 def cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
-    """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (no copy when already one)."""
-    if codes.dtype in _TORCH_WIRE_INTS and codes.dim() == 2 and codes.is_contiguous():
-        return codes  # already wire form (integer tensors never require grad): the per-chunk common case
-    tensor = codes.detach()
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
-    if tensor.dtype not in (torch.int16, torch.int32, torch.int64):
-        tensor = tensor.to(torch.int64)
-    if tensor.dim() != 2:
-        raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(tensor.shape)}")
-    return tensor.contiguous()
+    """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (the tensor itself when already
+    one; integer tensors never require grad, so there is nothing to detach)."""
+    if codes.dtype not in _TORCH_WIRE_INTS:
+        if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
+            raise InvalidArgument(f"codes must be an integer tensor, got {codes.dtype}")
+        codes = codes.to(torch.int64)
+    if codes.dim() != 2:
+        raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(codes.shape)}")
+    return codes.contiguous()
 
 
 class TensorTransport(Protocol):

@@ -60,6 +60,16 @@ def scrape_counters(text: str) -> dict[str, float]:
     return sums
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 

@@ -32,6 +32,7 @@ import torch
 
 from client import SidecarClient
 
+from .drive import metric_value
 from .spawn import spawn_sidecar
 from .traffic import synthetic_codes
 
@@ -43,9 +44,9 @@ def _percentiles(times_s: list[float]) -> tuple[float, float]:
 
 class InProcessReference:
     """One exact graph step per batch size, GPU codes in, GPU audio out (copied once, as for IPC), in this
-    process. Kept alive during the sidecar runs and measured right before and right after each transport pair
-    (the pair's reference is their mean), so a drift of the GPU's clocks over the run does not show up as wire
-    cost."""
+    process. Kept alive during the sidecar runs and measured close in time to them (in blocks between blocks of
+    chunks at concurrency 1, else right before and after each transport pair), so a drift of the GPU's clocks
+    over the run does not show up as wire cost."""
 
     def __init__(self, model, chunk_frames: int, batches: tuple[int, ...]) -> None:
         from prometheus_client import CollectorRegistry
@@ -94,15 +95,8 @@ _COUNTERS = {"deferred": ("code2wav_sidecar_ipc_codes_deferred_total", {}),
 
 def _server_counters(spawned) -> dict[str, float]:
     """The sidecar's counters that explain a run: IPC chunks deferred for their codes, input pickups."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = dict.fromkeys(_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(spawned.scrape()):
-        for sample in family.samples:
-            for key, (name, labels) in _COUNTERS.items():
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    values[key] += sample.value
-    return values
+    text = spawned.scrape()
+    return {key: metric_value(text, name, **labels) for key, (name, labels) in _COUNTERS.items()}
 
 
 def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int, chunk_frames: int,
@@ -166,16 +160,16 @@ def run(args) -> int:
     print(spawned.ready_line, flush=True)
     rows = []
     first_ref: dict[int, float] = {}
+
+    def between() -> list[float]:
+        return [ref.step_s(1) for _ in range(_BLOCK)]
+
     try:
         for level in levels:
             per_stream = max(10, args.transport_chunks // level)
             batch = 1 if level == 1 else batch_cap
             steps = level / min(level, batch_cap)
             interleave = level == 1  # reference blocks between chunk blocks: both see the same GPU state
-
-            def between() -> list[float]:
-                return [ref.step_s(1) for _ in range(_BLOCK)]
-
             before_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
             pair = []
             for transport in ("inline", "ipc"):

@@ -197,9 +197,10 @@ class Server:
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ loops
-    def _on_readable(self) -> None:
+    def _on_readable(self) -> int:
         """Drain input: every waiting message goes to the sessions, then replies go out and the step loop wakes.
-        Called by the descriptor's callback after the loop slept, or while the step loop busy-polls."""
+        Called by the descriptor's callback after the loop slept, or while the step loop busy-polls. Returns
+        how many messages it took (none: nothing else to do)."""
         assert self.transport is not None and self.sessions is not None
         count = 0
         while count < _RECEIVE_BATCH:
@@ -215,11 +216,13 @@ class Server:
                 self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
         else:
             asyncio.get_running_loop().call_soon(self._on_readable)  # more waiting: after other loop work
-        if count:
-            self._poll_until = time.monotonic() + self._busy_poll_s  # traffic flows: poll for a while
-            (self._pickups_polled if self._polling else self._pickups_woken).inc()
+        if not count:
+            return 0
+        self._poll_until = time.monotonic() + self._busy_poll_s  # traffic flows: poll for a while
+        (self._pickups_polled if self._polling else self._pickups_woken).inc()
         self._flush()
         self._work.set()
+        return count
 
     async def _step_loop(self) -> None:
         assert self.sessions is not None
@@ -270,13 +273,8 @@ class Server:
                     self.sessions.complete_job(job, audio)
                 if wrote_regions:  # the step may still be running: the replies leave now, and the next batch
                     # forms in the queue until the device is done
-                    finished = torch.cuda.Event()
-                    finished.record()
                     self._flush()
-                    if self._busy_poll_s:
-                        await self._poll(finished.query, float("inf"))
-                    else:
-                        await loop.run_in_executor(self._pool, finished.synchronize)
+                    await self._device_done()
                 self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
             finally:
                 self._busy = False
@@ -291,12 +289,10 @@ class Server:
     async def _poll(self, done, until_s: float) -> None:
         """Busy-poll until ``done()`` or ``until_s`` (monotonic): input is handled as soon as it is there, and
         the loop's other work gets a turn at every check (``sleep(0)`` runs one loop iteration)."""
-        assert self.transport is not None
         self._polling = True
         try:
             while not done():
-                if self.transport.readable():
-                    self._on_readable()
+                if self._on_readable():
                     if done():
                         return
                 elif time.monotonic() >= until_s:
@@ -304,6 +300,15 @@ class Server:
                 await asyncio.sleep(0)
         finally:
             self._polling = False
+
+    async def _device_done(self) -> None:
+        """Wait for the work queued on the engine stream so far: polled with busy polling, else in the worker."""
+        finished = torch.cuda.Event()
+        finished.record()
+        if self._busy_poll_s:
+            await self._poll(finished.query, float("inf"))
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._pool, finished.synchronize)
 
     def _batch_ready(self) -> bool:
         return self.scheduler.seconds_until_ready(time.monotonic()) == 0

@@ -118,7 +118,7 @@ class Transport:
     def recv_nowait(self) -> tuple[bytes, list] | None:
         """``(identity, frames)`` of the next message, or None when none is waiting; frames are zero-copy.
         (Asking ``ZMQ_EVENTS`` first is cheaper than the ``zmq.Again`` a receive on an empty socket raises.)"""
-        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self.readable():
             return None
         try:
             parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -136,6 +136,47 @@ def test_lookup_is_scoped_to_the_connection_and_the_access() -> None:
         service.view(region, TensorDesc("int64", (200,), CudaIpcLoc(7, 0, 1600)), "codes")
 
 
+class _StandInEvent:
+    """Stands in for a client's interprocess CUDA event, which cannot exist on a CPU machine."""
+
+    def __init__(self, complete: bool) -> None:
+        self.complete = complete
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.complete
+
+
+def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_ones() -> None:
+    from types import SimpleNamespace
+
+    from sidecar.ipc.io import incomplete_codes_events, load_codes
+
+    service, region, _ = _service_with_region()
+    region.opened.events = [_StandInEvent(True), _StandInEvent(False), _StandInEvent(True)]
+    region.opened.data.view(torch.int64)[:] = torch.arange(128) % 7  # codes 0..6 in the region's bytes
+
+    def job(offset: int, event: int, arrived_s: float = 10.0):
+        desc = TensorDesc("int64", (2, 3), CudaIpcLoc(7, offset, 48))
+        return SimpleNamespace(ipc_codes=(region, service.view(region, desc, "codes"), event), arrived_s=arrived_s,
+                               codes=None)
+
+    ready, shared, waiting, late = job(0, 0), job(48, 0), job(96, 1), job(144, 1, arrived_s=0.0)
+    inline = SimpleNamespace(ipc_codes=None)
+    jobs = [ready, shared, waiting, late, inline]
+    assert incomplete_codes_events(jobs) == [region.opened.events[1]]  # one query per distinct event
+    assert [e.queries for e in region.opened.events] == [1, 1, 0]
+    refused, deferred = load_codes(jobs, codebook_size=7, now_s=12.0, codes_event_timeout_s=5.0)
+    assert deferred == [waiting]
+    assert [(j, code) for j, code, _ in refused] == [(late, ErrorCode.DEADLINE_EXCEEDED)]
+    assert "codes_event 1 of region 7 did not complete within 5s" in refused[0][2]
+    assert torch.equal(ready.codes, (torch.arange(6) % 7).view(2, 3))
+    assert torch.equal(shared.codes, (torch.arange(6, 12) % 7).view(2, 3))
+    refused, _ = load_codes([job(48, 0)], codebook_size=6, now_s=12.0, codes_event_timeout_s=5.0)
+    assert refused[0][1] == ErrorCode.INVALID_ARGUMENT and "code 6 out of range [0, 6)" in refused[0][2]
+
+
 def test_unregister_while_in_use_is_deferred_until_the_last_use_ends() -> None:
     service, region, rec = _service_with_region()
     service.acquire(region)

@@ -15,19 +15,9 @@ import proto
 from client import SidecarClient
 from client import errors as cerr
 from conftest import start_sidecar
+from loadgen.drive import metric_value as _metric
 
 TOL = 1e-5
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def _window_stream(client: SidecarClient, name: str, codes: torch.Tensor, chunk_frames: int = 12) -> torch.Tensor:
@@ -167,18 +157,23 @@ class RawPeer:
         self.ctx.term()
 
 
+def _assert_ping_burst_answered(address: str, count: int) -> None:
+    """``count`` pings sent without waiting get ``count`` pongs."""
+    peer = RawPeer(address)
+    try:
+        peer.hello()
+        for rid in range(100, 100 + count):
+            peer.send(proto.Ping(rid))
+        got = sorted(msg.request_id for msg in (peer.recv() for _ in range(count)) if isinstance(msg, proto.Pong))
+        assert got == list(range(100, 100 + count))
+    finally:
+        peer.close()
+
+
 def test_a_burst_larger_than_one_drain_is_answered_in_full(sidecar):
     """The server drains at most 256 messages per wake-up, then yields to its other work and goes on: a burst
     of 700 pings sent without waiting gets 700 pongs."""
-    peer = RawPeer(sidecar.address)
-    try:
-        peer.hello()
-        for rid in range(100, 800):
-            peer.send(proto.Ping(rid))
-        got = sorted(msg.request_id for msg in (peer.recv() for _ in range(700)) if isinstance(msg, proto.Pong))
-        assert got == list(range(100, 800))
-    finally:
-        peer.close()
+    _assert_ping_burst_answered(sidecar.address, 700)
 
 
 def test_a_busy_polling_sidecar_decodes_exactly_and_drains_bursts(tmp_path, golden_cases):
@@ -201,15 +196,7 @@ def test_a_busy_polling_sidecar_decodes_exactly_and_drains_bursts(tmp_path, gold
             time.sleep(0.2)  # idle: the window most likely ends (unless a heartbeat lands in the gap)
             second = stream.decode(codes[0, :, 12:24])
             assert (torch.cat([first, second]) - chunked[0, : 24 * 48]).abs().max().item() <= TOL
-        peer = RawPeer(running.address)
-        try:
-            peer.hello()
-            for rid in range(100, 700):
-                peer.send(proto.Ping(rid))
-            got = sorted(msg.request_id for msg in (peer.recv() for _ in range(600)) if isinstance(msg, proto.Pong))
-            assert got == list(range(100, 700))
-        finally:
-            peer.close()
+        _assert_ping_burst_answered(running.address, 600)
         scraped = running.scrape()
         assert _metric(scraped, "code2wav_sidecar_input_pickups_total", how="polled") >= 1
         assert _metric(scraped, "code2wav_sidecar_input_pickups_total", how="woken") >= 1  # at least the hello

@@ -26,14 +26,15 @@ from proto import ErrorCode
 __all__ = ["incomplete_codes_events", "load_codes", "store_audio"]
 
 
+def _codes_event(job):
+    """The client event recorded after ``job``'s codes were copied (its index was checked on arrival)."""
+    region, _view, event_index = job.ipc_codes
+    return region.opened.events[event_index]
+
+
 def incomplete_codes_events(jobs: list) -> list:
     """The distinct codes events of ``jobs``' CUDA IPC chunks that are not complete yet (one query each)."""
-    events = {}
-    for job in jobs:
-        if job.ipc_codes is not None:
-            region, _view, event_index = job.ipc_codes
-            event = region.opened.events[event_index]
-            events[id(event)] = event
+    events = {id(event): event for event in (_codes_event(job) for job in jobs if job.ipc_codes is not None)}
     return [event for event in events.values() if not event.query()]
 
 
@@ -46,13 +47,13 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
     refused, ready, deferred = [], [], []
     complete: dict[int, bool] = {}  # per event: chunks of one message share theirs
     for job in ipc_jobs:
-        region, _view, event_index = job.ipc_codes  # the index was checked against the region on arrival
-        event = region.opened.events[event_index]
+        event = _codes_event(job)
         if id(event) not in complete:
             complete[id(event)] = event.query()  # complete: the client's copy is done, nothing to wait on
         if complete[id(event)]:
             ready.append(job)
         elif now_s - job.arrived_s > codes_event_timeout_s:
+            region, _view, event_index = job.ipc_codes
             refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {event_index} of region "
                             f"{region.region_id} did not complete within {codes_event_timeout_s:g}s"))
         else:
