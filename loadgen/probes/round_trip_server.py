@@ -1,0 +1,43 @@
+"""Sidecar under probes: per-chunk marks (perf_counter, same clock as the client) and a cProfile of the loop thread."""
+import atexit, cProfile, json, os, sys, time
+sys.path.insert(0, ".")
+import sidecar.server as S
+import sidecar.sessions as SS
+import sidecar.engine as E
+rows, cur = [], {}
+PROF = os.environ.get("PROF") == "1"
+prof = cProfile.Profile() if PROF else None
+def wrap(obj, name, key_in=None, key_out=None):
+    orig = getattr(obj, name)
+    def f(*a, **k):
+        if key_in: cur.setdefault(key_in, time.perf_counter())
+        r = orig(*a, **k)
+        if key_out: cur[key_out] = time.perf_counter()
+        return r
+    setattr(obj, name, f)
+wrap(S.Server, "_on_readable", "wake")
+wrap(SS.Sessions, "on_message", "recv", "parsed")
+wrap(S.Server, "_engine_step", "step0", "step1")
+wrap(S, "load_codes", None, "loaded")
+wrap(SS.Sessions, "build_items", None, "items")
+wrap(E.Engine, "decode", None, "decoded")
+wrap(S, "store_audio", None, "stored")
+orig_flush = S.Server._flush
+def flush(self):
+    n = len(self.sessions.outbox); orig_flush(self)
+    if n and "step1" in cur:
+        cur["sent"] = time.perf_counter(); rows.append(dict(cur)); cur.clear()
+S.Server._flush = flush
+orig_serve = S.Server.serve
+async def serve(self):
+    if prof: prof.enable()
+    try: await orig_serve(self)
+    finally:
+        if prof: prof.disable(); prof.dump_stats(OUT_PATH + ".prof")
+S.Server.serve = serve
+def dump():
+    with open(OUT_PATH, "w") as f: json.dump(rows, f)
+atexit.register(dump)
+from sidecar.cli import main
+OUT_PATH = sys.argv[sys.argv.index("--probe-out") + 1]
+sys.exit(main(sys.argv[1:sys.argv.index("--probe-out")]))
