@@ -9,17 +9,28 @@ are decoded in slices with the state carried between slices, which is exact (the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from .graphs.manager import GraphManager
-from .graphs.plan import dispatch, extra_bucket
+from .graphs.plan import BucketKey, dispatch, extra_bucket
 from .models import LoadedModel
 from .models.routine import rows_audio, rows_state
 from .state_store import StateArena
 from .work import DecodeItem
 
-__all__ = ["Engine", "DecodeItem"]
+__all__ = ["Engine", "DecodeItem", "GraphChoice"]
+
+
+@dataclass(frozen=True)
+class GraphChoice:
+    """The graph bucket a batch would replay (``needs_capture``: captured on first use), or None and why not."""
+
+    key: BucketKey | None
+    reason: str = ""
+    needs_capture: bool = False
 
 
 class Engine:
@@ -33,32 +44,47 @@ class Engine:
         self.metrics = metrics
 
     @torch.inference_mode()
-    def decode(self, items: list[DecodeItem]) -> list[Tensor]:
+    def decode(self, items: list[DecodeItem], may_capture: bool = True) -> list[Tensor]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
-        valid until the next ``decode``. Stateless and stateful items may not mix."""
+        valid until the next ``decode``. Stateless and stateful items may not mix. ``may_capture=False``: a batch
+        whose graph is still to be captured runs eager instead (a capture holds the calling thread for long)."""
         stateful = items[0].slot is not None
         if any((it.slot is not None) != stateful for it in items):
             raise ValueError("a batch mixes stateful and stateless chunks")
         if self.graphs is not None:
-            outputs = self._try_graph("exact" if stateful else "window", items)
+            outputs = self._try_graph("exact" if stateful else "window", items, may_capture)
             if outputs is not None:
                 return outputs
         return self._decode_eager(items, stateful)
 
-    def _try_graph(self, mode: str, items: list[DecodeItem]) -> list[Tensor] | None:
+    def graph_choice(self, mode: str, row_frames: list[int]) -> GraphChoice:
+        """Policy, no side effects: the bucket a batch with rows of ``row_frames`` frames would replay, and
+        whether it must be captured first; or no bucket, and why the batch would run eager."""
         graphs = self.graphs
-        row_frames = [it.codes.shape[1] for it in items]
-        choice = dispatch(graphs.usable_buckets(), mode, len(items), row_frames)
-        key = choice.key
-        reason = choice.reason
-        if key is None and dispatch(tuple(graphs.buckets), mode, len(items), row_frames).key is not None:
-            reason = "not_captured"  # a configured bucket fits, but its capture failed or was skipped
-        if key is None and reason in ("frames_too_long", "batch_too_large"):
+        if graphs is None:
+            return GraphChoice(None, "no_graphs")
+        num_rows = len(row_frames)
+        choice = dispatch(graphs.usable_buckets(), mode, num_rows, row_frames)
+        if choice.key is not None:
+            return GraphChoice(choice.key, needs_capture=not graphs.is_captured(choice.key))
+        if dispatch(tuple(graphs.buckets), mode, num_rows, row_frames).key is not None:
+            return GraphChoice(None, "not_captured")  # a configured bucket fits, but its capture failed or was skipped
+        if choice.reason in ("frames_too_long", "batch_too_large"):
             largest = max((k for k in graphs.buckets if k.mode == mode), key=lambda k: k.cost, default=None)
             if largest is not None:
-                extra = extra_bucket(mode, len(items), max(row_frames), largest.batch, self.max_forward_frames)
-                if extra is not None and graphs.capture_extra(extra):
-                    key = extra
+                extra = extra_bucket(mode, num_rows, max(row_frames), largest.batch, self.max_forward_frames)
+                if extra is not None and graphs.may_capture_extra(extra):
+                    return GraphChoice(extra, choice.reason, needs_capture=not graphs.is_captured(extra))
+        return GraphChoice(None, choice.reason)
+
+    def _try_graph(self, mode: str, items: list[DecodeItem], may_capture: bool) -> list[Tensor] | None:
+        graphs = self.graphs
+        choice = self.graph_choice(mode, [it.codes.shape[1] for it in items])
+        key, reason = choice.key, choice.reason
+        if key is not None and choice.needs_capture and not may_capture:
+            key, reason = None, "capture_deferred"  # captured by the next such batch on the worker thread
+        if key is not None and key not in graphs.buckets and not graphs.capture_extra(key):
+            key = None  # the reason stays why no configured bucket held the batch
         if key is not None and not graphs.ready(key):  # a lazy capture that failed just now
             reason, key = "not_captured", None
         if key is None:

@@ -252,7 +252,7 @@ class Server:
                                          time.monotonic() + _CODES_GRACE_S)
                 now = time.monotonic()
                 if self._step_on_loop(batch):
-                    done, audios, refused, deferred = self._engine_step(batch)
+                    done, audios, refused, deferred = self._engine_step(batch, on_loop=True)
                 else:
                     done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step,
                                                                                  batch)
@@ -315,20 +315,26 @@ class Server:
 
     def _step_on_loop(self, batch: list) -> bool:
         """Policy: run on the loop thread a step that does not wait for the device (every chunk's audio goes
-        to a client region), unless a region is being opened or closed in the worker thread meanwhile."""
-        return not self._ops_running and all(job.audio_out is not None for job in batch)
+        to a client region), unless a region is being opened or closed in the worker thread meanwhile, or the
+        step's graph is still to be captured (that holds the thread for up to seconds: receiving and heartbeats
+        would stop; the worker thread captures it)."""
+        if self._ops_running or not all(job.audio_out is not None for job in batch):
+            return False
+        frames = [job.decoded_frames for job in batch]
+        return not self.engine.graph_choice(batch[0].stream.mode, frames).needs_capture
 
-    def _engine_step(self, batch: list) -> tuple[list, list, list, list]:
+    def _engine_step(self, batch: list, on_loop: bool = False) -> tuple[list, list, list, list]:
         """Worker thread (or the loop thread, see ``_step_on_loop``): read CUDA IPC codes, decode, write CUDA IPC
         audio. Returns the decoded jobs, their audio, ``(job, code, message)`` for jobs refused before decoding
-        (their state is untouched), and jobs whose client-side codes are not ready yet."""
+        (their state is untouched), and jobs whose client-side codes are not ready yet. On the loop thread it
+        never captures a graph (chunks put back or refused can leave a smaller batch than the policy saw)."""
         refused, deferred = load_codes(batch, self.model.codebook_size, time.monotonic(),
                                        self.cfg.codes_event_timeout_s)
         skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
         done = [job for job in batch if id(job) not in skipped]
         if not done:
             return done, [], refused, deferred
-        audios = self.engine.decode(self.sessions.build_items(done))
+        audios = self.engine.decode(self.sessions.build_items(done), may_capture=not on_loop)
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
             audios = store_audio(done, audios)

@@ -1,12 +1,12 @@
 """CUDA graphs on a real GPU (skipped without one): graph == eager, golden through graphs, no aliasing,
-padding isolation, capture failure -> eager, lazy capture bound."""
+padding isolation, capture failure -> eager, lazy capture bound, captures foreseen and deferred."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sidecar.engine import DecodeItem, Engine
+from sidecar.engine import DecodeItem, Engine, GraphChoice
 from sidecar.graphs.manager import GraphManager
 from sidecar.graphs.plan import DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets
 from sidecar.metrics import Metrics
@@ -170,3 +170,26 @@ def test_graph_memory_budget_skips_buckets_by_name():
     out = engine.decode([DecodeItem(_codes(model, 25, s), s, 0) for s in slots])  # b32 was skipped: eager
     assert [o.numel() for o in out] == [25 * 1920] * 2
     assert metrics.graph_misses.labels(component="exact", reason="not_captured")._value.get() == 1
+
+
+def test_capture_is_foreseen_and_can_be_left_to_another_thread(golden_cases):
+    """``graph_choice`` says, without capturing, when a batch needs a capture first (the server then runs it in
+    the worker thread, never on the loop thread); ``decode(may_capture=False)`` runs such a batch eager and
+    leaves the capture for later. Audio is the same either way."""
+    buckets = (BucketKey("exact", 1, 25),)
+    model, arena, manager, engine, _, metrics = _setup(str(TINY), buckets, mode="lazy", max_lazy=1)
+    codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
+    slot = arena.allocate()
+    assert engine.graph_choice("exact", [10]) == GraphChoice(buckets[0], needs_capture=True)
+    assert engine.graph_choice("exact", [30]).needs_capture and manager.lazy_captures == 0  # an extra (b1xt32)
+    first = engine.decode([DecodeItem(codes[:, :10], slot, 0)], may_capture=False)[0]  # eager, nothing captured
+    assert manager.buckets[buckets[0]].status == "pending"
+    assert metrics.graph_misses.labels(component="exact", reason="capture_deferred")._value.get() == 1
+    second = engine.decode([DecodeItem(codes[:, 10:20], slot, 0)])[0]  # captured now, then replayed
+    assert manager.buckets[buckets[0]].status == "captured"
+    assert engine.graph_choice("exact", [10]) == GraphChoice(buckets[0], needs_capture=False)
+    torch.testing.assert_close(torch.cat([first, second]), full[: 20 * 48], rtol=0, atol=1e-4)
+    engine.decode([DecodeItem(codes[:, 20:40], slot, 0)])  # 20 frames: b1xt25 again
+    assert engine.graph_choice("exact", [30]) == GraphChoice(BucketKey("exact", 1, 32), "frames_too_long",
+                                                             needs_capture=True)
+    assert engine.graph_choice("window", [10]) == GraphChoice(None, "no_buckets")

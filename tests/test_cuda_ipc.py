@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -80,6 +81,45 @@ def test_ipc_audio_equals_inline_exactly(gpu_sidecar, golden_cases):
     assert not [k for k in stats if k.startswith("inline_fallback")], stats
     text = gpu_sidecar.scrape()
     assert _metric(text, "code2wav_sidecar_ipc_chunks_total", direction="audio_out") >= stats["ipc_chunks"]
+
+
+def test_concurrent_callers_on_their_own_streams_each_match_the_reference(gpu_sidecar, golden_cases):
+    """Twelve callers at once, each on a CUDA stream of its own and with its own chunking (1 to 7 frames):
+    whatever batch company each chunk gets, every stream's audio equals the full decode of its codes."""
+    codes, full = golden_cases["codes"], golden_cases["full"]  # [cases, Q, 40], [cases, 1, 40 * U]
+    errors: list[BaseException] = []
+
+    def steps_and_chunks() -> tuple[float, float]:
+        text = gpu_sidecar.scrape()
+        return tuple(_metric(text, f"code2wav_sidecar_batch_size_{kind}", mode="exact") for kind in ("count", "sum"))
+
+    steps_before, chunks_before = steps_and_chunks()
+    with SidecarClient(gpu_sidecar.address) as c:
+
+        def caller(index: int) -> None:
+            try:
+                case, size = index % codes.shape[0], 1 + index % 7
+                own = torch.cuda.Stream()
+                with torch.cuda.stream(own):
+                    stream = c.open_stream(f"own-stream-{index}")
+                    outs = [stream.decode(codes[case, :, start:start + size].cuda()).cpu()  # .cpu() waits on `own`
+                            for start in range(0, codes.shape[2], size)]
+                torch.testing.assert_close(torch.cat(outs), full[case, 0], rtol=0, atol=1e-4)
+            except BaseException as exc:  # reported by the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stats = c.ipc_stats
+    assert not errors, errors
+    assert stats["ipc_chunks"] == sum(-(-codes.shape[2] // (1 + i % 7)) for i in range(12))
+    assert not [k for k in stats if k.startswith("inline_fallback")], stats
+    steps_after, chunks_after = steps_and_chunks()
+    assert chunks_after - chunks_before == stats["ipc_chunks"]
+    assert steps_after - steps_before < stats["ipc_chunks"], "no two chunks shared a step: no batch company tested"
 
 
 def test_context_frames_full_region_fallback_and_resend(gpu_sidecar, golden_cases):

@@ -36,6 +36,21 @@ def test_batch_is_fifo_one_key_one_chunk_per_stream():
     assert sched.take_batch() == [] and len(sched) == 0
 
 
+def test_decoded_frames_count_a_window_streams_kept_context_and_read_ipc_shapes():
+    """What the server's loop-or-worker policy dispatches on: the frames the engine will decode per chunk."""
+    exact, window = _stream("e"), _stream("w", mode="window")
+    inline = _job(exact)
+    inline.codes = torch.zeros((4, 7), dtype=torch.long)
+    assert inline.decoded_frames == 7
+    ipc = _job(window)  # codes still in a CUDA IPC region: only the view's shape is known
+    ipc.ipc_codes = (None, torch.zeros((4, 25), dtype=torch.int32), 0)
+    assert ipc.decoded_frames == 25
+    window.context_codes = torch.zeros((4, 3), dtype=torch.long)  # kept left context, joined in front
+    assert ipc.decoded_frames == 28
+    exact.context_codes = torch.zeros((4, 3), dtype=torch.long)  # ignored outside window mode
+    assert inline.decoded_frames == 7
+
+
 def test_queue_bound_and_window():
     sched = Scheduler(max_batch_size=2, batch_window_s=0.010, max_pending_chunks=2)
     s = _stream("a")

@@ -21,7 +21,8 @@ def run(prof: bool, n: int, label: str):
     addr = f"ipc:///tmp/prof-{label}/s.sock"
     out = f"/tmp/prof-{label}.json"
     env = dict(os.environ, PROF="1" if prof else "0")
-    p = subprocess.Popen([sys.executable, "loadgen/probes/round_trip_server.py", "serve", "--address", addr, "--model", "default",
+    pin = ["taskset", "-c", os.environ["SERVER_CPUS"]] if os.environ.get("SERVER_CPUS") else []  # pinned sidecar
+    p = subprocess.Popen(pin + [sys.executable, "loadgen/probes/round_trip_server.py", "serve", "--address", addr, "--model", "default",
                           "--device", "cuda", "--dtype", dtype, "--config", str(cfg), "--metrics-port", "0",
                           "--probe-out", out], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     while not p.stdout.readline().startswith("code2wav-sidecar ready"): pass

@@ -81,14 +81,18 @@ class GraphManager:
         log.info("graphs: %d/%d buckets captured in %.1fs, pool %.1f MiB", len(captured), len(self.buckets),
                  time.perf_counter() - t0, self.pool_bytes / 2**20)
 
-    def capture_extra(self, key: BucketKey) -> bool:
-        """Lazily capture a bucket outside the configured set, within ``max_lazy_captures``."""
+    def may_capture_extra(self, key: BucketKey) -> bool:
+        """Whether ``capture_extra(key)`` would capture ``key`` (or has): no side effects."""
         if self.mode == "startup" or key.mode not in self.routines:
             return False
         if key in self.buckets:
             return self.buckets[key].status == "captured"
-        if self.lazy_captures >= self.max_lazy_captures:
-            return False
+        return self.lazy_captures < self.max_lazy_captures
+
+    def capture_extra(self, key: BucketKey) -> bool:
+        """Lazily capture a bucket outside the configured set, within ``max_lazy_captures``."""
+        if key in self.buckets or not self.may_capture_extra(key):
+            return self.is_captured(key)
         self.lazy_captures += 1
         state = self.buckets[key] = BucketState(key)
         self._capture(state)
@@ -189,6 +193,10 @@ class GraphManager:
         if not captured or not frame_counts:
             return 0
         return min(max((k.batch for k in captured if k.frames >= f), default=0) for f in frame_counts)
+
+    def is_captured(self, key: BucketKey) -> bool:
+        state = self.buckets.get(key)
+        return state is not None and state.status == "captured"
 
     def ready(self, key: BucketKey) -> bool:
         """Captured (capturing now on first use in lazy mode)."""
