@@ -57,6 +57,11 @@ class Engine:
                 return outputs
         return self._decode_eager(items, stateful)
 
+    @property
+    def captures_on_demand(self) -> bool:
+        """Whether a batch may still need a graph captured first (graphs in ``lazy`` or ``startup_lazy`` mode)."""
+        return self.graphs is not None and self.graphs.mode != "startup"
+
     def graph_choice(self, mode: str, row_frames: list[int]) -> GraphChoice:
         """Policy, no side effects: the bucket a batch with rows of ``row_frames`` frames would replay, and
         whether it must be captured first; or no bucket, and why the batch would run eager."""

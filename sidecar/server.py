@@ -37,7 +37,7 @@ from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
 from .ipc.cudart import CudaIpcError, host_id
 from .ipc.device import CudaIpcDevice
-from .ipc.io import incomplete_codes_events, load_codes, store_audio
+from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_audio
 from .metrics import HealthServer, Metrics
 from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
@@ -245,17 +245,15 @@ class Server:
             now = time.monotonic()
             self._busy = True  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
             try:
-                if self._busy_poll_s:
-                    pending = incomplete_codes_events(batch)
-                    if pending:  # a moment's grace rather than a whole step's delay for those chunks
-                        await self._poll(lambda: all(event.query() for event in pending),
-                                         time.monotonic() + _CODES_GRACE_S)
+                pending = incomplete_codes_events(batch)  # the step's one query per codes event
+                if pending and self._busy_poll_s:  # a moment's grace rather than a whole step's delay for them
+                    await self._poll(lambda: not drop_complete(pending), time.monotonic() + _CODES_GRACE_S)
                 now = time.monotonic()
                 if self._step_on_loop(batch):
-                    done, audios, refused, deferred = self._engine_step(batch, on_loop=True)
+                    done, audios, refused, deferred = self._engine_step(batch, pending, on_loop=True)
                 else:
                     done, audios, refused, deferred = await loop.run_in_executor(self._pool, self._engine_step,
-                                                                                 batch)
+                                                                                 batch, pending)
             except Exception as exc:
                 log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode)
                 for job in batch:
@@ -320,16 +318,19 @@ class Server:
         would stop; the worker thread captures it)."""
         if self._ops_running or not all(job.audio_out is not None for job in batch):
             return False
+        if not self.engine.captures_on_demand:  # the default (graphs captured at start): nothing to foresee
+            return True
         frames = [job.decoded_frames for job in batch]
         return not self.engine.graph_choice(batch[0].stream.mode, frames).needs_capture
 
-    def _engine_step(self, batch: list, on_loop: bool = False) -> tuple[list, list, list, list]:
-        """Worker thread (or the loop thread, see ``_step_on_loop``): read CUDA IPC codes, decode, write CUDA IPC
-        audio. Returns the decoded jobs, their audio, ``(job, code, message)`` for jobs refused before decoding
-        (their state is untouched), and jobs whose client-side codes are not ready yet. On the loop thread it
-        never captures a graph (chunks put back or refused can leave a smaller batch than the policy saw)."""
+    def _engine_step(self, batch: list, incomplete: list, on_loop: bool = False) -> tuple[list, list, list, list]:
+        """Worker thread (or the loop thread, see ``_step_on_loop``): read CUDA IPC codes (not those behind the
+        codes events in ``incomplete``), decode, write CUDA IPC audio. Returns the decoded jobs, their audio,
+        ``(job, code, message)`` for jobs refused before decoding (their state is untouched), and jobs whose
+        client-side codes are not ready yet. On the loop thread it never captures a graph (chunks put back or
+        refused can leave a smaller batch than the policy saw)."""
         refused, deferred = load_codes(batch, self.model.codebook_size, time.monotonic(),
-                                       self.cfg.codes_event_timeout_s)
+                                       self.cfg.codes_event_timeout_s, incomplete)
         skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
         done = [job for job in batch if id(job) not in skipped]
         if not done:

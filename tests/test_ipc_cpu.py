@@ -151,7 +151,7 @@ class _StandInEvent:
 def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_ones() -> None:
     from types import SimpleNamespace
 
-    from sidecar.ipc.io import incomplete_codes_events, load_codes
+    from sidecar.ipc.io import drop_complete, incomplete_codes_events, load_codes
 
     service, region, _ = _service_with_region()
     region.opened.events = [_StandInEvent(True), _StandInEvent(False), _StandInEvent(True)]
@@ -165,15 +165,20 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
     ready, shared, waiting, late = job(0, 0), job(48, 0), job(96, 1), job(144, 1, arrived_s=0.0)
     inline = SimpleNamespace(ipc_codes=None)
     jobs = [ready, shared, waiting, late, inline]
-    assert incomplete_codes_events(jobs) == [region.opened.events[1]]  # one query per distinct event
+    incomplete = incomplete_codes_events(jobs)
+    assert incomplete == [region.opened.events[1]]  # one query per distinct event
     assert [e.queries for e in region.opened.events] == [1, 1, 0]
-    refused, deferred = load_codes(jobs, codebook_size=7, now_s=12.0, codes_event_timeout_s=5.0)
+    refused, deferred = load_codes(jobs, codebook_size=7, now_s=12.0, codes_event_timeout_s=5.0,
+                                   incomplete=incomplete)
+    assert [e.queries for e in region.opened.events] == [1, 1, 0]  # loading asks no event again
     assert deferred == [waiting]
     assert [(j, code) for j, code, _ in refused] == [(late, ErrorCode.DEADLINE_EXCEEDED)]
     assert "codes_event 1 of region 7 did not complete within 5s" in refused[0][2]
     assert torch.equal(ready.codes, (torch.arange(6) % 7).view(2, 3))
     assert torch.equal(shared.codes, (torch.arange(6, 12) % 7).view(2, 3))
-    refused, _ = load_codes([job(48, 0)], codebook_size=6, now_s=12.0, codes_event_timeout_s=5.0)
+    region.opened.events[1].complete = True  # the client's copy finished during the server's grace
+    assert drop_complete(incomplete) == [] and incomplete == [] and region.opened.events[1].queries == 2
+    refused, _ = load_codes([job(48, 0)], codebook_size=6, now_s=12.0, codes_event_timeout_s=5.0, incomplete=[])
     assert refused[0][1] == ErrorCode.INVALID_ARGUMENT and "code 6 out of range [0, 6)" in refused[0][2]
 
 

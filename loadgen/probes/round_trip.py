@@ -1,4 +1,6 @@
 """c=1 IPC round trips against a probed sidecar: joined per-chunk marks, then cProfile of both sides."""
+import functools
+import _marks  # loadgen/probes/_marks.py (this folder is on sys.path when run as a script)
 import cProfile, io as sio, json, os, pstats, signal, statistics, subprocess, sys, time
 from pathlib import Path
 import torch
@@ -9,14 +11,7 @@ out_dir = Path(os.environ.get("OUT", "/tmp"))
 dtype = os.environ.get("PROBE_DTYPE", "bfloat16")
 cfg = Path("/tmp/w0.yaml"); cfg.write_text("scheduler:\n  batch_window_us: 0\n" + os.environ.get("EXTRA_CFG", ""))
 cur = {}
-def wrap(obj, name, key_in=None, key_out=None):
-    orig = getattr(obj, name)
-    def f(*a, **k):
-        if key_in: cur.setdefault(key_in, time.perf_counter())
-        r = orig(*a, **k)
-        if key_out: cur[key_out] = time.perf_counter()
-        return r
-    setattr(obj, name, f)
+wrap = functools.partial(_marks.wrap, marks=cur)
 def run(prof: bool, n: int, label: str):
     addr = f"ipc:///tmp/prof-{label}/s.sock"
     out = f"/tmp/prof-{label}.json"

@@ -1,4 +1,6 @@
 """Sidecar under probes: per-chunk marks (perf_counter, same clock as the client) and a cProfile of the loop thread."""
+import functools
+import _marks  # loadgen/probes/_marks.py (this folder is on sys.path when run as a script)
 import atexit, cProfile, json, os, sys, time
 sys.path.insert(0, ".")
 import sidecar.server as S
@@ -7,14 +9,7 @@ import sidecar.engine as E
 rows, cur = [], {}
 PROF = os.environ.get("PROF") == "1"
 prof = cProfile.Profile() if PROF else None
-def wrap(obj, name, key_in=None, key_out=None):
-    orig = getattr(obj, name)
-    def f(*a, **k):
-        if key_in: cur.setdefault(key_in, time.perf_counter())
-        r = orig(*a, **k)
-        if key_out: cur[key_out] = time.perf_counter()
-        return r
-    setattr(obj, name, f)
+wrap = functools.partial(_marks.wrap, marks=cur)
 wrap(S.Server, "_on_readable", "wake")
 wrap(SS.Sessions, "on_message", "recv", "parsed")
 wrap(S.Server, "_engine_step", "step0", "step1")

@@ -23,7 +23,7 @@ import torch
 
 from proto import ErrorCode
 
-__all__ = ["incomplete_codes_events", "load_codes", "store_audio"]
+__all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audio"]
 
 
 def _codes_event(job):
@@ -32,25 +32,31 @@ def _codes_event(job):
     return region.opened.events[event_index]
 
 
+def drop_complete(events: list) -> list:
+    """Query each of ``events`` once and keep, in place, those not complete yet; returns the list."""
+    events[:] = [event for event in events if not event.query()]
+    return events
+
+
 def incomplete_codes_events(jobs: list) -> list:
-    """The distinct codes events of ``jobs``' CUDA IPC chunks that are not complete yet (one query each)."""
+    """The distinct codes events of ``jobs``' CUDA IPC chunks that are not complete yet (one query each; chunks
+    of one message share theirs)."""
     events = {id(event): event for event in (_codes_event(job) for job in jobs if job.ipc_codes is not None)}
-    return [event for event in events.values() if not event.query()]
+    return drop_complete(list(events.values()))
 
 
-def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float) -> tuple[list, list]:
-    """Give each IPC job host codes ``[Q, n]`` int64. Returns ``(refused, deferred)``: ``(job, code, message)``
-    for jobs refused, and jobs whose codes are not ready yet (to be queued again)."""
+def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float,
+               incomplete: list) -> tuple[list, list]:
+    """Give each IPC job host codes ``[Q, n]`` int64, but not those whose codes event is in ``incomplete``
+    (``incomplete_codes_events`` of the batch: the caller queried them). Returns ``(refused, deferred)``:
+    ``(job, code, message)`` for jobs refused, and jobs whose codes are not ready yet (to be queued again)."""
     ipc_jobs = [job for job in jobs if job.ipc_codes is not None]
     if not ipc_jobs:
         return [], []
     refused, ready, deferred = [], [], []
-    complete: dict[int, bool] = {}  # per event: chunks of one message share theirs
+    waiting = {id(event) for event in incomplete}
     for job in ipc_jobs:
-        event = _codes_event(job)
-        if id(event) not in complete:
-            complete[id(event)] = event.query()  # complete: the client's copy is done, nothing to wait on
-        if complete[id(event)]:
+        if id(_codes_event(job)) not in waiting:  # complete: the client's copy is done, nothing to wait on
             ready.append(job)
         elif now_s - job.arrived_s > codes_event_timeout_s:
             region, _view, event_index = job.ipc_codes
