@@ -5,7 +5,6 @@ memory flat; region lifecycle; typed errors for bad offsets, unknown regions and
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import zmq
 import proto
 from client import SidecarClient
 from client.cuda_ipc.channel import IpcChannel
+from loadgen.drive import metric_value as _metric
 from proto import CudaIpcLoc, ErrorCode, TensorDesc
 
 from conftest import ROOT, start_sidecar
@@ -26,18 +26,12 @@ from test_server_e2e import RawPeer
 
 pytestmark = pytest.mark.cuda
 
+
 @pytest.fixture(scope="module")
 def gpu_sidecar(tmp_path_factory):
     running = start_sidecar(tmp_path_factory.mktemp("ipc"), "--device", "cuda")
     yield running
     running.stop()
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" ([0-9.e+-]+)"
-    match = re.search(pattern, text)
-    return float(match.group(1)) if match else 0.0
 
 
 def _codes(q: int, n: int, seed: int, codebook: int = 2048) -> torch.Tensor:

@@ -11,7 +11,6 @@ parts that need the real packages (entry points, OmniModelRegistry, the deploy l
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from client.vllm_omni.model import Qwen3TTSCode2WavSidecar
 from client.vllm_omni.settings import DEFAULT_SIDECAR_ADDRESS, DelegateSettings, connector_extra
 from client.vllm_omni.step import DUMMY_REQUEST_PREFIX, parse_step
 from conftest import TINY
+from loadgen.drive import metric_value
 
 Q, U = 4, 48  # the tiny golden model: 4 quantizers, codebook 64, 48 samples per frame
 HAVE_VLLM_OMNI = importlib.util.find_spec("vllm_omni") is not None
@@ -171,15 +171,7 @@ RUNNERS = [V1Runner, V2Runner]
 
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``code2wav_sidecar_<name>`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^code2wav_sidecar_{name}(?:\{{([^}}]*)\}})? (\S+)$", line)
-        if not m:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_value(text, f"code2wav_sidecar_{name}", **labels)
 
 
 def count_batches(model: Qwen3TTSCode2WavSidecar, monkeypatch) -> list[int]:
