@@ -90,11 +90,14 @@ _BLOCK = 50
 
 _COUNTERS = {"deferred": ("code2wav_sidecar_ipc_codes_deferred_total", {}),
              "polled": ("code2wav_sidecar_input_pickups_total", {"how": "polled"}),
-             "woken": ("code2wav_sidecar_input_pickups_total", {"how": "woken"})}
+             "woken": ("code2wav_sidecar_input_pickups_total", {"how": "woken"}),
+             "steps": ("code2wav_sidecar_batch_size_count", {}),
+             "batched": ("code2wav_sidecar_batch_size_sum", {})}
 
 
 def _server_counters(spawned) -> dict[str, float]:
-    """The sidecar's counters that explain a run: IPC chunks deferred for their codes, input pickups."""
+    """The sidecar's counters that explain a run: IPC chunks deferred for their codes, input pickups, engine steps
+    and the chunks they held (their ratio is the mean batch size)."""
     text = spawned.scrape()
     return {key: metric_value(text, name, **labels) for key, (name, labels) in _COUNTERS.items()}
 
@@ -114,11 +117,18 @@ def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int
         def one(index: int) -> None:
             stream = client.open_stream(f"t-{int(use_ipc)}-{concurrency}-{index}")
             mine = []
+            # One caller spins on its CUDA sync, as a runner's one thread does. Many callers sleep in theirs:
+            # dozens of threads spinning would take the CPUs that the sidecar and the client's I/O thread need.
+            done = None if concurrency == 1 else torch.cuda.Event(blocking=True)
             for i in range(chunks_per_stream + 5):
                 t0 = time.perf_counter()
                 audio = stream.decode(codes)
                 assert audio.is_cuda
-                torch.cuda.current_stream().synchronize()
+                if done is None:
+                    torch.cuda.current_stream().synchronize()
+                else:
+                    done.record()
+                    done.synchronize()
                 if i >= 5:  # warm-up: registration, first replays
                     mine.append(time.perf_counter() - t0)
                 del audio
@@ -199,12 +209,13 @@ def run(args) -> int:
           f"blocks of its chunks, "
           "else the mean of measurements right before and after its inline/ipc pair")
     print(f"{'transport':>9} {'conc':>5} {'chunks':>7} {'p50_ms':>8} {'p95_ms':>8} {'inproc_ms':>9} "
-          f"{'overhead_us':>11} {'ipc_chunks':>10} {'deferred':>8} {'polled':>7} {'woken':>6}")
+          f"{'overhead_us':>11} {'ipc_chunks':>10} {'deferred':>8} {'polled':>7} {'woken':>6} {'steps':>6} {'batch':>5}")
     for r in rows:
         c = r["server_counters"]
         print(f"{r['transport']:>9} {r['concurrency']:>5} {r['chunks']:>7} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f} "
               f"{r['in_process_ms']:>9.3f} {r['overhead_p50_us']:>11.0f} {r['ipc_chunks']:>10} {c['deferred']:>8.0f} "
-              f"{c['polled']:>7.0f} {c['woken']:>6.0f} {r['fallbacks'] or ''}")
+              f"{c['polled']:>7.0f} {c['woken']:>6.0f} {c['steps']:>6.0f} {c['batched'] / max(c['steps'], 1):>5.1f} "
+              f"{r['fallbacks'] or ''}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"in_process_ms": first_ref, "rows": rows,
                                                     "settings": {"dtype": args.dtype, "model": args.model,
