@@ -15,7 +15,10 @@ between blocks of its chunks (the GPU's speed drifts over a run by more than the
 interleaved). At concurrency C the sidecar batches up to ``B`` chunks per step, so the in-process reference for
 one chunk's round trip is ``C / B`` steps at batch ``B``, measured right before and after the inline/ipc pair;
 the overhead is the p50 minus that. The sidecar runs with a batching window
-of 0 here, so the window's deliberate wait is not counted as wire cost.
+of 0 here, so the window's deliberate wait is not counted as wire cost. A chunk's round trip ends when its audio
+is ready on the GPU: the one caller at concurrency 1 spins in its CUDA sync (as a runner's one thread does);
+concurrent callers sleep in theirs, since dozens of spinning threads starve the sidecar and the client's I/O
+thread of CPUs (that made partial batches and a p95 tail of one more step).
 """
 
 from __future__ import annotations
