@@ -37,11 +37,16 @@ class ChunkJob:
         return [use[0] for use in (self.ipc_codes, self.audio_out) if use is not None]
 
     @property
+    def kept_context(self):
+        """A window stream's kept left-context codes ``[Q, c]``, decoded ahead of this chunk's own; else None."""
+        return self.stream.context_codes if self.stream.mode == "window" else None
+
+    @property
     def decoded_frames(self) -> int:
         """Frames the engine decodes for this chunk (its codes may still be in a CUDA IPC region): its own, after
-        a window stream's kept left context (``Sessions.build_items`` joins them)."""
+        the ``kept_context`` (``Sessions.build_items`` joins them)."""
         own = (self.codes if self.ipc_codes is None else self.ipc_codes[1]).shape[1]
-        prefix = self.stream.context_codes if self.stream.mode == "window" else None
+        prefix = self.kept_context
         return own + (0 if prefix is None else prefix.shape[1])
 
     @property

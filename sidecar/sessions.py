@@ -229,14 +229,13 @@ class Sessions:
         items = []
         for job in batch:
             out_device = job.audio_out is not None
-            stream = job.stream
-            if stream.mode == "window":
-                prefix = stream.context_codes
+            if job.stream.mode == "window":
+                prefix = job.kept_context
                 codes = job.codes if prefix is None else torch.cat([prefix, job.codes], dim=1)  # [Q, c + n]
                 skip = (0 if prefix is None else prefix.shape[1]) + job.context_frames
                 items.append(DecodeItem(codes=codes, slot=None, skip_frames=skip, out_device=out_device))
             else:
-                items.append(DecodeItem(codes=job.codes, slot=stream.slot, skip_frames=job.context_frames,
+                items.append(DecodeItem(codes=job.codes, slot=job.stream.slot, skip_frames=job.context_frames,
                                         out_device=out_device))
         return items
 

@@ -267,40 +267,39 @@ def main() -> None:
         sock.connect(address)
         seq = 0
 
-        def inproc(i: int) -> torch.Tensor:
+        def inproc(i: int, seq: int) -> torch.Tensor:
             work.codes.copy_(sources[i % len(sources)])
             work.graph.replay()
             out.copy_(work.audio)
             stream.synchronize()
             return out
 
-        def doorbell(i: int) -> torch.Tensor:
-            slot = seq_now[0] % SLOTS
+        def doorbell(i: int, seq: int) -> torch.Tensor:
+            slot = seq % SLOTS
             codes_region[slot].copy_(sources[i % len(sources)])
-            ops.write(stream, door_ptr, seq_now[0])
-            ops.wait_geq(stream, done_ptr, seq_now[0])
+            ops.write(stream, door_ptr, seq)
+            ops.wait_geq(stream, done_ptr, seq)
             stream.synchronize()
             return audio_region[slot]
 
-        def hostbell(i: int) -> torch.Tensor:
-            slot = seq_now[0] % SLOTS
+        def hostbell(i: int, seq: int) -> torch.Tensor:
+            slot = seq % SLOTS
             codes_region[slot].copy_(sources[i % len(sources)])
-            ops.write(stream, host.ring_ptr, seq_now[0])
-            while host.done.value - seq_now[0] < 0:
+            ops.write(stream, host.ring_ptr, seq)
+            while host.done.value - seq < 0:
                 pass
             return audio_region[slot]
 
-        def zmq_step(i: int) -> torch.Tensor:
-            slot = seq_now[0] % SLOTS
+        def zmq_step(i: int, seq: int) -> torch.Tensor:
+            slot = seq % SLOTS
             codes_region[slot].copy_(sources[i % len(sources)])
             in_event.record(stream)
-            sock.send(seq_now[0].to_bytes(8, "little") + bytes(8))
+            sock.send(seq.to_bytes(8, "little") + bytes(8))
             sock.recv()
             stream.wait_event(out_event)
             stream.synchronize()
             return audio_region[slot]
 
-        seq_now = [0]
         modes = {"inproc": inproc, "doorbell": doorbell, "zmq": zmq_step, "hostbell": hostbell,
                  "parked": inproc}
         timings: dict[str, list[int]] = {mode: [] for mode in modes}
@@ -323,9 +322,9 @@ def main() -> None:
                     assert parent.recv() == "parked"
                 for i in range(count):
                     seq += 1
-                    seq_now[0] = seq
+                    seq = seq
                     t0 = time.perf_counter_ns()
-                    audio = step(i)
+                    audio = step(i, seq)
                     elapsed = time.perf_counter_ns() - t0
                     if check:
                         error = (audio - references[i % len(references)]).abs().max().item()
