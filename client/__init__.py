@@ -3,7 +3,7 @@
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``
 (the two meet only on the wire, see ``proto/README.md``).
 
-    from client import SidecarClient
+    from code2wav.client import SidecarClient
     with SidecarClient("ipc:///run/code2wav/sidecar.sock", timeout_s=30) as c:
         s = c.open_stream("req-1", mode="window", left_context_frames=25)
         wav = s.decode(codes)            # float32 [(n - context_frames) * U]; CUDA codes: CUDA audio (CUDA IPC)

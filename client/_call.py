@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from proto import Limits, ServerMessage
+from code2wav.proto import Limits, ServerMessage
 
 from .errors import SidecarError
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import zmq
 
-from proto import (
+from code2wav.proto import (
     PROTOCOL_VERSION,
     Bye,
     Error,

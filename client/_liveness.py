@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from proto import Ping, Welcome, encode
+from code2wav.proto import Ping, Welcome, encode
 
 from ._call import Outcome
 from .errors import SidecarError, StreamLost, Unavailable, VersionMismatch

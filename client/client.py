@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal, Sequence, Union
 
 import torch
 
-from proto import (
+from code2wav.proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
     STREAM_MODES,
     Aborted,

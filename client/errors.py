@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from proto import ErrorCode
+from code2wav.proto import ErrorCode
 
 __all__ = [
     "SidecarError",

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from proto import ChunkResult, CudaIpcLoc, ProtocolError
+from code2wav.proto import ChunkResult, CudaIpcLoc, ProtocolError
 
 from .cuda_ipc.channel import PackedChunk
 from .errors import Internal, SidecarError, error_from

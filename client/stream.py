@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from proto import Limits, Opened
+from code2wav.proto import Limits, Opened
 
 from .errors import InvalidArgument, NotFound, OutOfOrder, SidecarError, StreamLost
 from .transport import as_wire_codes, cuda_wire_codes

@@ -15,7 +15,7 @@ from typing import Any, Protocol, Sequence, Union
 import numpy as np
 import torch
 
-from proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
+from code2wav.proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
 
 from .errors import InvalidArgument
 

@@ -1,6 +1,6 @@
 import sys
 
-USAGE = "usage: python -m loadgen {demo,bench} [options]"
+USAGE = "usage: python -m code2wav.loadgen {demo,bench} [options]"
 
 
 def main() -> int:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sidecar.engine import DecodeItem, Engine
-from sidecar.models import LoadedModel
-from sidecar.state_store import StateArena
+from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.models import LoadedModel
+from code2wav.sidecar.state_store import StateArena
 
 from .traffic import synthetic_codes
 
@@ -93,10 +93,10 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
                      batch_sizes: tuple[int, ...]) -> list[BaselineResult]:
     from prometheus_client import CollectorRegistry
 
-    from sidecar.graphs.manager import GraphManager
-    from sidecar.graphs.plan import BucketKey
-    from sidecar.metrics import Metrics
-    from sidecar.models.routine import StreamRoutine
+    from code2wav.sidecar.graphs.manager import GraphManager
+    from code2wav.sidecar.graphs.plan import BucketKey
+    from code2wav.sidecar.metrics import Metrics
+    from code2wav.sidecar.models.routine import StreamRoutine
 
     buckets = tuple(BucketKey("exact", b, new_frames) for b in batch_sizes) + (BucketKey("exact", 1, 1),)
     routine = StreamRoutine(model, arena, max(batch_sizes), new_frames)

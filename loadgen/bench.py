@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import torch
 
-from client import SidecarClient
+from code2wav.client import SidecarClient
 
 from .drive import run_level, summarize
 from .spawn import spawn_sidecar
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         from .transport_bench import run as run_transport
 
         return run_transport(args)
-    from sidecar.models import configure_cuda, load_model, resolve_device
+    from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cuda":

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from client import SidecarClient
-from sidecar.offline import write_wav
+from code2wav.client import SidecarClient
+from code2wav.sidecar.offline import write_wav
 
 from .spawn import spawn_sidecar
 from .traffic import chunk_sizes, synthetic_codes

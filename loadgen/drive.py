@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import SidecarClient
-from client.errors import SidecarError
+from code2wav.client import SidecarClient
+from code2wav.client.errors import SidecarError
 
 from .traffic import chunk_sizes, synthetic_codes
 

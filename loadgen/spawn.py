@@ -50,13 +50,13 @@ class SpawnedSidecar:
 
 
 def spawn_sidecar(*args: str, workdir: Path | None = None, timeout_s: float = 120.0) -> SpawnedSidecar:
-    """``python -m sidecar serve --address ipc://<workdir>/sock/sidecar.sock --metrics-port 0 *args``."""
+    """``python -m code2wav.sidecar serve --address ipc://<workdir>/sock/sidecar.sock --metrics-port 0 *args``."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="code2wav-"))
     address = f"ipc://{workdir}/sock/sidecar.sock"
     log_path = workdir / "sidecar.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "sidecar", "serve", "--address", address, "--metrics-port", "0", *args]
+    cmd = [sys.executable, "-m", "code2wav.sidecar", "serve", "--address", address, "--metrics-port", "0", *args]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from client import SidecarClient
+from code2wav.client import SidecarClient
 
 from .drive import metric_value
 from .spawn import spawn_sidecar
@@ -54,11 +54,11 @@ class InProcessReference:
     def __init__(self, model, chunk_frames: int, batches: tuple[int, ...]) -> None:
         from prometheus_client import CollectorRegistry
 
-        from sidecar.graphs.manager import GraphManager
-        from sidecar.graphs.plan import BucketKey
-        from sidecar.metrics import Metrics
-        from sidecar.models.routine import StreamRoutine
-        from sidecar.state_store import StateArena
+        from code2wav.sidecar.graphs.manager import GraphManager
+        from code2wav.sidecar.graphs.plan import BucketKey
+        from code2wav.sidecar.metrics import Metrics
+        from code2wav.sidecar.models.routine import StreamRoutine
+        from code2wav.sidecar.state_store import StateArena
 
         self.arena = StateArena(model.module.state_layout(), max(batches), model.dtype, model.device)
         self.buckets = {b: BucketKey("exact", b, chunk_frames) for b in batches}
@@ -71,7 +71,7 @@ class InProcessReference:
 
     def step_s(self, batch: int) -> float:
         """Seconds of one step at ``batch``, from the host read of the codes to the device being done."""
-        from sidecar.engine import DecodeItem
+        from code2wav.sidecar.engine import DecodeItem
 
         t0 = time.perf_counter()
         host = self.codes.cpu()  # [Q, n]: the engine reads codes on the host (and checks them there)
@@ -153,7 +153,7 @@ def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int
 
 
 def run(args) -> int:
-    from sidecar.models import configure_cuda, load_model, resolve_device
+    from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
     device = resolve_device(args.device)
     if device.type != "cuda":

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in CLIENT_SIDE_COMMANDS:
         # Client-side tools run as their own process: exec replaces this one, no import of the client here.
-        os.execv(sys.executable, [sys.executable, "-m", "loadgen", *argv])
+        os.execv(sys.executable, [sys.executable, "-m", "code2wav.loadgen", *argv])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import proto
-from proto import ErrorCode, ProtocolError
+from code2wav import proto
+from code2wav.proto import ErrorCode, ProtocolError
 
 from .ipc.regions import RegionService
 from .models import LoadedModel

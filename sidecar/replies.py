@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import Tensor
 
-import proto
-from proto import ErrorCode
+from code2wav import proto
+from code2wav.proto import ErrorCode
 
 
 @dataclass

@@ -29,7 +29,7 @@ import time
 import torch
 import zmq
 
-from proto import ErrorCode
+from code2wav.proto import ErrorCode
 
 from .config import ServerConfig, busy_poll_s
 from .engine import Engine

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-import proto
-from proto import ErrorCode, ProtocolError
+from code2wav import proto
+from code2wav.proto import ErrorCode, ProtocolError
 
 from .config import ServerConfig
 from .engine import DecodeItem

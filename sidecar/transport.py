@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.auth
 
-import proto
+from code2wav import proto
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from proto import ErrorCode
+from code2wav.proto import ErrorCode
 
 
 class ChunkRejected(Exception):

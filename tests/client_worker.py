@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from client import SidecarClient  # noqa: E402
+from code2wav.client import SidecarClient  # noqa: E402
 
 
 def main(address: str, golden: str, prefix: str, num_streams: int, seed: int, out: str) -> None:

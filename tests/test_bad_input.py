@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import proto
-from client import SidecarClient
+from code2wav import proto
+from code2wav.client import SidecarClient
 from conftest import start_sidecar
 from test_server_e2e import RawPeer
 

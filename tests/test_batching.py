@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client import SidecarClient
-from client import errors as cerr
+from code2wav.client import SidecarClient
+from code2wav.client import errors as cerr
 from conftest import TINY, start_sidecar
 from test_server_e2e import _metric
 

@@ -18,7 +18,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
 def run_cli(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([sys.executable, "-m", "code2wav.sidecar", *args], capture_output=True, text=True, env=ENV,
                           cwd=ROOT, timeout=timeout_s)
 
 

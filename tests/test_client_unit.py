@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from client import (
+from code2wav.client import (
     Busy,
     DeadlineExceeded,
     Internal,
@@ -33,8 +33,8 @@ from client import (
     VersionMismatch,
     error_from,
 )
-from client.transport import InlineTransport, as_wire_codes, audio_from_frames
-from proto import (
+from code2wav.client.transport import InlineTransport, as_wire_codes, audio_from_frames
+from code2wav.proto import (
     Abort, Aborted, Bye, ChunkResult, Decode, DecodeResult, Error, ErrorCode, ErrorInfo, Finish, Finished, Hello,
     InlineLoc, Limits, ModelInfo, Opened, OpenStream, Ping, Pong, ProtocolError, TensorDesc, Welcome,
     decode_client_message, encode, inline_view,

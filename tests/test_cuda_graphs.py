@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.engine import DecodeItem, Engine, GraphChoice
-from sidecar.graphs.manager import GraphManager
-from sidecar.graphs.plan import DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets
-from sidecar.metrics import Metrics
-from sidecar.models import load_model
-from sidecar.models.routine import StreamRoutine
-from sidecar.state_store import StateArena
+from code2wav.sidecar.engine import DecodeItem, Engine, GraphChoice
+from code2wav.sidecar.graphs.manager import GraphManager
+from code2wav.sidecar.graphs.plan import DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets
+from code2wav.sidecar.metrics import Metrics
+from code2wav.sidecar.models import load_model
+from code2wav.sidecar.models.routine import StreamRoutine
+from code2wav.sidecar.state_store import StateArena
 
 from conftest import TINY
 

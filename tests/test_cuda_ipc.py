@@ -15,11 +15,11 @@ import pytest
 import torch
 import zmq
 
-import proto
-from client import SidecarClient
-from client.cuda_ipc.channel import IpcChannel
-from loadgen.drive import metric_value as _metric
-from proto import CudaIpcLoc, ErrorCode, TensorDesc
+from code2wav import proto
+from code2wav.client import SidecarClient
+from code2wav.client.cuda_ipc.channel import IpcChannel
+from code2wav.loadgen.drive import metric_value as _metric
+from code2wav.proto import CudaIpcLoc, ErrorCode, TensorDesc
 
 from conftest import ROOT, start_sidecar
 from test_server_e2e import RawPeer
@@ -326,7 +326,7 @@ def test_chunk_waits_for_its_codes_event_without_stalling_other_clients(gpu_side
 
 _KILLED_CLIENT = """
 import sys, time, torch
-from client import SidecarClient
+from code2wav.client import SidecarClient
 c = SidecarClient(sys.argv[1])
 s = c.open_stream("victim")
 q = c.models[0].num_quantizers

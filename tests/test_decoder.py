@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, TINY
-from sidecar.models.qwen3_tts import SHIPPED, CheckpointError, DecoderConfig, Qwen3TTSDecoder, load_folder
+from code2wav.sidecar.models.qwen3_tts import SHIPPED, CheckpointError, DecoderConfig, Qwen3TTSDecoder, load_folder
 
 TOL = 1e-5
 
@@ -80,7 +80,7 @@ def test_bad_config_names_field(tmp_path):
 
 
 def test_random_default_weights_depend_on_codes():
-    from sidecar.models.qwen3_tts import random_model
+    from code2wav.sidecar.models.qwen3_tts import random_model
 
     cfg = DecoderConfig(num_hidden_layers=1, decoder_dim=96, latent_dim=64, codebook_dim=64, hidden_size=32,
                         intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
@@ -101,7 +101,7 @@ def test_random_default_weights_depend_on_codes():
 
 
 def test_bfloat16_runs_and_outputs_float32(golden_cases):
-    from sidecar.models import load_model
+    from code2wav.sidecar.models import load_model
 
     model = load_model(str(TINY), torch.device("cpu"), "bfloat16")
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Deployment files (Dockerfile, deploy/compose.yaml, deploy/k8s, Prometheus, Grafana) checked without a Docker
 engine or a cluster:
 
-- compose files validate against the Compose Specification schema (``../shared/schemas/compose-spec.json``), raw
+- compose files validate against the Compose Specification schema (``tests/data/schemas/compose-spec.json``), raw
   and after interpolation with ``deploy/.env.example``; their wiring (shared socket, namespaces, GPUs,
   healthchecks, ``depends_on``) is checked too;
 - the Dockerfile passes ``hadolint`` and keeps its contract (non-root, entrypoint, healthcheck, volume, port);
@@ -39,8 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-SHARED = Path(os.environ.get("CODE2WAV_SHARED", ROOT.parent / "shared"))
-COMPOSE_SCHEMA = SHARED / "schemas" / "compose-spec.json"
+COMPOSE_SCHEMA = ROOT / "tests" / "data" / "schemas" / "compose-spec.json"
 DOCKERFILE = ROOT / "Dockerfile"
 ENV_EXAMPLE = DEPLOY / ".env.example"
 K8S = DEPLOY / "k8s"
@@ -308,7 +307,6 @@ def _free_port() -> int:
 @pytest.mark.parametrize("path", _compose_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_compose_validates_against_compose_spec(path):
     jsonschema = _jsonschema()
-    assert COMPOSE_SCHEMA.is_file(), f"compose schema not found at {COMPOSE_SCHEMA}; set CODE2WAV_SHARED"
     validator = jsonschema.Draft7Validator(json.loads(COMPOSE_SCHEMA.read_text()))
     raw = _load_yaml(path)
 
@@ -431,7 +429,7 @@ def test_vllm_overlay_gets_the_shared_socket_and_its_environment():
 
 
 def test_sidecar_config_example_loads_with_the_servers_own_loader():
-    from sidecar.config import load_config
+    from code2wav.sidecar.config import load_config
 
     cfg = load_config(DEPLOY / "sidecar.yaml")
     assert cfg.address == SOCKET_ADDRESS
@@ -635,12 +633,10 @@ def live_sidecar():
     """A real sidecar (tiny golden model, CPU) that has decoded some audio and returned one typed error."""
     from safetensors.torch import load_file
 
-    from client import SidecarClient
-    from client import errors as cerr
+    from code2wav.client import SidecarClient
+    from code2wav.client import errors as cerr
     from conftest import TINY, start_sidecar
 
-    if not TINY.is_dir():
-        pytest.fail(f"golden vectors not found at {TINY}; set CODE2WAV_SHARED to the shared/ folder")
     codes = load_file(str(TINY / "cases.safetensors"))["codes"]
     workdir = Path(tempfile.mkdtemp(prefix="code2wav-deploy-"))
     # the image's config file (flags override it, as in the container; metrics stay on loopback here)

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.engine import DecodeItem, Engine
-from sidecar.models import LoadedModel
-from sidecar.models.qwen3_tts import DecoderConfig, random_model
-from sidecar.state_store import StateArena
+from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.models import LoadedModel
+from code2wav.sidecar.models.qwen3_tts import DecoderConfig, random_model
+from code2wav.sidecar.state_store import StateArena
 
 TOL = 1e-5
 NUM_FRAMES = 40
@@ -150,7 +150,7 @@ def test_failed_forward_commits_nothing(tiny_engine, golden_cases):
 
 
 def test_state_bytes_per_stream_for_shipped_config():
-    from sidecar.models.qwen3_tts import SHIPPED, Qwen3TTSDecoder
+    from code2wav.sidecar.models.qwen3_tts import SHIPPED, Qwen3TTSDecoder
 
     layout = Qwen3TTSDecoder(SHIPPED).state_layout()
     arena = StateArena(layout, 1, torch.float32, torch.device("cpu"))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.engine import DecodeItem, Engine
-from sidecar.graphs.plan import (DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets, dispatch,
+from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.graphs.plan import (DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets, dispatch,
                                  extra_bucket)
-from sidecar.models.routine import StreamRoutine
-from sidecar.state_store import StateArena
+from code2wav.sidecar.models.routine import StreamRoutine
+from code2wav.sidecar.state_store import StateArena
 
 EXACT = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)
 

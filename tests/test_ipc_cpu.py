@@ -11,14 +11,14 @@ import re
 import pytest
 import torch
 
-import proto
-from client import SidecarClient
-from client.cuda_ipc.slots import EventPool, SlotAllocator
-from proto import CudaIpcLoc, ErrorCode, TensorDesc
-from sidecar.ipc.device import OpenedRegion
-from sidecar.ipc.regions import DeviceOp, Region, RegionService, check_span
-from sidecar.metrics import Metrics
-from sidecar.work import ChunkRejected
+from code2wav import proto
+from code2wav.client import SidecarClient
+from code2wav.client.cuda_ipc.slots import EventPool, SlotAllocator
+from code2wav.proto import CudaIpcLoc, ErrorCode, TensorDesc
+from code2wav.sidecar.ipc.device import OpenedRegion
+from code2wav.sidecar.ipc.regions import DeviceOp, Region, RegionService, check_span
+from code2wav.sidecar.metrics import Metrics
+from code2wav.sidecar.work import ChunkRejected
 
 from test_server_e2e import RawPeer
 
@@ -151,7 +151,7 @@ class _StandInEvent:
 def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_ones() -> None:
     from types import SimpleNamespace
 
-    from sidecar.ipc.io import drop_complete, incomplete_codes_events, load_codes
+    from code2wav.sidecar.ipc.io import drop_complete, incomplete_codes_events, load_codes
 
     service, region, _ = _service_with_region()
     region.opened.events = [_StandInEvent(True), _StandInEvent(False), _StandInEvent(True)]

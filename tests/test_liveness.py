@@ -11,16 +11,16 @@ import time
 import pytest
 import torch
 
-from client import SidecarClient
-from client import errors as cerr
+from code2wav.client import SidecarClient
+from code2wav.client import errors as cerr
 from conftest import ROOT, TINY, start_sidecar
-from loadgen.spawn import spawn_sidecar
+from code2wav.loadgen.spawn import spawn_sidecar
 from test_server_e2e import _metric
 
 KILLED_CLIENT = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
-from client import SidecarClient
+from code2wav.client import SidecarClient
 c = SidecarClient({address!r})
 for i in range(3):
     s = c.open_stream(f"doomed-{{i}}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.config import ConfigError, load_config
-from sidecar.scheduler import ChunkJob, Scheduler
-from sidecar.state_store import ArenaFull, StateArena
-from sidecar.streams import SeqVerdict, Stream, check_seq
+from code2wav.sidecar.config import ConfigError, load_config
+from code2wav.sidecar.scheduler import ChunkJob, Scheduler
+from code2wav.sidecar.state_store import ArenaFull, StateArena
+from code2wav.sidecar.streams import SeqVerdict, Stream, check_seq
 
 
 def _stream(name: str, mode: str = "exact", model: str = "m") -> Stream:
@@ -119,7 +119,7 @@ def test_config_rejects_unknown_keys_with_hint(tmp_path):
 
 
 def test_busy_poll_setting_resolves_per_device_and_rejects_bad_values(tmp_path):
-    from sidecar.config import AUTO_BUSY_POLL_US, busy_poll_s
+    from code2wav.sidecar.config import AUTO_BUSY_POLL_US, busy_poll_s
 
     cfg = load_config()
     assert cfg.busy_poll_us == "auto"

@@ -10,8 +10,8 @@ from typing import Any
 import msgpack
 import pytest
 
-import proto
-from proto import (
+from code2wav import proto
+from code2wav.proto import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     Abort,

@@ -8,7 +8,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto import (
+from code2wav.proto import (
     ErrorCode,
     Limits,
     ProtocolError,
@@ -16,8 +16,8 @@ from proto import (
     decode_server_message,
     encode,
 )
-from proto.messages import Chunk, Decode, OpenStream
-from proto.tensors import InlineLoc, TensorDesc
+from code2wav.proto.messages import Chunk, Decode, OpenStream
+from code2wav.proto.tensors import InlineLoc, TensorDesc
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LIMITS = Limits(max_message_bytes=1 << 16, max_header_bytes=4096)

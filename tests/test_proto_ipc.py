@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from proto import (
+from code2wav.proto import (
     Chunk,
     ChunkResult,
     CudaIpcLoc,

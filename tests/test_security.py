@@ -11,10 +11,10 @@ import sys
 import pytest
 import zmq.auth
 
-from client import SidecarClient
-from client import errors as cerr
+from code2wav.client import SidecarClient
+from code2wav.client import errors as cerr
 from conftest import ROOT, TINY
-from loadgen.spawn import spawn_sidecar
+from code2wav.loadgen.spawn import spawn_sidecar
 
 
 def _free_port() -> int:
@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 def _serve(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "sidecar", "serve", "--model", str(TINY), "--device", "cpu",
+    return subprocess.run([sys.executable, "-m", "code2wav.sidecar", "serve", "--model", str(TINY), "--device", "cpu",
                            "--metrics-port", "0", "--max-streams", "4", *args], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
 
@@ -64,7 +64,7 @@ def test_insecure_flag_binds_with_a_warning(tmp_path):
 
 def test_curve_encrypted_tcp(tmp_path, golden_cases):
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "sidecar", "keygen", str(keys)], check=True, cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "code2wav.sidecar", "keygen", str(keys)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
     public, secret = zmq.auth.load_certificate(str(keys / "server.key_secret"))
     port = _free_port()

@@ -11,11 +11,11 @@ import pytest
 import torch
 import zmq
 
-import proto
-from client import SidecarClient
-from client import errors as cerr
+from code2wav import proto
+from code2wav.client import SidecarClient
+from code2wav.client import errors as cerr
 from conftest import start_sidecar
-from loadgen.drive import metric_value as _metric
+from code2wav.loadgen.drive import metric_value as _metric
 
 TOL = 1e-5
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from client import SidecarClient
+from code2wav.client import SidecarClient
 from conftest import start_sidecar
 from test_liveness import _wait_for
 from test_server_e2e import _metric

@@ -18,14 +18,14 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from client.vllm_omni import model as model_module
-from client.vllm_omni import delegate as delegate_module
-from client.vllm_omni.delegate import SidecarUnavailableError
-from client.vllm_omni.model import Qwen3TTSCode2WavSidecar
-from client.vllm_omni.settings import DEFAULT_SIDECAR_ADDRESS, DelegateSettings, connector_extra
-from client.vllm_omni.step import DUMMY_REQUEST_PREFIX, parse_step
+from code2wav.client.vllm_omni import model as model_module
+from code2wav.client.vllm_omni import delegate as delegate_module
+from code2wav.client.vllm_omni.delegate import SidecarUnavailableError
+from code2wav.client.vllm_omni.model import Qwen3TTSCode2WavSidecar
+from code2wav.client.vllm_omni.settings import DEFAULT_SIDECAR_ADDRESS, DelegateSettings, connector_extra
+from code2wav.client.vllm_omni.step import DUMMY_REQUEST_PREFIX, parse_step
 from conftest import TINY
-from loadgen.drive import metric_value
+from code2wav.loadgen.drive import metric_value
 
 Q, U = 4, 48  # the tiny golden model: 4 quantizers, codebook 64, 48 samples per frame
 HAVE_VLLM_OMNI = importlib.util.find_spec("vllm_omni") is not None

@@ -26,9 +26,9 @@ pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed (bash .ci/in
 
 from safetensors.torch import load_file  # noqa: E402
 
-from client.vllm_omni import ARCH_NAME, MODEL_CLASS_REF, register  # noqa: E402
-from client.vllm_omni.model import Qwen3TTSCode2WavSidecar  # noqa: E402
-from client.vllm_omni.settings import connector_extra  # noqa: E402
+from code2wav.client.vllm_omni import ARCH_NAME, MODEL_CLASS_REF, register  # noqa: E402
+from code2wav.client.vllm_omni.model import Qwen3TTSCode2WavSidecar  # noqa: E402
+from code2wav.client.vllm_omni.settings import connector_extra  # noqa: E402
 from test_vllm_omni import (Q, U, V1Runner, V2Runner, make_checkpoint, make_model, payload, sched_id,  # noqa: E402
                             streaming_scenario)
 
@@ -49,7 +49,7 @@ def test_entry_point_registers_into_omni_model_registry():
     from vllm_omni.model_executor.models.registry import OmniModelRegistry
 
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm_omni.general_plugins")}
-    assert eps.get("code2wav_sidecar") == "client.vllm_omni:register", eps
+    assert eps.get("code2wav_sidecar") == "code2wav.client.vllm_omni:register", eps
     stock = OmniModelRegistry.models["Qwen3TTSCode2Wav"]
 
     OmniModelRegistry.models.pop(ARCH_NAME, None)

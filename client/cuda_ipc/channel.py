@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto import CudaIpcLoc, RegisterRegion, TensorDesc
+from code2wav.proto import CudaIpcLoc, RegisterRegion, TensorDesc
 
 from ._cudart import Runtime, runtime
 from .slots import EventPool, SlotAllocator

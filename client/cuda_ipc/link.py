@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from proto import RegionRegistered, ServerMessage, UnregisterRegion, encode
+from code2wav.proto import RegionRegistered, ServerMessage, UnregisterRegion, encode
 
 from .._call import Call
 from ..errors import SidecarError

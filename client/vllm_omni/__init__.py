@@ -21,7 +21,7 @@ __all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register"]
 
 log = logging.getLogger(__name__)
 
-MODEL_CLASS_REF = "client.vllm_omni.model:Qwen3TTSCode2WavSidecar"
+MODEL_CLASS_REF = "code2wav.client.vllm_omni.model:Qwen3TTSCode2WavSidecar"
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """pack() step by step after a 4 ms CUDA sync (as in the bench loop), vs hot."""
 import time, statistics, torch
-from client.cuda_ipc.channel import IpcChannel, TensorDesc, CudaIpcLoc, PackedChunk
+from code2wav.client.cuda_ipc.channel import IpcChannel, TensorDesc, CudaIpcLoc, PackedChunk
 dev = torch.device("cuda", 0)
 ch = IpcChannel(dev, 4 << 20, 64 << 20)
 ch.codes_region, ch.audio_region = 1, 2

@@ -4,9 +4,9 @@ import _marks  # loadgen/probes/_marks.py (this folder is on sys.path when run a
 import cProfile, io as sio, json, os, pstats, signal, statistics, subprocess, sys, time
 from pathlib import Path
 import torch
-from client import SidecarClient
-import client.cuda_ipc.channel as CH
-import client._io as IO
+from code2wav.client import SidecarClient
+import code2wav.client.cuda_ipc.channel as CH
+import code2wav.client._io as IO
 out_dir = Path(os.environ.get("OUT", "/tmp"))
 dtype = os.environ.get("PROBE_DTYPE", "bfloat16")
 cfg = Path("/tmp/w0.yaml"); cfg.write_text("scheduler:\n  batch_window_us: 0\n" + os.environ.get("EXTRA_CFG", ""))
@@ -81,7 +81,7 @@ if os.environ.get("HOSTWAIT") == "1":  # variant: the I/O thread waits for the s
 wrap(CH.IpcChannel, "pack", "packed0", "packed1")
 wrap(IO.Connection, "_send_direct", "sent0", "sent1")
 if os.environ.get("FINE") == "1":
-    import client.stream as STM, client.client as CL, client.cuda_ipc._cudart as CR, client.cuda_ipc.link as LK
+    import code2wav.client.stream as STM, code2wav.client.client as CL, code2wav.client.cuda_ipc._cudart as CR, code2wav.client.cuda_ipc.link as LK
     wrap(STM.Stream, "_wire_codes", "wire0", "wire1")
     wrap(STM.Stream, "_reserve", "res0", "res1")
     wrap(LK.IpcLink, "pack", "lpack0", "lpack1")

@@ -3,9 +3,9 @@ import functools
 import _marks  # loadgen/probes/_marks.py (this folder is on sys.path when run as a script)
 import atexit, cProfile, json, os, sys, time
 sys.path.insert(0, ".")
-import sidecar.server as S
-import sidecar.sessions as SS
-import sidecar.engine as E
+import code2wav.sidecar.server as S
+import code2wav.sidecar.sessions as SS
+import code2wav.sidecar.engine as E
 rows, cur = [], {}
 PROF = os.environ.get("PROF") == "1"
 prof = cProfile.Profile() if PROF else None
@@ -33,6 +33,6 @@ S.Server.serve = serve
 def dump():
     with open(OUT_PATH, "w") as f: json.dump(rows, f)
 atexit.register(dump)
-from sidecar.cli import main
+from code2wav.sidecar.cli import main
 OUT_PATH = sys.argv[sys.argv.index("--probe-out") + 1]
 sys.exit(main(sys.argv[1:sys.argv.index("--probe-out")]))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto import RegisterRegion
+from code2wav.proto import RegisterRegion
 
 from .cudart import Cudart, CudaIpcError, load_cudart
 

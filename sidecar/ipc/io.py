@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from proto import ErrorCode
+from code2wav.proto import ErrorCode
 
 __all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audio"]
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-import proto
-from proto import CudaIpcLoc, ErrorCode
+from code2wav import proto
+from code2wav.proto import CudaIpcLoc, ErrorCode
 
 from ..work import ChunkRejected
 from .device import CudaIpcDevice, CudaIpcError, OpenedRegion

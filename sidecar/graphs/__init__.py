@@ -1,0 +1,1 @@
+"""CUDA graph mechanism and policy: the bucket plan (policy) and the capture/replay manager (mechanism)."""
