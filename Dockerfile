@@ -91,7 +91,7 @@ RUN python -m pip install --no-cache-dir /tmp/wheels/code2wav_sidecar-*.whl \
         "pyzmq==27.3.0" "msgpack==1.2.4" "uvloop==0.23.0" "prometheus-client==0.26.0" "pydantic==2.13.4" \
         "safetensors==0.8.0" "numpy==2.4.6" "PyYAML==6.0.3" \
  && rm -rf /tmp/wheels \
- && python -c "import sidecar, proto, zmq, torch; print('code2wav-sidecar on torch', torch.__version__)" \
+ && python -c "import code2wav.sidecar, code2wav.proto, zmq, torch; print('code2wav-sidecar on torch', torch.__version__)" \
  && groupadd --gid "${APP_GID}" code2wav \
  && useradd --uid "${APP_UID}" --gid "${APP_GID}" --create-home --home-dir /home/code2wav --shell /usr/sbin/nologin code2wav \
  && mkdir -p /run/code2wav /etc/code2wav \
