@@ -217,8 +217,10 @@ class SidecarClient:
         left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES,
         model: str | None = None,
         timeout_s: float | None = None,
+        options: dict[str, int] | None = None,
     ) -> Future[Stream]:
-        """Open a stream. ``left_context_frames`` applies to ``window`` mode only."""
+        """Open a stream. ``left_context_frames`` applies to ``window`` mode only; ``options``: the model's
+        ``stream_options`` (welcome), checked by the server."""
         if mode not in STREAM_MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(STREAM_MODES)}; got {mode!r}")
         limits = self.limits
@@ -230,7 +232,7 @@ class SidecarClient:
             raise InvalidArgument(f"stream_id must be 1..{limits.max_id_len} UTF-8 bytes, got {stream_id!r}")
         request_id = self._conn.next_request_id()
         context = left_context_frames if mode == "window" else 0
-        frames = encode(OpenStream(request_id, stream_id, model, mode, context))
+        frames = encode(OpenStream(request_id, stream_id, model, mode, context, dict(options or {})))
         future: Future[Stream] = Future()
 
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:
@@ -249,9 +251,11 @@ class SidecarClient:
         left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES,
         model: str | None = None,
         timeout_s: float | None = None,
+        options: dict[str, int] | None = None,
     ) -> Stream:
         future = self.submit_open_stream(
-            stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s
+            stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s,
+            options=options,
         )
         return self._wait(future, timeout_s)
 

@@ -66,7 +66,9 @@ class Stream:
         self.mode: str = opened.mode
         self.left_context_frames: int = opened.left_context_frames
         self.samples_per_frame: int = opened.samples_per_frame
-        self.num_quantizers: int = opened.num_quantizers
+        self.num_quantizers: int = opened.num_quantizers  # the inputs' first dimension (Q codes, D latents)
+        info = client.server_info.model(opened.model)
+        self.input_kind: str = info.input_kind if info is not None else "codes"  # welcome's contract
         self._lock = threading.Lock()
         self._next_seq = 0
         self._send_seq = 0
@@ -165,7 +167,11 @@ class Stream:
         """``codes`` in wire form, checked against this stream and the server's limits: CUDA codes stay on
         their device (sent by CUDA IPC, or inline; the audio comes back on the device either way)."""
         self._check_usable()
-        array: Any = cuda_wire_codes(codes) if isinstance(codes, torch.Tensor) and codes.is_cuda else as_wire_codes(codes)
+        latents = self.input_kind == "latents"
+        if isinstance(codes, torch.Tensor) and codes.is_cuda:
+            array: Any = cuda_wire_codes(codes, latents)
+        else:
+            array = as_wire_codes(codes, latents)
         num_quantizers, num_frames = (int(d) for d in array.shape)
         if num_quantizers != self.num_quantizers:
             raise InvalidArgument(
