@@ -12,6 +12,9 @@ A background I/O thread owns the socket (see ``_io.py``).
         wav = s.decode(codes)                      # float32 [(n - context) * U], on the codes' device
         wav = s.decode(last, final=True)           # frees the stream after replying
         outs = c.decode_batch([(s1, codes1), (s2, codes2, {"final": True})])
+
+Over 300 lines: the public API (every operation in a submit and a blocking form, with its docstring); the mechanics
+live in ``_io``, ``stream``, ``results``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Sans-IO: takes ``(identity, frames)`` in, leaves ``Outbound`` messages in ``outbox``; never touches a
 socket or the model. Every failure is a typed error scoped to the message or chunk that caused it.
+
+Over 300 lines: the per-connection stream state machine (open, decode, commit after success, fail, close, reap)
+kept in one place so its commit rules read in one sitting.
 """
 
 from __future__ import annotations
