@@ -30,7 +30,7 @@ import torch
 
 from code2wav.proto import CudaIpcLoc, RegisterRegion, TensorDesc
 
-from ._cudart import Runtime, runtime
+from code2wav.cudart import Runtime, runtime
 from .slots import EventPool, SlotAllocator
 
 __all__ = ["IpcChannel", "IpcUnavailable", "PackedChunk", "gpu_uuid"]
