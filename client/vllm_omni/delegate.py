@@ -321,7 +321,7 @@ class Code2WavDelegate:
         stream = entry.stream
         assert stream is not None
         try:
-            stream._check_usable()  # a stream lost to a sidecar restart would fail the whole batch
+            stream.check_usable()  # a stream lost to a sidecar restart would fail the whole batch
         except SidecarError as exc:
             self._fail(entry, exc)
             return False
