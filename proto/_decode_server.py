@@ -100,7 +100,7 @@ def _contract(info: dict[str, Any], what: str, limits: Limits) -> dict[str, Any]
         out["input_dtypes"] = tuple(check_str(d, f"{what}.input_dtypes[{i}]", max_nbytes=limits.max_id_len)
                                     for i, d in enumerate(dtypes))
     if "input_channels" in info:
-        out["input_channels"] = get_int(info, "input_channels", what, lo=1)
+        out["input_channels"] = get_int(info, "input_channels", what, lo=0)
     if info.get("input_range") is not None:
         bounds = get_list(info, "input_range", what, max_len=2)
         if len(bounds) != 2:

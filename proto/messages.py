@@ -237,8 +237,8 @@ class ModelInfo:
     family: str = ""
     input_kind: str = "codes"  # "codes": integers [Q, n] in input_range; "latents": finite floats [D, n]
     input_dtypes: tuple[str, ...] = ("int16", "int32", "int64")
-    input_channels: int = 0  # 0: num_quantizers
-    input_range: tuple[int, int] | None = None  # [low, high) of codes; None for latents (or: [0, codebook_size))
+    input_channels: int = 0  # 0: num_quantizers (a server before the contract fields)
+    input_range: tuple[int, int] | None = None  # [low, high) of codes; None: latents, or [0, codebook_size)
     stream_options: tuple[StreamOptionInfo, ...] = ()
 
     @property
@@ -264,8 +264,8 @@ class ModelInfo:
             "family": self.family,
             "input_kind": self.input_kind,
             "input_dtypes": list(self.input_dtypes),
-            "input_channels": self.channels,
-            "input_range": None if self.valid_range is None else list(self.valid_range),
+            "input_channels": self.input_channels,  # 0: num_quantizers
+            "input_range": None if self.input_range is None else list(self.input_range),
             "stream_options": [option.to_wire() for option in self.stream_options],
         }
 

@@ -114,7 +114,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     model = load_model(args.model, resolve_device(args.device), args.dtype)
     codes_t = torch.from_numpy(codes.astype(np.int64))
     if codes.shape[1] != model.num_channels or model.input.problem(codes_t) is not None:
-        print(f"error: codes must be [B, {model.num_channels}, T] with values in {model.input.valid_range}",
+        low, high = model.input.valid_range or (0, 0)
+        print(f"error: codes must be [B, {model.num_channels}, T] with values in [{low}, {high})",
               file=sys.stderr)
         return 2
     engine = Engine(model, StateArena(model.state_layout(), 1, model.dtype, model.device))
