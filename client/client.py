@@ -19,24 +19,14 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import socket
-import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Callable, Literal, Sequence, Union
-
-import torch
+from typing import Any, Sequence, Union
 
 from code2wav.proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
     STREAM_MODES,
-    Aborted,
-    Abort,
-    Chunk,
-    Decode,
-    DecodeResult,
-    Finish,
-    Finished,
     Limits,
     ModelInfo,
     Opened,
@@ -48,37 +38,18 @@ from code2wav.proto import (
     encode,
 )
 
-from ._io import Call, Connection, Outcome
+from ._io import Connection
 from .cuda_ipc.link import IpcLink
-from .errors import DeadlineExceeded, Internal, InvalidArgument, SidecarError, Unavailable
-from .results import Settle, settle_reply
-from .stream import SentChunk, Stream
-from .transport import CodesLike, InlineTransport, TensorTransport, host_id
+from .errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
+from .sender import WAIT_GRACE_S, Sender, set_exception, set_result
+from .stream import Stream
+from .transport import CodesLike, InlineTransport, host_id
 
 __all__ = ["SidecarClient", "DEFAULT_ADDRESS", "BatchItem"]
 
 DEFAULT_ADDRESS = "ipc:///run/code2wav/sidecar.sock"
-_WAIT_GRACE_S = 1.0
-_HEADER_NBYTES_PER_CHUNK = 256
-"""Generous estimate of a chunk's header bytes, for the message-size check before sending."""
 
 BatchItem = Union[tuple[Stream, CodesLike], tuple[Stream, CodesLike, dict[str, Any]]]
-
-
-def _set_result(future: Future[Any], value: Any) -> None:
-    if not future.done():
-        try:
-            future.set_result(value)
-        except concurrent.futures.InvalidStateError:
-            pass  # cancelled meanwhile
-
-
-def _set_exception(future: Future[Any], error: BaseException) -> None:
-    if not future.done():
-        try:
-            future.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass
 
 
 class SidecarClient:
@@ -105,12 +76,11 @@ class SidecarClient:
         self.address = address
         self.timeout_s = float(timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._transport: TensorTransport = InlineTransport()
-        self._order_lock = threading.Lock()  # seq assignment and queueing happen in one order
         capabilities = {"cuda_ipc": bool(cuda_ipc), "gpu_uuid": None, "host_id": host_id()}
         routing_id = b"c2w-" + uuid.uuid4().bytes
         self._conn = Connection(address, self.client_id, routing_id, capabilities, curve_server_key)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
+        self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits)
         try:
             self._handshake(connect_timeout_s)
         except BaseException:
@@ -121,12 +91,12 @@ class SidecarClient:
         future: Future[Welcome] = Future()
         call = self._conn.hello_call(
             connect_timeout_s,
-            lambda welcome: _set_result(future, welcome),
-            lambda error, _outcome: _set_exception(future, error),
+            lambda welcome: set_result(future, welcome),
+            lambda error, _outcome: set_exception(future, error),
         )
         self._conn.submit(call)
         try:
-            future.result(connect_timeout_s + _WAIT_GRACE_S)
+            future.result(connect_timeout_s + WAIT_GRACE_S)
         except (DeadlineExceeded, Unavailable, concurrent.futures.TimeoutError) as exc:
             hint = ""
             if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
@@ -176,37 +146,6 @@ class SidecarClient:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _wait(self, future: Future[Any], timeout_s: float | None) -> Any:
-        if self._conn.on_io_thread:
-            raise RuntimeError("blocking call from a future callback (the client's I/O thread); use submit()")
-        wait_s = (self.timeout_s if timeout_s is None else timeout_s) + _WAIT_GRACE_S
-        try:
-            return future.result(wait_s)
-        except concurrent.futures.TimeoutError:  # backstop: the I/O thread enforces deadlines itself
-            raise DeadlineExceeded(f"no reply from {self.address} within {wait_s:g}s") from None
-
-    def _call(
-        self,
-        msg_frames: list[Any],
-        request_id: int,
-        timeout_s: float | None,
-        on_reply: Callable[[ServerMessage, list[memoryview]], Any],
-        future: Future[Any],
-        generation: int | None = None,
-        on_failure: Callable[[SidecarError, Outcome], None] | None = None,
-    ) -> None:
-        def reply(msg: ServerMessage, frames: list[memoryview]) -> None:
-            _set_result(future, on_reply(msg, frames))
-
-        def failure(error: SidecarError, outcome: Outcome) -> None:
-            if on_failure is not None:
-                on_failure(error, outcome)
-            else:
-                _set_exception(future, error)
-
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        self._conn.submit(Call(request_id, msg_frames, timeout, reply, failure, generation=generation))
-
     # ------------------------------------------------------------------ streams
 
     def submit_open_stream(
@@ -217,8 +156,10 @@ class SidecarClient:
         left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES,
         model: str | None = None,
         timeout_s: float | None = None,
+        options: dict[str, int] | None = None,
     ) -> Future[Stream]:
-        """Open a stream. ``left_context_frames`` applies to ``window`` mode only."""
+        """Open a stream. ``left_context_frames`` applies to ``window`` mode only; ``options``: the model's
+        ``stream_options`` (welcome), checked by the server."""
         if mode not in STREAM_MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(STREAM_MODES)}; got {mode!r}")
         limits = self.limits
@@ -230,15 +171,16 @@ class SidecarClient:
             raise InvalidArgument(f"stream_id must be 1..{limits.max_id_len} UTF-8 bytes, got {stream_id!r}")
         request_id = self._conn.next_request_id()
         context = left_context_frames if mode == "window" else 0
-        frames = encode(OpenStream(request_id, stream_id, model, mode, context))
+        frames = encode(OpenStream(request_id, stream_id, model, mode, context, dict(options or {})))
         future: Future[Stream] = Future()
 
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:
             if not isinstance(msg, Opened) or msg.stream_id != stream_id:
                 raise Internal(f"expected opened for {stream_id!r}, got {msg!r}")
-            return Stream(self, msg, self._conn.generation)
+            info = self.server_info.model(msg.model)
+            return Stream(self._sender, msg, self._conn.generation, info.input_kind if info else "codes")
 
-        self._call(frames, request_id, timeout_s, on_reply, future)
+        self._sender.call(frames, request_id, timeout_s, on_reply, future)
         return future
 
     def open_stream(
@@ -249,25 +191,13 @@ class SidecarClient:
         left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES,
         model: str | None = None,
         timeout_s: float | None = None,
+        options: dict[str, int] | None = None,
     ) -> Stream:
         future = self.submit_open_stream(
-            stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s
+            stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s,
+            options=options,
         )
-        return self._wait(future, timeout_s)
-
-    def _submit_stream_op(self, stream: Stream, op: Literal["finish", "abort"], timeout_s: float | None) -> Future[None]:
-        request_id = self._conn.next_request_id()
-        msg = Finish(request_id, stream.stream_id) if op == "finish" else Abort(request_id, stream.stream_id)
-        expected = Finished if op == "finish" else Aborted
-        future: Future[None] = Future()
-
-        def on_reply(reply: ServerMessage, _frames: list[memoryview]) -> None:
-            if not isinstance(reply, expected):
-                raise Internal(f"expected {expected.TYPE}, got {reply.TYPE}")
-            stream._mark_closed("finished" if op == "finish" else "aborted")
-
-        self._call(encode(msg), request_id, timeout_s, on_reply, future, generation=stream._generation)
-        return future
+        return self._sender.wait(future, timeout_s)
 
     def ping(self, *, timeout_s: float | None = None) -> float:
         """Round trip to the server; returns seconds."""
@@ -280,8 +210,8 @@ class SidecarClient:
                 raise Internal(f"expected pong, got {msg.TYPE}")
             return time.perf_counter() - start
 
-        self._call(encode(Ping(request_id)), request_id, timeout_s, on_reply, future)
-        return self._wait(future, timeout_s)
+        self._sender.call(encode(Ping(request_id)), request_id, timeout_s, on_reply, future)
+        return self._sender.wait(future, timeout_s)
 
     # ------------------------------------------------------------------ decode
 
@@ -302,89 +232,10 @@ class SidecarClient:
             if unknown:
                 raise InvalidArgument(f"unknown chunk options {sorted(unknown)} (allowed: final, context_frames)")
             entries.append((item[0], item[1], bool(options.get("final", False)), int(options.get("context_frames", 0))))
-        return self._submit_new(entries, timeout_s, "list_with_exceptions" if return_exceptions else "list")
+        return self._sender.submit_new(entries, timeout_s, "list_with_exceptions" if return_exceptions else "list")
 
     def decode_batch(
         self, items: Sequence[BatchItem], *, return_exceptions: bool = False, timeout_s: float | None = None
     ) -> list[Any]:
-        return self._wait(self.submit_batch(items, return_exceptions=return_exceptions, timeout_s=timeout_s), timeout_s)
-
-    def _submit_new(
-        self, entries: Sequence[tuple[Stream, CodesLike, bool, int]], timeout_s: float | None, settle: Settle
-    ) -> Future[Any]:
-        limits = self.limits
-        if not entries:
-            raise InvalidArgument("a batch needs at least one chunk")
-        if len(entries) > limits.max_chunks_per_message:
-            raise InvalidArgument(
-                f"{len(entries)} chunks in one batch; the server's limit is {limits.max_chunks_per_message}"
-            )
-        prepared = []
-        nbytes = 0
-        for stream, codes, final, context_frames in entries:
-            if stream._client is not self:
-                raise InvalidArgument(f"stream {stream.stream_id!r} belongs to another client")
-            prepared.append((stream, stream._wire_codes(codes, final, context_frames, limits), final, context_frames))
-            nbytes += prepared[-1][1].nbytes + _HEADER_NBYTES_PER_CHUNK
-        if nbytes > limits.max_message_bytes:  # counted as if inline: CUDA codes may fall back to it
-            raise InvalidArgument(
-                f"batch is about {nbytes} bytes; the server's limit is {limits.max_message_bytes}: split it"
-            )
-        if self._ipc.enabled:  # export and register the regions once per session, outside the order lock
-            for device in {array.device for _, array, _, _ in prepared if isinstance(array, torch.Tensor)}:
-                self._ipc.ensure(device, self.timeout_s if timeout_s is None else timeout_s)
-        with self._order_lock:
-            planned: list[tuple[Stream, SentChunk]] = []
-            try:
-                for stream, array, final, context_frames in prepared:
-                    planned.append((stream, stream._reserve(array, final, context_frames)))
-            except SidecarError:
-                for stream, chunk in reversed(planned):  # nothing was sent: give the seqs back
-                    stream._on_chunk_failed(chunk, "not_sent")
-                raise
-            return self._submit_chunks(planned, timeout_s, settle)
-
-    def _submit_resend(self, stream: Stream, timeout_s: float | None) -> Future[Any]:
-        with self._order_lock:
-            return self._submit_chunks(stream._take_resend_chunks(), timeout_s, "concat")
-
-    def _submit_chunks(self, planned: list[tuple[Stream, SentChunk]], timeout_s: float | None,
-                       settle: Settle) -> Future[Any]:
-        """Send planned chunks as one ``decode`` message and settle one future from their outcomes."""
-        request_id = self._conn.next_request_id()
-        packed = self._ipc.pack(planned)
-        chunks: list[Chunk] = []
-        buffers: list[Any] = []
-        for (stream, chunk), ipc in zip(planned, packed):
-            if ipc is not None:
-                chunks.append(Chunk(stream.stream_id, chunk.seq, ipc.codes, chunk.final, chunk.context_frames,
-                                    codes_event=ipc.codes_event, audio_out=ipc.audio_out))
-                continue
-            codes = chunk.codes.cpu().numpy() if isinstance(chunk.codes, torch.Tensor) else chunk.codes
-            desc, frames = self._transport.pack(codes, first_frame=1 + len(buffers))
-            buffers.extend(frames)
-            chunks.append(Chunk(stream.stream_id, chunk.seq, desc, chunk.final, chunk.context_frames))
-        future: Future[Any] = Future()
-
-        def on_reply(msg: ServerMessage, frames: list[memoryview]) -> Any:
-            if not isinstance(msg, DecodeResult) or len(msg.results) != len(planned):
-                got = len(msg.results) if isinstance(msg, DecodeResult) else msg.TYPE
-                raise Internal(f"expected {len(planned)} decode results, got {got}")
-            return settle_reply(planned, msg.results, frames, packed, settle)
-
-        def on_failure(error: SidecarError, outcome: Outcome) -> None:
-            if outcome != "unknown":  # else the sidecar may still use the slots: they stay reserved
-                for ipc in packed:
-                    if ipc is not None:
-                        ipc.channel.release(ipc, audio_used=False)
-            for stream, chunk in planned:
-                stream._on_chunk_failed(chunk, outcome)
-            if settle == "list_with_exceptions":
-                _set_result(future, [error] * len(planned))
-            else:
-                _set_exception(future, error)
-
-        generation = planned[0][0]._generation
-        frames = encode(Decode(request_id, tuple(chunks)), buffers)
-        self._call(frames, request_id, timeout_s, on_reply, future, generation, on_failure)
-        return future
+        return self._sender.wait(self.submit_batch(items, return_exceptions=return_exceptions, timeout_s=timeout_s),
+                                 timeout_s)

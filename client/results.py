@@ -6,7 +6,7 @@ one future settles from several chunks' outcomes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -14,12 +14,18 @@ from code2wav.proto import ChunkResult, CudaIpcLoc, ProtocolError
 
 from .cuda_ipc.channel import PackedChunk
 from .errors import Internal, SidecarError, error_from
-from .stream import SentChunk, Stream
+from .ledger import SentChunk, StreamLedger
 from .transport import audio_from_frames
 
 __all__ = ["Settle", "settle_reply", "settle_outcomes", "chunk_outcome"]
 
 Settle = Literal["concat", "list", "list_with_exceptions"]
+
+
+class Stream(Protocol):  # what a result is checked against (``stream.Stream``); outcomes go to its ledger
+    stream_id: str
+    samples_per_frame: int
+    ledger: StreamLedger
 
 
 def settle_reply(planned: list[tuple[Stream, SentChunk]], results: tuple[ChunkResult, ...], frames: list[memoryview],
@@ -69,13 +75,13 @@ def _inline_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
                     frames: list[memoryview]) -> torch.Tensor | SidecarError | None:
     """Check the result against the chunk; the inline audio tensor, None for region audio, or the error."""
     if result.stream_id != stream.stream_id or result.seq != chunk.seq:
-        stream._on_chunk_failed(chunk, "unknown")
+        stream.ledger.chunk_failed(chunk, "unknown")
         return Internal(f"result for {result.stream_id!r}/{result.seq} where "
                         f"{stream.stream_id!r}/{chunk.seq} was expected")
     if result.error is not None:
-        stream._on_chunk_failed(chunk, "rejected")
+        stream.ledger.chunk_failed(chunk, "rejected")
         return error_from(result.error.code, result.error.message)
-    stream._on_chunk_ok(chunk)  # the server committed the chunk
+    stream.ledger.chunk_ok(chunk)  # the server committed the chunk
     assert result.audio is not None
     expected_frames = chunk.num_frames - chunk.context_frames
     expected_samples = expected_frames * stream.samples_per_frame

@@ -28,14 +28,17 @@ _TORCH_WIRE_INTS = {torch.int16, torch.int32, torch.int64}
 _FLOAT32_ALIGN = 4
 
 
-def as_wire_codes(codes: CodesLike) -> np.ndarray:
-    """Return codes as a C-contiguous little-endian int16/int32/int64 numpy array ``[Q, n]``.
+def as_wire_codes(codes: CodesLike, latents: bool = False) -> np.ndarray:
+    """Return codes as a C-contiguous little-endian int16/int32/int64 numpy array ``[Q, n]``; with ``latents``
+    (the model's ``input_kind`` is ``latents``) float inputs as float32 ``[D, n]`` instead.
 
     No copy when ``codes`` already is one (a contiguous CPU torch tensor or numpy
     array of int16/int32/int64): the returned array shares its memory, so the
     caller must not modify ``codes`` until the chunk's reply arrived. Other
     integer dtypes are widened to int64 (a copy); floats and bools are refused.
     """
+    if latents:
+        return _wire_latents(codes)
     if isinstance(codes, torch.Tensor):
         tensor = codes.detach()
         if tensor.device.type != "cpu":  # device codes going inline (no CUDA IPC): one copy to the host
@@ -59,9 +62,34 @@ def as_wire_codes(codes: CodesLike) -> np.ndarray:
     return array
 
 
-def cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
+def _wire_latents(latents: CodesLike) -> np.ndarray:
+    """Float latents as a C-contiguous little-endian float32 array ``[D, n]`` (no copy when already one)."""
+    if isinstance(latents, torch.Tensor):
+        tensor = latents.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if not tensor.is_floating_point():
+            raise InvalidArgument(f"latents must be a floating-point tensor, got {tensor.dtype}")
+        array = tensor.to(torch.float32).contiguous().numpy()
+    else:
+        array = np.asarray(latents)
+        if array.dtype.kind != "f":
+            raise InvalidArgument(f"latents must be a float array, got dtype {array.dtype}")
+        array = np.ascontiguousarray(array, dtype="<f4")
+    if array.ndim != 2:
+        raise InvalidArgument(f"latents must have shape [channels, num_frames], got {list(array.shape)}")
+    return array
+
+
+def cuda_wire_codes(codes: torch.Tensor, latents: bool = False) -> torch.Tensor:
     """CUDA codes as a contiguous int16/int32/int64 device tensor ``[Q, n]`` (the tensor itself when already
-    one; integer tensors never require grad, so there is nothing to detach)."""
+    one; integer tensors never require grad, so there is nothing to detach). ``latents``: float32 ``[D, n]``."""
+    if latents:
+        if not codes.is_floating_point():
+            raise InvalidArgument(f"latents must be a floating-point tensor, got {codes.dtype}")
+        if codes.dim() != 2:
+            raise InvalidArgument(f"latents must have shape [channels, num_frames], got {list(codes.shape)}")
+        return codes.detach().to(torch.float32).contiguous()
     if codes.dtype not in _TORCH_WIRE_INTS:
         if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
             raise InvalidArgument(f"codes must be an integer tensor, got {codes.dtype}")

@@ -96,7 +96,7 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
     from code2wav.sidecar.graphs.manager import GraphManager
     from code2wav.sidecar.graphs.plan import BucketKey
     from code2wav.sidecar.metrics import Metrics
-    from code2wav.sidecar.models.routine import StreamRoutine
+    from code2wav.sidecar.graphs.routine import StreamRoutine
 
     buckets = tuple(BucketKey("exact", b, new_frames) for b in batch_sizes) + (BucketKey("exact", 1, 1),)
     routine = StreamRoutine(model, arena, max(batch_sizes), new_frames)

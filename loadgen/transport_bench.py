@@ -57,7 +57,7 @@ class InProcessReference:
         from code2wav.sidecar.graphs.manager import GraphManager
         from code2wav.sidecar.graphs.plan import BucketKey
         from code2wav.sidecar.metrics import Metrics
-        from code2wav.sidecar.models.routine import StreamRoutine
+        from code2wav.sidecar.graphs.routine import StreamRoutine
         from code2wav.sidecar.state_store import StateArena
 
         self.arena = StateArena(model.module.state_layout(), max(batches), model.dtype, model.device)

@@ -44,7 +44,8 @@ from .ipc import MAX_REGION_EVENTS
 from .tensors import INTEGER_DTYPES, CudaIpcLoc, InlineLoc, TensorDesc, inline_view
 
 _HELLO_KEYS = frozenset({"type", "request_id", "version", "client_id", "capabilities"})
-_OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames"})
+_OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames", "options"})
+_MAX_STREAM_OPTIONS = 16
 _DECODE_KEYS = frozenset({"type", "request_id", "chunks"})
 _CHUNK_KEYS = frozenset({"stream_id", "seq", "codes", "final", "context_frames", "codes_event", "audio_out"})
 _STREAM_OP_KEYS = frozenset({"type", "request_id", "stream_id"})
@@ -90,7 +91,22 @@ def parse_open_stream(header: dict[str, Any], limits: Limits, frames: Sequence[A
         left_context_frames=get_int(
             header, "left_context_frames", "open_stream", lo=0, hi=limits.max_left_context_frames, default=0
         ),
+        options=_stream_options(header, limits),
     )
+
+
+def _stream_options(header: dict[str, Any], limits: Limits) -> dict[str, int]:
+    """``open_stream.options``: a map of option name -> integer (which names and ranges: the server's model)."""
+    if header.get("options") is None:
+        return {}
+    options = as_map(header["options"], "open_stream.options")
+    if len(options) > _MAX_STREAM_OPTIONS:
+        invalid(f"open_stream.options has {len(options)} entries; the limit is {_MAX_STREAM_OPTIONS}")
+    for name in options:
+        if len(name.encode("utf-8", "surrogatepass")) > limits.max_id_len:
+            invalid(f"open_stream.options has a name longer than {limits.max_id_len} bytes")
+        get_int(options, name, "open_stream.options", lo=-INT64_MAX, hi=INT64_MAX)
+    return dict(options)
 
 
 def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any]) -> Chunk:
@@ -106,8 +122,9 @@ def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any
         codes = TensorDesc.from_wire(chunk["codes"], limits, len(frames))
     except ProtocolError as exc:
         raise ProtocolError(exc.code, f"{what}.codes: {exc.message}") from None
-    if codes.dtype not in INTEGER_DTYPES:
-        invalid(f"{what}.codes must have an integer dtype (int16, int32, int64), got {codes.dtype}")
+    if codes.dtype not in INTEGER_DTYPES and codes.dtype != "float32":  # float32: a latents family's inputs
+        invalid(f"{what}.codes must have an integer dtype (int16, int32, int64) or float32 (latents), "
+                f"got {codes.dtype}")
     if len(codes.shape) != 2:
         invalid(f"{what}.codes must have rank 2 [num_quantizers, num_frames], got shape {list(codes.shape)}")
     num_quantizers, num_frames = codes.shape

@@ -36,6 +36,7 @@ from .messages import (
     ModelInfo,
     Opened,
     Pong,
+    StreamOptionInfo,
     Welcome,
 )
 from .ipc import MAX_REGION_EVENTS
@@ -74,7 +75,7 @@ def _model_info(value: object, index: int, limits: Limits) -> ModelInfo:
     return ModelInfo(
         name=_id(info, "name", what, limits),
         num_quantizers=get_int(info, "num_quantizers", what, lo=1),
-        codebook_size=get_int(info, "codebook_size", what, lo=1),
+        codebook_size=get_int(info, "codebook_size", what, lo=0),  # 0: latents, no codebook
         samples_per_frame=get_int(info, "samples_per_frame", what, lo=1),
         sample_rate=get_int(info, "sample_rate", what, lo=1),
         modes=tuple(
@@ -83,6 +84,44 @@ def _model_info(value: object, index: int, limits: Limits) -> ModelInfo:
         ),
         dtype=_id(info, "dtype", what, limits),
         device=_id(info, "device", what, limits),
+        **_contract(info, what, limits),
+    )
+
+
+def _contract(info: dict[str, Any], what: str, limits: Limits) -> dict[str, Any]:
+    """The model entry's input contract fields; absent ones (an older server) keep ModelInfo's defaults."""
+    out: dict[str, Any] = {}
+    if "family" in info:
+        out["family"] = check_str(info["family"], f"{what}.family", max_nbytes=limits.max_id_len, allow_empty=True)
+    if "input_kind" in info:
+        out["input_kind"] = check_str(info["input_kind"], f"{what}.input_kind", max_nbytes=limits.max_id_len)
+    if "input_dtypes" in info:
+        dtypes = get_list(info, "input_dtypes", what, max_len=_MAX_MODES)
+        out["input_dtypes"] = tuple(check_str(d, f"{what}.input_dtypes[{i}]", max_nbytes=limits.max_id_len)
+                                    for i, d in enumerate(dtypes))
+    if "input_channels" in info:
+        out["input_channels"] = get_int(info, "input_channels", what, lo=0)
+    if info.get("input_range") is not None:
+        bounds = get_list(info, "input_range", what, max_len=2)
+        if len(bounds) != 2:
+            invalid(f"{what}.input_range must be [low, high], got {len(bounds)} entries")
+        low, high = (check_int(b, f"{what}.input_range[{i}]", lo=-INT64_MAX, hi=INT64_MAX)
+                     for i, b in enumerate(bounds))
+        out["input_range"] = (low, high)
+    if "stream_options" in info:
+        options = get_list(info, "stream_options", what, max_len=_MAX_MODES)
+        out["stream_options"] = tuple(_stream_option(o, f"{what}.stream_options[{i}]", limits)
+                                      for i, o in enumerate(options))
+    return out
+
+
+def _stream_option(value: object, what: str, limits: Limits) -> StreamOptionInfo:
+    option = as_map(value, what)
+    return StreamOptionInfo(
+        name=check_str(require(option, "name", what), f"{what}.name", max_nbytes=limits.max_id_len),
+        low=get_int(option, "low", what, lo=-INT64_MAX, hi=INT64_MAX),
+        high=get_int(option, "high", what, lo=-INT64_MAX, hi=INT64_MAX),
+        default=get_int(option, "default", what, lo=-INT64_MAX, hi=INT64_MAX),
     )
 
 

@@ -6,6 +6,9 @@ only says what each message holds and how it is written (``to_wire``).
 
 Every message carries ``request_id`` (a uint64 the client chooses; the server
 echoes it in the reply). The header key ``"type"`` names the message.
+
+Over 300 lines: every message type of the protocol with its wire form, one dataclass each; splitting by direction
+would scatter the one table a reader needs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "Ping",
     "Bye",
     "ModelInfo",
+    "StreamOptionInfo",
     "Welcome",
     "Opened",
     "ErrorInfo",
@@ -85,9 +89,10 @@ class OpenStream:
     model: str | None = None
     mode: str = "exact"
     left_context_frames: int = 0
+    options: dict[str, int] = field(default_factory=dict)  # the model's stream_options (welcome); the server checks
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "type": self.TYPE,
             "request_id": self.request_id,
             "stream_id": self.stream_id,
@@ -95,6 +100,9 @@ class OpenStream:
             "mode": self.mode,
             "left_context_frames": self.left_context_frames,
         }
+        if self.options:  # absent when empty: servers before stream options accept the message unchanged
+            wire["options"] = dict(self.options)
+        return wire
 
 
 @dataclass(frozen=True)
@@ -200,7 +208,24 @@ class Bye:
 
 
 @dataclass(frozen=True)
+class StreamOptionInfo:
+    """An integer option a stream of this model may set in ``open_stream.options`` (range inclusive)."""
+
+    name: str
+    low: int
+    high: int
+    default: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "low": self.low, "high": self.high, "default": self.default}
+
+
+@dataclass(frozen=True)
 class ModelInfo:
+    """A served model and its input contract (proto/README.md, "welcome"). ``num_quantizers`` is the inputs'
+    first dimension (Q codes or D latent channels, same as ``input_channels``); ``codebook_size`` is 0 for
+    latents. The contract fields default to a codes model's values for servers that do not send them."""
+
     name: str
     num_quantizers: int
     codebook_size: int
@@ -209,6 +234,22 @@ class ModelInfo:
     modes: tuple[str, ...]
     dtype: str
     device: str
+    family: str = ""
+    input_kind: str = "codes"  # "codes": integers [Q, n] in input_range; "latents": finite floats [D, n]
+    input_dtypes: tuple[str, ...] = ("int16", "int32", "int64")
+    input_channels: int = 0  # 0: num_quantizers (a server before the contract fields)
+    input_range: tuple[int, int] | None = None  # [low, high) of codes; None: latents, or [0, codebook_size)
+    stream_options: tuple[StreamOptionInfo, ...] = ()
+
+    @property
+    def channels(self) -> int:
+        return self.input_channels or self.num_quantizers
+
+    @property
+    def valid_range(self) -> tuple[int, int] | None:
+        if self.input_kind != "codes":
+            return None
+        return self.input_range or (0, self.codebook_size)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -220,6 +261,12 @@ class ModelInfo:
             "modes": list(self.modes),
             "dtype": self.dtype,
             "device": self.device,
+            "family": self.family,
+            "input_kind": self.input_kind,
+            "input_dtypes": list(self.input_dtypes),
+            "input_channels": self.input_channels,  # 0: num_quantizers
+            "input_range": None if self.input_range is None else list(self.input_range),
+            "stream_options": [option.to_wire() for option in self.stream_options],
         }
 
 

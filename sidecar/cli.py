@@ -103,7 +103,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     from .engine import Engine
     from .models import load_model, resolve_device
-    from .offline import decode_exact, decode_window, save_audio
+    from .offline import decode_offline, save_audio
     from .state_store import StateArena
 
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
@@ -112,17 +112,15 @@ def cmd_decode(args: argparse.Namespace) -> int:
         print(f"error: {args.input}: expected integer codes [B, Q, T], got {codes.dtype} {codes.shape}", file=sys.stderr)
         return 2
     model = load_model(args.model, resolve_device(args.device), args.dtype)
-    if codes.shape[1] != model.num_quantizers or codes.min() < 0 or codes.max() >= model.codebook_size:
-        print(f"error: codes must be [B, {model.num_quantizers}, T] with values in [0, {model.codebook_size})",
+    codes_t = torch.from_numpy(codes.astype(np.int64))
+    if codes.shape[1] != model.num_channels or model.input.problem(codes_t) is not None:
+        low, high = model.input.valid_range or (0, 0)
+        print(f"error: codes must be [B, {model.num_channels}, T] with values in [{low}, {high})",
               file=sys.stderr)
         return 2
-    engine = Engine(model, StateArena(model.module.state_layout(), 1, model.dtype, model.device))
-    codes_t = torch.from_numpy(codes.astype(np.int64))
+    engine = Engine(model, StateArena(model.state_layout(), 1, model.dtype, model.device))
     t0 = time.perf_counter()
-    if args.mode == "exact":
-        wav = decode_exact(engine, codes_t)
-    else:
-        wav = decode_window(engine, codes_t, args.chunk_frames, args.left_context_frames)
+    wav = decode_offline(engine, codes_t, args.mode, args.chunk_frames, args.left_context_frames)
     elapsed_s = time.perf_counter() - t0
     written = save_audio(Path(args.output), wav, model.sample_rate_hz)
     audio_s = wav.shape[0] * wav.shape[2] / model.sample_rate_hz

@@ -78,7 +78,8 @@ class ServerConfig(_Section):
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(9464, ge=0, le=65535, description="0 picks a free port")
     model: str = "default"
-    model_name: str = "qwen3-tts-12hz"
+    model_name: str | None = Field(None, description="the served model's name (default: its family's, e.g. "
+                                   "qwen3-tts-12hz)")
     device: str = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0

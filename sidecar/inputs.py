@@ -1,7 +1,8 @@
-"""A chunk's inputs as they arrive: inline codes are checked and copied now; CUDA IPC codes and an ``audio_out``
-are looked up and bounds-checked now (metadata only), read and written later by the engine step.
+"""A chunk's inputs as they arrive: inline inputs are checked and copied now; CUDA IPC inputs and an
+``audio_out`` are looked up and bounds-checked now (metadata only), read and written later by the engine step.
 
-Sans-IO like ``sessions``: every problem is a ``ChunkRejected`` with a typed code, scoped to the chunk.
+What is valid comes from the model's contract (``ModelInfo.input``: codes or latents, channels, wire dtypes,
+range). Sans-IO like ``sessions``: every problem is a ``ChunkRejected`` with a typed code, scoped to the chunk.
 """
 
 from __future__ import annotations
@@ -14,27 +15,30 @@ from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
 from .ipc.regions import RegionService
-from .models import LoadedModel
+from .models import ModelInfo
 from .scheduler import ChunkJob
 from .work import ChunkRejected
 
-_NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64}
+_NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64, "float32": np.float32}
 
 
-def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: bytes, job: ChunkJob, chunk: proto.Chunk,
+def read_chunk_inputs(model: ModelInfo, regions: RegionService, identity: bytes, job: ChunkJob, chunk: proto.Chunk,
                       frames: list) -> None:
-    """Inline codes: checked and copied now (``job.codes``). CUDA IPC codes: bounds-checked now, read and
+    """Inline inputs: checked and copied now (``job.codes``). CUDA IPC inputs: bounds-checked now, read and
     checked by the engine step (``job.ipc_codes``). An ``audio_out`` is bounds-checked too."""
+    spec = model.input
     desc = chunk.codes
-    if desc.dtype not in _NP_DTYPES:
-        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes must be int16/int32/int64, got {desc.dtype}")
-    num_q, num_frames = desc.shape
-    if num_q != model.num_quantizers:
+    if desc.dtype not in spec.wire_dtypes:
+        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"{spec.kind} must be {'/'.join(spec.wire_dtypes)} for "
+                            f"model '{model.name}', got {desc.dtype}")
+    num_channels, num_frames = desc.shape
+    if num_channels != spec.channels:
+        what = "quantizers" if spec.is_integer else "latent channels"
         raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
-                            f"codes have {num_q} quantizers, model '{model.name}' needs "
-                            f"{model.num_quantizers} (shape [Q, n])")
-    if num_frames == 0:  # an empty final chunk: nothing to read, wherever it says the codes are
-        job.codes = torch.zeros((num_q, 0), dtype=torch.long)
+                            f"{spec.kind} have {num_channels} {what}, model '{model.name}' needs "
+                            f"{spec.channels} (shape [{spec.channels}, n])")
+    if num_frames == 0:  # an empty final chunk: nothing to read, wherever it says the inputs are
+        job.codes = torch.zeros((num_channels, 0), dtype=spec.host_dtype())
         return
     if chunk.audio_out is not None:
         num_samples = (num_frames - chunk.context_frames) * model.samples_per_frame
@@ -54,19 +58,20 @@ def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: byte
                                 f"{num_events} events registered with region {region.region_id}")
         job.ipc_codes = (region, regions.view(region, desc, "codes"), chunk.codes_event)
         return
-    job.codes = _inline_codes(model, desc, frames)
+    job.codes = _inline_inputs(model, desc, frames)
 
 
-def _inline_codes(model: LoadedModel, desc: proto.TensorDesc, frames: list) -> Tensor:
-    num_q, num_frames = desc.shape
+def _inline_inputs(model: ModelInfo, desc: proto.TensorDesc, frames: list) -> Tensor:
+    num_channels, num_frames = desc.shape
     try:
         view = proto.inline_view(desc, frames)
     except ProtocolError as exc:
         raise ChunkRejected(exc.code, exc.message) from None
     array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
-    array = array.reshape(num_q, num_frames).astype(np.int64)  # [Q, n] (copy: codes are small)
-    if array.size and (array.min() < 0 or array.max() >= model.codebook_size):
-        bad = int(array.min()) if array.min() < 0 else int(array.max())
-        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT,
-                            f"code {bad} out of range [0, {model.codebook_size})")
-    return torch.from_numpy(array)
+    host = np.dtype(np.int64) if model.input.is_integer else np.dtype(np.float32)
+    array = array.reshape(num_channels, num_frames).astype(host)  # [C, n] (copy: chunks are small)
+    values = torch.from_numpy(array)
+    problem = model.input.problem(values)
+    if problem is not None:
+        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, problem)
+    return values

@@ -16,12 +16,11 @@ from .engine import Engine
 @torch.inference_mode()
 def decode_exact(engine: Engine, codes: Tensor) -> Tensor:
     """``codes`` ``[B, Q, T]`` -> ``[B, 1, T * U]``: the one-shot decode (exact slices of ``max_forward_frames``)."""
-    module = engine.model.module
     batch, _, num_frames = codes.shape
     device = engine.device
     lengths = torch.full((batch,), num_frames, dtype=torch.long, device=device)
     positions = torch.zeros(batch, dtype=torch.long, device=device)
-    wav, _, _ = engine.run(codes.to(device), lengths, module.zero_state(batch), positions)
+    wav, _, _ = engine.run(codes.to(device), lengths, engine.model.zero_state(batch), positions)
     return wav.cpu()[:, None]
 
 
@@ -29,7 +28,6 @@ def decode_exact(engine: Engine, codes: Tensor) -> Tensor:
 def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context_frames: int) -> Tensor:
     """Stateless chunked decode: frames ``[s, e)`` come from decoding ``codes[s - c : e]`` with
     ``c = min(left_context_frames, s)`` and dropping the first ``c * U`` samples."""
-    module = engine.model.module
     batch, _, num_frames = codes.shape
     spf = engine.model.samples_per_frame
     device = engine.device
@@ -40,9 +38,18 @@ def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context
         window = codes[:, :, start - ctx: end].to(device)  # [B, Q, c + n]
         lengths = torch.full((batch,), end - start + ctx, dtype=torch.long, device=device)
         positions = torch.zeros(batch, dtype=torch.long, device=device)
-        wav, _, _ = engine.run(window, lengths, module.zero_state(batch), positions)  # [B, (c + n) * U]
+        wav, _, _ = engine.run(window, lengths, engine.model.zero_state(batch), positions)  # [B, (c + n) * U]
         pieces.append(wav[:, ctx * spf:].cpu())
     return torch.cat(pieces, dim=1)[:, None]  # [B, 1, T * U]
+
+
+def decode_offline(engine: Engine, inputs: Tensor, mode: str, chunk_frames: int, left_context_frames: int) -> Tensor:
+    """The ``decode`` command's one call: ``exact`` (one-shot) or ``window`` (chunked) by name."""
+    decoders = {"exact": lambda: decode_exact(engine, inputs),
+                "window": lambda: decode_window(engine, inputs, chunk_frames, left_context_frames)}
+    if mode not in decoders:
+        raise ValueError(f"offline mode must be one of {sorted(decoders)}, got {mode!r}")
+    return decoders[mode]()
 
 
 def write_wav(path: Path, audio: np.ndarray, sample_rate_hz: int) -> None:

@@ -21,7 +21,7 @@ from .streams import Stream
 class ChunkJob:
     stream: Stream
     seq: int
-    codes: Any  # torch.Tensor [Q, n] int64
+    codes: Any  # torch.Tensor [C, n]: int64 codes or float32 latents
     context_frames: int
     final: bool
     arrived_s: float
@@ -38,20 +38,21 @@ class ChunkJob:
 
     @property
     def kept_context(self):
-        """A window stream's kept left-context codes ``[Q, c]``, decoded ahead of this chunk's own; else None."""
-        return self.stream.context_codes if self.stream.mode == "window" else None
+        """The inputs ``[C, c]`` the stream's mode decodes ahead of this chunk's own (window: the kept left
+        context), or None."""
+        return self.stream.mode.kept_context(self.stream)
 
     @property
     def decoded_frames(self) -> int:
         """Frames the engine decodes for this chunk (its codes may still be in a CUDA IPC region): its own, after
-        the ``kept_context`` (``Sessions.build_items`` joins them)."""
+        the ``kept_context`` (the mode's ``build_item`` joins them)."""
         own = (self.codes if self.ipc_codes is None else self.ipc_codes[1]).shape[1]
         prefix = self.kept_context
         return own + (0 if prefix is None else prefix.shape[1])
 
     @property
     def batch_key(self) -> tuple[str, str]:
-        return (self.stream.model, self.stream.mode)
+        return (self.stream.model, self.stream.mode.name)
 
 
 class Scheduler:

@@ -2,6 +2,9 @@
 
 Sans-IO: takes ``(identity, frames)`` in, leaves ``Outbound`` messages in ``outbox``; never touches a
 socket or the model. Every failure is a typed error scoped to the message or chunk that caused it.
+
+Over 300 lines: the per-connection stream state machine (open, decode, commit after success, fail, close, reap)
+kept in one place so its commit rules read in one sitting.
 """
 
 from __future__ import annotations
@@ -19,19 +22,34 @@ from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
 from .config import ServerConfig
-from .engine import DecodeItem
 from .inputs import read_chunk_inputs
 from .ipc.device import CudaIpcDevice
 from .ipc.regions import RegionService
 from .metrics import Metrics
-from .models import LoadedModel
+from .models import FamilyError, ModelInfo
+from .modes import get_mode
 from .replies import Outbound, PendingReply
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
 from .streams import SeqVerdict, Stream, check_seq
-from .work import ChunkRejected
+from .work import ChunkRejected, DecodeItem
 
 log = logging.getLogger(__name__)
+
+
+def model_entry(model: ModelInfo) -> proto.ModelInfo:
+    """The welcome message's entry for ``model``: its contract, so a client can check inputs before sending."""
+    spec = model.input
+    valid_range = spec.valid_range
+    return proto.ModelInfo(
+        name=model.name, num_quantizers=spec.channels, codebook_size=spec.high,
+        samples_per_frame=model.samples_per_frame, sample_rate=model.sample_rate_hz, modes=proto.STREAM_MODES,
+        dtype=str(model.dtype).removeprefix("torch."), device=str(model.device), family=model.family_name,
+        input_kind=spec.kind, input_dtypes=spec.wire_dtypes, input_channels=spec.channels,
+        input_range=None if valid_range is None else tuple(valid_range),
+        stream_options=tuple(proto.StreamOptionInfo(o.name, o.low, o.high, o.default)
+                             for o in model.contract.stream_options))
+
 
 @dataclass
 class ClientState:
@@ -41,7 +59,7 @@ class ClientState:
 
 
 class Sessions:
-    def __init__(self, cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
+    def __init__(self, cfg: ServerConfig, model: ModelInfo, arena: StateArena, scheduler: Scheduler,
                  metrics: Metrics, ipc_device: CudaIpcDevice | None = None, host_id: str | None = None,
                  ipc_off_reason: str = "not configured", clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -121,10 +139,7 @@ class Sessions:
         self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock())
         self.metrics.clients.set(len(self.clients))
         m = self.model
-        info = proto.ModelInfo(name=m.name, num_quantizers=m.num_quantizers, codebook_size=m.codebook_size,
-                               samples_per_frame=m.samples_per_frame, sample_rate=m.sample_rate_hz,
-                               modes=proto.STREAM_MODES, dtype=str(m.dtype).removeprefix("torch."),
-                               device=str(m.device))
+        info = model_entry(m)
         self._send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
             boot_epoch=self.boot_epoch, models=(info,), default_model=m.name, limits=self.limits,
@@ -142,16 +157,21 @@ class Sessions:
         if len(client.streams) >= self.cfg.limits.max_streams_per_client:
             return self.error(identity, rid, ErrorCode.BUSY,
                                f"this client has {len(client.streams)} open streams (limit max_streams_per_client)")
+        mode = get_mode(msg.mode)
+        try:
+            options = self.model.contract.check_options(msg.options)
+        except FamilyError as exc:
+            return self.error(identity, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
         slot = None
-        if msg.mode == "exact":
+        if mode.stateful:
             try:
                 slot = self.arena.allocate()
             except ArenaFull as exc:
                 return self.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
             self._update_arena_metrics()
-        left = msg.left_context_frames if msg.mode == "window" else 0
-        stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=msg.mode,
-                        left_context_frames=left, slot=slot, last_active_s=self.clock())
+        left = mode.left_context_frames(msg.left_context_frames)
+        stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
+                        left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
         self.streams[stream.key] = stream
         client.streams.add(msg.stream_id)
         self.metrics.streams_opened.labels(mode=msg.mode).inc()
@@ -226,18 +246,7 @@ class Sessions:
     # ------------------------------------------------------------------ engine side
     def build_items(self, batch: list[ChunkJob]) -> list[DecodeItem]:
         """Engine thread (reads stream state that no other thread writes while the chunk is in the engine)."""
-        items = []
-        for job in batch:
-            out_device = job.audio_out is not None
-            if job.stream.mode == "window":
-                prefix = job.kept_context
-                codes = job.codes if prefix is None else torch.cat([prefix, job.codes], dim=1)  # [Q, c + n]
-                skip = (0 if prefix is None else prefix.shape[1]) + job.context_frames
-                items.append(DecodeItem(codes=codes, slot=None, skip_frames=skip, out_device=out_device))
-            else:
-                items.append(DecodeItem(codes=job.codes, slot=job.stream.slot, skip_frames=job.context_frames,
-                                        out_device=out_device))
-        return items
+        return [job.stream.mode.build_item(job) for job in batch]
 
     def complete_job(self, job: ChunkJob, audio: Tensor) -> None:
         stream = job.stream
@@ -249,10 +258,8 @@ class Sessions:
             stream.last_audio = audio
             stream.last_num_frames = num_frames
             stream.last_active_s = self.clock()
-            if stream.mode == "window" and stream.left_context_frames:
-                joined = job.codes if stream.context_codes is None else torch.cat([stream.context_codes, job.codes], 1)
-                stream.context_codes = joined[:, -stream.left_context_frames:].clone()  # [Q, <=L]
-            mode = stream.mode
+            stream.mode.commit(stream, job.codes)
+            mode = stream.mode.name
             self.metrics.chunks.labels(model=stream.model, mode=mode).inc()
             self.metrics.frames.labels(model=stream.model, mode=mode).inc(job.codes.shape[1])
             self.metrics.audio_seconds.labels(model=stream.model, mode=mode).inc(
@@ -343,6 +350,27 @@ class Sessions:
     # ------------------------------------------------------------------ output
     def _update_arena_metrics(self) -> None:
         self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(self.arena.num_used)
+
+    @property
+    def has_region_ops(self) -> bool:
+        """Region opens/closes wait for the engine thread (``next_region_op``)."""
+        return bool(self.regions.device_ops)
+
+    def next_region_op(self):
+        return self.regions.next_device_op()
+
+    def run_region_op(self, op) -> None:
+        """Engine thread: the device part of a region open/close."""
+        self.regions.run_op(op)
+
+    def region_op_done(self, op) -> None:
+        """Loop thread: answer the client of a region op whose device part is done."""
+        self.regions.op_done(op)
+
+    def take_outbox(self) -> list[Outbound]:
+        """The messages to send, in order; the outbox is empty afterwards."""
+        outbox, self.outbox = self.outbox, []
+        return outbox
 
     def _send(self, identity: bytes, message: Any, buffers: list | None = None) -> None:
         self.outbox.append(Outbound(identity, message, buffers or []))

@@ -16,17 +16,20 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from .modes import StreamMode, get_mode
+
 
 @dataclass(eq=False)
 class Stream:
     client: bytes  # transport identity of the owning connection
     stream_id: str
     model: str
-    mode: str  # "exact" | "window"
+    mode: StreamMode  # (a wire name given here is turned into its mode)
     left_context_frames: int
-    slot: int | None  # arena slot (exact mode)
+    slot: int | None  # arena slot (stateful modes)
     last_active_s: float
-    context_codes: Tensor | None = None  # window mode: last left_context_frames committed codes [Q, <=L]
+    context_codes: Tensor | None = None  # kept by the mode (window: last left_context_frames inputs [C, <=L])
+    options: dict[str, int] = field(default_factory=dict)  # the family's stream options, validated at open
     next_seq: int = 0  # the seq the next accepted chunk must carry
     committed_seq: int = -1
     last_audio: Tensor | None = None  # reply of committed_seq, for idempotent resend
@@ -35,6 +38,10 @@ class Stream:
     closing: str | None = None  # why the stream will close once num_pending reaches 0
     closed: bool = False
     finish_waiters: list[int] = field(default_factory=list)  # request ids of Finish messages waiting
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mode, str):
+            self.mode = get_mode(self.mode)
 
     @property
     def key(self) -> tuple[bytes, str]:

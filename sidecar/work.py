@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -22,7 +22,8 @@ class ChunkRejected(Exception):
 class DecodeItem:
     """One chunk for the engine. ``slot`` None = stateless (window mode: decode from an empty state)."""
 
-    codes: Tensor  # [Q, n] int64, on CPU
+    codes: Tensor  # [C, n] on CPU: int64 codes or float32 latents (the model's InputSpec)
     slot: int | None
     skip_frames: int  # leading frames whose audio is not returned (context frames, window left context)
     out_device: bool = False  # audio wanted on the device (CUDA IPC output), not copied to the host
+    options: dict[str, int] = field(default_factory=dict)  # the stream's options (missing: the default)

@@ -313,12 +313,12 @@ def test_chunks_that_never_left_free_their_seq(client: SidecarClient, fake: Fake
     one, two = client.open_stream("one"), client.open_stream("two")
     with pytest.raises(InvalidArgument, match="3 quantizers"):  # refused before anything is sent
         client.decode_batch([(one, make_codes(2)), (two, np.zeros((3, 2), np.int64))])
-    assert one.next_seq == 0 and not one._unacked
+    assert one.next_seq == 0 and not one.ledger.num_unacked
     fake.stop()
     time.sleep(0.1)  # the DEALER notices the closed peer; IMMEDIATE then refuses to queue
     with pytest.raises((DeadlineExceeded, Unavailable)):
         one.decode(make_codes(2), timeout_s=0.2)
-    assert one.next_seq == 0 and not one._unacked  # never sent, so not in doubt
+    assert one.next_seq == 0 and not one.ledger.num_unacked  # never sent, so not in doubt
 
 
 def test_replies_matched_by_request_id_not_order(client: SidecarClient, fake: FakeSidecar) -> None:

@@ -11,7 +11,7 @@ from code2wav.sidecar.graphs.manager import GraphManager
 from code2wav.sidecar.graphs.plan import DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets
 from code2wav.sidecar.metrics import Metrics
 from code2wav.sidecar.models import load_model
-from code2wav.sidecar.models.routine import StreamRoutine
+from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 
 from conftest import TINY

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.models.qwen3_tts import DecoderConfig, random_model
+from code2wav.sidecar.models.qwen3_tts.family import QWEN3_TTS, contract_of
 from code2wav.sidecar.state_store import StateArena
 
 TOL = 1e-5
@@ -106,7 +107,7 @@ def long_window_model() -> LoadedModel:
                         sliding_window=3, latent_dim=24, decoder_dim=16, upsample_rates=(2, 3),
                         upsampling_ratios=(2,))
     module = random_model(cfg, seed=11)
-    return LoadedModel("long", module, 4, 32, cfg.samples_per_frame, 24000, torch.device("cpu"), torch.float32,
+    return LoadedModel("long", QWEN3_TTS, module, contract_of(module, 24000), torch.device("cpu"), torch.float32,
                        "random-weights")
 
 

@@ -8,7 +8,7 @@ import torch
 from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.graphs.plan import (DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets, dispatch,
                                  extra_bucket)
-from code2wav.sidecar.models.routine import StreamRoutine
+from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 
 EXACT = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)

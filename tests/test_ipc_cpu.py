@@ -18,6 +18,7 @@ from code2wav.proto import CudaIpcLoc, ErrorCode, TensorDesc
 from code2wav.sidecar.ipc.device import OpenedRegion
 from code2wav.sidecar.ipc.regions import DeviceOp, Region, RegionService, check_span
 from code2wav.sidecar.metrics import Metrics
+from code2wav.sidecar.models import InputSpec
 from code2wav.sidecar.work import ChunkRejected
 
 from test_server_e2e import RawPeer
@@ -168,7 +169,7 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
     incomplete = incomplete_codes_events(jobs)
     assert incomplete == [region.opened.events[1]]  # one query per distinct event
     assert [e.queries for e in region.opened.events] == [1, 1, 0]
-    refused, deferred = load_codes(jobs, codebook_size=7, now_s=12.0, codes_event_timeout_s=5.0,
+    refused, deferred = load_codes(jobs, InputSpec("codes", 2, 7), now_s=12.0, codes_event_timeout_s=5.0,
                                    incomplete=incomplete)
     assert [e.queries for e in region.opened.events] == [1, 1, 0]  # loading asks no event again
     assert deferred == [waiting]
@@ -178,7 +179,7 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
     assert torch.equal(shared.codes, (torch.arange(6, 12) % 7).view(2, 3))
     region.opened.events[1].complete = True  # the client's copy finished during the server's grace
     assert drop_complete(incomplete) == [] and incomplete == [] and region.opened.events[1].queries == 2
-    refused, _ = load_codes([job(48, 0)], codebook_size=6, now_s=12.0, codes_event_timeout_s=5.0, incomplete=[])
+    refused, _ = load_codes([job(48, 0)], InputSpec("codes", 2, 6), now_s=12.0, codes_event_timeout_s=5.0, incomplete=[])
     assert refused[0][1] == ErrorCode.INVALID_ARGUMENT and "code 6 out of range [0, 6)" in refused[0][2]
 
 

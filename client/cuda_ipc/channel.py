@@ -30,7 +30,7 @@ import torch
 
 from code2wav.proto import CudaIpcLoc, RegisterRegion, TensorDesc
 
-from ._cudart import Runtime, runtime
+from code2wav.cudart import Runtime, runtime
 from .slots import EventPool, SlotAllocator
 
 __all__ = ["IpcChannel", "IpcUnavailable", "PackedChunk", "gpu_uuid"]
@@ -39,7 +39,7 @@ log = logging.getLogger("code2wav.client")
 
 NUM_CODES_EVENTS = 64
 """The most a region may register (``proto.MAX_REGION_EVENTS``): one per message in flight."""
-_WIRE_DTYPES = {torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
+_WIRE_DTYPES = {torch.int16: "int16", torch.int32: "int32", torch.int64: "int64", torch.float32: "float32"}
 
 
 class IpcUnavailable(Exception):

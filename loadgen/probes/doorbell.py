@@ -22,6 +22,9 @@ ordering shows as a mismatch, not as a fast number. Needs a CUDA GPU; run it und
 
     python loadgen/probes/doorbell.py                  # N=400 per round, ROUNDS=3
     MATMULS=120 DIM=1024 python loadgen/probes/doorbell.py
+
+Over 300 lines: one self-contained experiment (server and client processes, three handoffs, one report) that is run
+as a single script.
 """
 
 from __future__ import annotations

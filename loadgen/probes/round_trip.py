@@ -81,9 +81,9 @@ if os.environ.get("HOSTWAIT") == "1":  # variant: the I/O thread waits for the s
 wrap(CH.IpcChannel, "pack", "packed0", "packed1")
 wrap(IO.Connection, "_send_direct", "sent0", "sent1")
 if os.environ.get("FINE") == "1":
-    import code2wav.client.stream as STM, code2wav.client.client as CL, code2wav.client.cuda_ipc._cudart as CR, code2wav.client.cuda_ipc.link as LK
-    wrap(STM.Stream, "_wire_codes", "wire0", "wire1")
-    wrap(STM.Stream, "_reserve", "res0", "res1")
+    import code2wav.client.stream as STM, code2wav.client.ledger as LG, code2wav.client.sender as CL, code2wav.client.cuda_ipc._cudart as CR, code2wav.client.cuda_ipc.link as LK
+    wrap(STM.Stream, "wire_inputs", "wire0", "wire1")
+    wrap(LG.StreamLedger, "reserve", "res0", "res1")
     wrap(LK.IpcLink, "pack", "lpack0", "lpack1")
     wrap(CR.Runtime, "copy_async", "copy0", "copy1")
     wrap(torch.cuda.Event, "record", "rec0", "rec1")

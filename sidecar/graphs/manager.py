@@ -75,7 +75,9 @@ class GraphManager:
             log.info("graphs: lazy mode, %d buckets will be captured on first use", len(self.buckets))
             return
         t0 = time.perf_counter()
-        for key in sorted(self.buckets, key=lambda k: (-k.cost, -k.batch)):
+        order = sorted(self.buckets, key=lambda k: (-k.cost, -k.batch))
+        for done, key in enumerate(order):
+            log.info("graphs: capturing %d/%d: %s %s", done + 1, len(order), key.mode, key.label)
             self._capture(self.buckets[key])
         captured = [b for b in self.buckets.values() if b.status == "captured"]
         log.info("graphs: %d/%d buckets captured in %.1fs, pool %.1f MiB", len(captured), len(self.buckets),
@@ -199,16 +201,21 @@ class GraphManager:
         return state is not None and state.status == "captured"
 
     def ready(self, key: BucketKey) -> bool:
-        """Captured (capturing now on first use in lazy mode)."""
+        """Captured: a query, never a capture (``capture`` is the explicit step)."""
+        return self.is_captured(key)
+
+    def capture(self, key: BucketKey) -> bool:
+        """Capture ``key`` now if it is configured and still pending (lazy mode's first use), or an extra bucket
+        within ``max_lazy_captures``; True when it is captured afterwards."""
         state = self.buckets.get(key)
         if state is None:
-            return False
-        if state.status == "pending" and self.mode == "lazy":
+            return self.capture_extra(key)
+        if state.status == "pending":
             self._capture(state)
         return state.status == "captured"
 
     def run(self, key: BucketKey, items: list) -> list:
-        """Replay ``key``'s graph for ``items``. The caller checked ``ready(key)``."""
+        """Replay ``key``'s graph for ``items``. The caller checked ``ready(key)`` (or captured it)."""
         state = self.buckets[key]
         routine = self.routines[key.mode]
         routine.copy_in(key.batch, key.frames, items)

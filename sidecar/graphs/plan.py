@@ -80,3 +80,26 @@ def extra_bucket(mode: str, num_rows: int, longest_frames: int, max_batch: int, 
     if batch > max_batch or frames > max_frames:
         return None
     return BucketKey(mode, batch, frames)
+
+
+class PaddingTable:
+    """``dispatch`` answers for one mode and one set of buckets, computed once for every ``(rows, longest
+    frames)`` up to the largest bucket; a batch beyond it gets ``dispatch``'s reason. Pure: no device."""
+
+    def __init__(self, buckets: tuple[BucketKey, ...], mode: str) -> None:
+        self.buckets = tuple(k for k in buckets if k.mode == mode)
+        self.mode = mode
+        self.max_rows = max((k.batch for k in self.buckets), default=0)
+        self.max_frames = max((k.frames for k in self.buckets), default=0)
+        self._table = [[dispatch(self.buckets, mode, rows, [frames]).key for frames in range(self.max_frames + 1)]
+                       for rows in range(self.max_rows + 1)]  # [rows][longest frames] -> bucket or None
+
+    def lookup(self, num_rows: int, row_frames: list[int]) -> Dispatch:
+        longest = max(row_frames, default=0)
+        if not (1 <= num_rows <= self.max_rows and 1 <= longest <= self.max_frames):
+            return dispatch(self.buckets, self.mode, num_rows, row_frames)  # the reason (or an empty batch)
+        key = self._table[num_rows][longest]
+        if key is None:
+            return dispatch(self.buckets, self.mode, num_rows, row_frames)
+        padded = sum(key.frames - f for f in row_frames) + (key.batch - num_rows) * key.frames
+        return Dispatch(key, padding_rows=key.batch - num_rows, padded_frames=padded)

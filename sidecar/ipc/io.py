@@ -23,6 +23,8 @@ import torch
 
 from code2wav.proto import ErrorCode
 
+from ..models.family import InputSpec
+
 __all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audio"]
 
 
@@ -45,9 +47,10 @@ def incomplete_codes_events(jobs: list) -> list:
     return drop_complete(list(events.values()))
 
 
-def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout_s: float,
+def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s: float,
                incomplete: list) -> tuple[list, list]:
-    """Give each IPC job host codes ``[Q, n]`` int64, but not those whose codes event is in ``incomplete``
+    """Give each IPC job host inputs ``[C, n]`` (int64 codes or float32 latents, as ``spec`` says) checked
+    against ``spec``, but not those whose codes event is in ``incomplete``
     (``incomplete_codes_events`` of the batch: the caller queried them). Returns ``(refused, deferred)``:
     ``(job, code, message)`` for jobs refused, and jobs whose codes are not ready yet (to be queued again)."""
     ipc_jobs = [job for job in jobs if job.ipc_codes is not None]
@@ -67,27 +70,19 @@ def load_codes(jobs: list, codebook_size: int, now_s: float, codes_event_timeout
     if ready:
         views = [job.ipc_codes[1].reshape(-1) for job in ready]
         flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)
-        host = flat.to("cpu", torch.int64)  # the step's one read of all IPC codes (synchronizes)
-        all_valid = _out_of_range(host, codebook_size) is None  # the usual case: one check for the whole batch
+        host = flat.to("cpu", spec.host_dtype())  # the step's one read of all IPC inputs (synchronizes)
+        all_valid = spec.problem(host) is None  # the usual case: one check for the whole batch
         start = 0
         for job in ready:
             shape = job.ipc_codes[1].shape
             codes = host[start: start + shape.numel()].view(shape)  # [Q, n]
             start += shape.numel()
-            bad = None if all_valid else _out_of_range(codes, codebook_size)
-            if bad is not None:
-                refused.append((job, ErrorCode.INVALID_ARGUMENT, f"code {bad} out of range [0, {codebook_size})"))
+            problem = None if all_valid else spec.problem(codes)
+            if problem is not None:
+                refused.append((job, ErrorCode.INVALID_ARGUMENT, problem))
             else:
                 job.codes = codes
     return refused, deferred
-
-
-def _out_of_range(codes: torch.Tensor, codebook_size: int) -> int | None:
-    """A code of ``codes`` outside ``[0, codebook_size)``, or None."""
-    if codes.numel() == 0:
-        return None
-    low, high = int(codes.min()), int(codes.max())
-    return low if low < 0 else high if high >= codebook_size else None
 
 
 def store_audio(jobs: list, audios: list) -> list:

@@ -143,6 +143,10 @@ class RegionService:
             self._close_when_idle(region)
 
     # ------------------------------------------------------------------ device ops
+    def next_device_op(self) -> DeviceOp | None:
+        """The oldest region open/close still to do on the engine thread (removed from the queue), or None."""
+        return self.device_ops.pop(0) if self.device_ops else None
+
     def run_op(self, op: DeviceOp) -> None:
         """Engine thread: do the device part of ``op``; errors land in ``op.error``."""
         assert self.device is not None

@@ -1,36 +1,22 @@
-"""Model registry: turn a ``--model`` spec into a loaded streaming decoder on a device.
+"""Decoder families and loaded models: ``load_model`` turns a ``--model`` spec into a ``ModelInfo`` on a device.
 
-A model exposes what the engine needs and nothing about sockets, sessions or metrics:
-``forward_stream(codes, num_frames, state, start_positions)``, ``state_layout()``, ``zero_state(B)``
-and the facts in ``LoadedModel``.
+The contract a family provides (``family.py``) is all the rest of the sidecar knows about a model; the
+registry (``registry.py``) lists the families. Nothing outside this folder names a family.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from .qwen3_tts import SAMPLE_RATE_HZ, SHIPPED, CheckpointError, Qwen3TTSDecoder, load_folder, random_model
+from .family import (Contract, DecoderFamily, FamilyError, InputSpec, ModelInfo, StateSpec, StreamBatch,
+                     StreamOption)
+from .registry import DTYPES, FAMILIES, detect_family, load_model, register_family
 
-log = logging.getLogger(__name__)
+LoadedModel = ModelInfo  # the name loadgen and older tests import
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    module: Qwen3TTSDecoder
-    num_quantizers: int
-    codebook_size: int
-    samples_per_frame: int
-    sample_rate_hz: int
-    device: torch.device
-    dtype: torch.dtype
-    source: str  # "random-weights" or the folder
+__all__ = ["Contract", "DecoderFamily", "FamilyError", "InputSpec", "ModelInfo", "LoadedModel", "StateSpec",
+           "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "detect_family", "load_model", "register_family",
+           "configure_cuda", "resolve_device"]
 
 
 def configure_cuda(allow_tf32: bool = False) -> None:
@@ -51,24 +37,3 @@ def resolve_device(spec: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {spec}: CUDA is not available on this machine (use --device cpu or auto)")
     return device
-
-
-def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None,
-               seed: int = 0) -> LoadedModel:
-    """``spec``: ``default`` (shipped architecture, seeded random weights) or a ``speech_tokenizer/`` folder."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
-    if spec == "default":
-        module, sample_rate_hz, source = random_model(SHIPPED, seed=seed), SAMPLE_RATE_HZ, "random-weights"
-    else:
-        folder = Path(spec)
-        if not folder.is_dir():
-            raise CheckpointError(f"--model {spec}: not a folder (give a speech_tokenizer/ folder or 'default')")
-        module, sample_rate_hz = load_folder(folder)
-        source = str(folder.resolve())
-    module = module.to(device=device, dtype=DTYPES[dtype]).requires_grad_(False)
-    cfg = module.cfg
-    return LoadedModel(
-        name=name or "qwen3-tts-12hz", module=module, num_quantizers=cfg.num_quantizers,
-        codebook_size=cfg.codebook_size, samples_per_frame=cfg.samples_per_frame, sample_rate_hz=sample_rate_hz,
-        device=device, dtype=DTYPES[dtype], source=source)

@@ -1,0 +1,134 @@
+"""``StreamLedger``: one stream's sequence bookkeeping on the client (which seqs are out, which are in doubt).
+
+Sequence numbers: ``next_seq`` is the seq the server expects next; it moves only when a chunk's audio arrives.
+Chunks may be pipelined (several submitted before the first reply). A chunk whose outcome is unknown (the call
+timed out or the server stopped answering) is *in doubt*: until a resend resolves it, new chunks are refused,
+because sending the next seq could be read by the server as a resend of the doubtful one.
+
+The ledger knows no sockets and no client: ``Stream`` reserves seqs in it, the sender hands back seqs it never
+sent, and ``results`` records each chunk's outcome. Thread-safe (one lock per stream).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._call import Outcome
+from .errors import InvalidArgument, NotFound, OutOfOrder, StreamLost
+
+__all__ = ["SentChunk", "StreamLedger"]
+
+
+@dataclass(eq=False)
+class SentChunk:
+    """A chunk the server has not acknowledged yet (kept for ``resend``)."""
+
+    seq: int
+    codes: Any  # the wire inputs: numpy array, or a CUDA tensor
+    final: bool
+    context_frames: int
+    in_doubt: bool = False
+    """The last attempt got no reply (or never left after one that got none): call resend()."""
+    maybe_applied: bool = False
+    """Some attempt was sent and got no reply: the server may have applied it."""
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.codes.shape[1])
+
+
+class StreamLedger:
+    def __init__(self, stream_id: str, is_lost: Callable[[], bool]) -> None:
+        self.stream_id = stream_id
+        self._is_lost = is_lost  # whether the server restarted since the stream was opened
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._send_seq = 0
+        self._unacked: dict[int, SentChunk] = {}
+        self._last_chunk: SentChunk | None = None
+        self._closed_reason: str | None = None
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    @property
+    def closed_reason(self) -> str | None:
+        return self._closed_reason
+
+    @property
+    def num_unacked(self) -> int:
+        return len(self._unacked)
+
+    def check_usable(self) -> None:
+        """Raise ``StreamLost`` or ``NotFound`` when the stream cannot take chunks."""
+        if self._is_lost():
+            raise StreamLost(
+                f"stream {self.stream_id!r} is gone: the sidecar restarted after it was opened; open a new one"
+            )
+        if self._closed_reason is not None:
+            raise NotFound(f"stream {self.stream_id!r} is closed ({self._closed_reason})")
+
+    def reserve(self, codes: Any, final: bool, context_frames: int) -> SentChunk:
+        """The next seq for a new chunk (refused while a chunk is in doubt or a final one is in flight)."""
+        with self._lock:
+            self.check_usable()
+            for chunk in self._unacked.values():
+                if chunk.in_doubt:
+                    raise OutOfOrder(
+                        f"chunk seq={chunk.seq} of stream {self.stream_id!r} got no reply and may or may not "
+                        "have been applied; call resend() (or abort()) before sending new chunks"
+                    )
+                if chunk.final:
+                    raise InvalidArgument(f"stream {self.stream_id!r} already has a final chunk in flight")
+            chunk = SentChunk(self._send_seq, codes, final, context_frames)
+            self._send_seq += 1
+            self._unacked[chunk.seq] = chunk
+            return chunk
+
+    def take_resend_chunks(self) -> list[SentChunk]:
+        """The chunks to send again: those in doubt, or else the last acknowledged one (same audio again)."""
+        with self._lock:
+            self.check_usable()
+            doubtful = sorted((c for c in self._unacked.values() if c.in_doubt), key=lambda c: c.seq)
+            if doubtful:
+                for chunk in doubtful:
+                    chunk.in_doubt = False  # in flight again
+                return doubtful
+            if self._last_chunk is not None and not self._unacked:
+                return [self._last_chunk]
+            raise InvalidArgument(f"stream {self.stream_id!r} has no chunk to resend")
+
+    def chunk_ok(self, chunk: SentChunk) -> None:
+        """The server committed ``chunk``."""
+        with self._lock:
+            if self._unacked.get(chunk.seq) is chunk:
+                del self._unacked[chunk.seq]
+            self._last_chunk = chunk
+            self._next_seq = max(self._next_seq, chunk.seq + 1)
+            self._send_seq = max(self._send_seq, self._next_seq)
+            if chunk.final:
+                self._closed_reason = "its final chunk was decoded"
+                self._unacked.clear()
+
+    def chunk_failed(self, chunk: SentChunk, outcome: Outcome) -> None:
+        """``chunk`` got no audio: ``unknown`` (no reply: in doubt), ``rejected`` or ``not_sent`` (seq free)."""
+        with self._lock:
+            if self._unacked.get(chunk.seq) is not chunk:
+                return
+            if outcome == "unknown":
+                chunk.in_doubt = chunk.maybe_applied = True
+                return
+            if outcome == "not_sent" and chunk.maybe_applied:
+                chunk.in_doubt = True  # this attempt never left, but an earlier one may have been applied
+                return
+            del self._unacked[chunk.seq]  # the server said no, or never saw it: the seq is free again
+            if chunk.seq >= self._next_seq:
+                self._send_seq = min(self._send_seq, chunk.seq)
+
+    def mark_closed(self, reason: str) -> None:
+        with self._lock:
+            self._closed_reason = reason
+            self._unacked.clear()

@@ -1,0 +1,133 @@
+"""Start-up: build the server's parts from its config (model, state arena, CUDA graphs, engine, sessions,
+transport), in order, with progress logs. Nothing here runs after start-up.
+
+Graph capture is its own explicit step (``build_graphs``): it logs each bucket (time, memory) as it goes,
+and it runs on the engine thread so ``/healthz`` stays live meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import zmq
+
+from .config import ServerConfig
+from .engine import Engine
+from .graphs.dispatcher import GraphDispatcher
+from .graphs.manager import GraphManager
+from .graphs.plan import build_buckets
+from .graphs.routine import StreamRoutine
+from .ipc.cudart import CudaIpcError, host_id
+from .ipc.device import CudaIpcDevice
+from .metrics import Metrics
+from .models import FAMILIES, DecoderFamily, ModelInfo, load_model
+from .modes import MODES
+from .scheduler import Scheduler
+from .sessions import Sessions
+from .state_store import StateArena
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    """What ``build_engine_side`` made (in the engine thread)."""
+
+    model: ModelInfo
+    arena: StateArena
+    engine: Engine
+
+
+def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES) -> ModelInfo:
+    t0 = time.perf_counter()
+    model = load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed, families=families)
+    log.info("model '%s' (family %s, %s) loaded on %s as %s in %.1fs", model.name, model.family_name, model.source,
+             device, cfg.dtype, time.perf_counter() - t0)
+    return model
+
+
+def build_arena(cfg: ServerConfig, model: ModelInfo, metrics: Metrics) -> StateArena:
+    layout = model.state_layout()
+    num_slots = cfg.streams.max_streams or StateArena.slots_for_budget(layout, model.dtype,
+                                                                       cfg.streams.state_memory_bytes)
+    arena = StateArena(layout, num_slots, model.dtype, model.device)
+    log.info("stream state: %.2f MB per stream, %d slots (%.2f GiB)", arena.bytes_per_stream / 1e6, num_slots,
+             arena.bytes_per_stream * num_slots / 2**30)
+    metrics.state_bytes_per_stream.labels(model=model.name).set(arena.bytes_per_stream)
+    metrics.arena_slots.labels(model=model.name, kind="total").set(num_slots)
+    metrics.arena_slots.labels(model=model.name, kind="used").set(0)
+    return arena
+
+
+def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, scheduler: Scheduler,
+                 metrics: Metrics) -> GraphDispatcher:
+    """CUDA graphs for every mode's configured buckets, captured now (the explicit start-up step); the
+    scheduler's batch size is capped to the largest captured stateful bucket when configured so."""
+    gcfg = cfg.graphs
+    max_frames = cfg.engine.max_forward_frames
+    buckets, routines = (), {}
+    for mode in MODES.values():
+        batch_sizes, frames = mode.bucket_sizes(gcfg)
+        buckets += build_buckets(mode.name, batch_sizes, frames)
+        routines[mode.name] = StreamRoutine(model, arena if mode.stateful else None, max(batch_sizes),
+                                            max(max(frames), max_frames))
+    manager = GraphManager(routines, buckets, model.device, metrics, mode=gcfg.mode,
+                           max_lazy_captures=gcfg.max_lazy_captures,
+                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes, cudnn_benchmark=gcfg.cudnn_benchmark)
+    dispatcher = GraphDispatcher(manager, max_frames, metrics)
+    dispatcher.capture_startup()
+    for mode in MODES.values():
+        if not mode.stateful:
+            continue
+        largest = dispatcher.largest_captured_batch(mode.name)
+        if largest and scheduler.max_batch_size > largest:
+            if gcfg.cap_batch_to_buckets:
+                log.info("scheduler.max_batch_size %d capped to the largest captured %s bucket (%d)",
+                         scheduler.max_batch_size, mode.name, largest)
+                scheduler.max_batch_size = largest
+            else:
+                log.info("batches of %d..%d chunks run eager (largest captured %s bucket: %d)", largest + 1,
+                         scheduler.max_batch_size, mode.name, largest)
+    return dispatcher
+
+
+def build_engine_side(cfg: ServerConfig, device, scheduler: Scheduler, metrics: Metrics,
+                      families: Sequence[DecoderFamily] = FAMILIES) -> Parts:
+    """Model, arena, graphs, engine: the slow part of start-up (run it on the engine thread)."""
+    model = load(cfg, device, families)
+    arena = build_arena(cfg, model, metrics)
+    graphs = None
+    if device.type == "cuda" and cfg.graphs.enabled:
+        graphs = build_graphs(cfg, model, arena, scheduler, metrics)
+    engine = Engine(model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=metrics)
+    return Parts(model, arena, engine)
+
+
+def open_ipc_device(cfg: ServerConfig, device) -> tuple[CudaIpcDevice | None, str]:
+    """What opens clients' CUDA IPC regions, or None and why not."""
+    reason, ipc_device = "", None
+    if device.type != "cuda":
+        reason = "the sidecar runs on the CPU"
+    elif not cfg.cuda_ipc:
+        reason = "disabled by the cuda_ipc setting"
+    else:
+        try:
+            ipc_device = CudaIpcDevice(device)
+        except CudaIpcError as exc:
+            reason = str(exc)
+    log.info("CUDA IPC regions: %s", f"accepted on {ipc_device.uuid}" if ipc_device else f"off ({reason})")
+    return ipc_device, reason
+
+
+def build_sessions(cfg: ServerConfig, parts: Parts, scheduler: Scheduler, metrics: Metrics) -> Sessions:
+    ipc_device, ipc_off_reason = open_ipc_device(cfg, parts.model.device)
+    return Sessions(cfg, parts.model, parts.arena, scheduler, metrics, ipc_device, host_id(), ipc_off_reason)
+
+
+def build_transport(cfg: ServerConfig, context: zmq.Context) -> Transport:
+    sec = cfg.security
+    return Transport(context, cfg.address, cfg.limits.max_message_bytes, sec.curve_secret_key_file, sec.insecure)

@@ -1,0 +1,47 @@
+"""The Qwen3-TTS 12 Hz codec decoder as a ``DecoderFamily``: integer codes ``[B, Q, T]`` in ``[0, K)``, 24 kHz."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import Tensor
+
+from ..family import Contract, InputSpec, StateSpec, StreamBatch
+from .config import SAMPLE_RATE_HZ, SHIPPED
+from .decoder import Qwen3TTSDecoder
+from .loader import load_folder, random_model
+
+
+def contract_of(module: Qwen3TTSDecoder, sample_rate_hz: int) -> Contract:
+    cfg = module.cfg
+    return Contract(input=InputSpec("codes", cfg.num_quantizers, cfg.codebook_size), sample_rate_hz=sample_rate_hz,
+                    samples_per_frame=cfg.samples_per_frame,
+                    state={name: StateSpec(shape) for name, shape in module.state_layout().items()})
+
+
+class Qwen3TTSFamily:
+    name = "qwen3_tts"
+    default_model_name = "qwen3-tts-12hz"
+
+    def recognises(self, config: Mapping[str, Any]) -> bool:
+        """A ``speech_tokenizer/config.json``: a ``decoder_config`` object (its fields are checked at load)."""
+        return isinstance(config.get("decoder_config"), dict)
+
+    def load(self, folder: Path) -> tuple[Qwen3TTSDecoder, Contract]:
+        module, sample_rate_hz = load_folder(folder)
+        return module, contract_of(module, sample_rate_hz)
+
+    def default(self, seed: int) -> tuple[Qwen3TTSDecoder, Contract]:
+        module = random_model(SHIPPED, seed=seed)
+        return module, contract_of(module, SAMPLE_RATE_HZ)
+
+    def forward_stream(self, module: Qwen3TTSDecoder, batch: StreamBatch,
+                       state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        return module.forward_stream(batch.inputs, batch.num_frames, state, batch.positions)  # [B, T * U]
+
+    def forward(self, module: Qwen3TTSDecoder, inputs: Tensor) -> Tensor:
+        return module(inputs)  # [B, 1, T * U]
+
+
+QWEN3_TTS = Qwen3TTSFamily()

@@ -1,0 +1,77 @@
+"""The decoder families this sidecar serves, and turning a ``--model`` spec into a loaded ``ModelInfo``.
+
+``FAMILIES`` is built from an explicit list (adding a family is one line here). Tests and plugins pass their
+own tuple, e.g. ``register_family(FAMILIES, toy)``, which returns a new tuple: nothing is mutated at import
+time. ``detect_family`` picks the family of a folder from its ``config.json`` keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .family import DecoderFamily, FamilyError, ModelInfo
+from .qwen3_tts.family import QWEN3_TTS
+
+FAMILIES: tuple[DecoderFamily, ...] = (QWEN3_TTS,)
+"""The built-in families; the first one also serves ``--model default``."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register_family(families: Sequence[DecoderFamily], family: DecoderFamily) -> tuple[DecoderFamily, ...]:
+    """``families`` plus ``family`` (first, so its ``default`` serves ``--model default``); names must be unique."""
+    if any(f.name == family.name for f in families):
+        raise ValueError(f"a decoder family named {family.name!r} is already registered")
+    return (family, *families)
+
+
+def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) -> DecoderFamily:
+    """The family whose ``recognises`` accepts ``folder/config.json``; a clear error when none (or several) does."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FamilyError(f"{path} not found: a model folder holds config.json and its weights")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise FamilyError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise FamilyError(f"{path} must hold a JSON object")
+    matches = [f for f in families if f.recognises(config)]
+    if not matches:
+        raise FamilyError(f"{folder}: config.json (keys {sorted(config)[:12]}) is no known decoder family; "
+                          f"known: {[f.name for f in families]} (give a model folder of one of them, or 'default')")
+    if len(matches) > 1:
+        raise FamilyError(f"{folder}: config.json matches several families {[f.name for f in matches]}")
+    return matches[0]
+
+
+def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None, seed: int = 0,
+               families: Sequence[DecoderFamily] = FAMILIES) -> ModelInfo:
+    """``spec``: ``default`` (the first family's shipped architecture, seeded random weights) or a model folder."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
+    if not families:
+        raise ValueError("no decoder families registered")
+    if spec == "default":
+        family = families[0]
+        module, contract = family.default(seed)
+        source = "random-weights"
+    else:
+        folder = Path(spec)
+        if not folder.is_dir():
+            raise FamilyError(f"--model {spec}: not a folder (give a model folder or 'default')")
+        family = detect_family(folder, families)
+        module, contract = family.load(folder)
+        source = str(folder.resolve())
+    torch_dtype = DTYPES[dtype]
+    mixed = {k: s.dtype for k, s in contract.state.items() if s.dtype not in (None, torch_dtype)}
+    if mixed:
+        raise FamilyError(f"family {family.name!r}: state entries {mixed} differ from the model dtype {dtype}; "
+                          "the state arena stores one dtype")
+    module = module.to(device=device, dtype=torch_dtype).requires_grad_(False)
+    return ModelInfo(name=name or family.default_model_name, family=family, module=module, contract=contract,
+                     device=device, dtype=torch_dtype, source=source)

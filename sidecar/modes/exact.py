@@ -1,0 +1,34 @@
+"""Exact streaming: each stream holds an arena slot; a chunk continues its stream's decoder state, so the
+joined audio equals the one-shot decode. The state itself is committed by the engine (arena scatter, only
+after the forward succeeded); nothing else is kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ..work import DecodeItem
+from .base import JobLike, StreamLike, StreamMode
+
+
+class ExactMode(StreamMode):
+    name = "exact"
+    stateful = True
+
+    def left_context_frames(self, requested: int) -> int:
+        return 0  # the state is the context
+
+    def kept_context(self, stream: StreamLike) -> Tensor | None:
+        return None
+
+    def build_item(self, job: JobLike) -> DecodeItem:
+        stream = job.stream
+        return DecodeItem(codes=job.codes, slot=stream.slot, skip_frames=job.context_frames,
+                          out_device=job.audio_out is not None, options=stream.options)
+
+    def commit(self, stream: StreamLike, inputs: Tensor) -> None:
+        return None
+
+    def bucket_sizes(self, graphs_cfg: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(graphs_cfg.exact_batch_sizes), tuple(graphs_cfg.exact_frames)
