@@ -31,7 +31,8 @@ import zmq
 
 from code2wav.proto import ErrorCode
 
-from .config import ServerConfig, busy_poll_s
+from .config import ServerConfig, busy_poll_s, state_memory_bytes
+from .connlog import shutdown_summary
 from .engine import Engine
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
@@ -98,7 +99,7 @@ class Server:
                  cfg.dtype, time.perf_counter() - t0)
         layout = self.model.module.state_layout()
         num_slots = cfg.streams.max_streams or StateArena.slots_for_budget(layout, self.model.dtype,
-                                                                           cfg.streams.state_memory_bytes)
+                                                                           state_memory_bytes(cfg, device.type))
         arena = StateArena(layout, num_slots, self.model.dtype, device)
         log.info("stream state: %.2f MB per stream, %d slots (%.2f GiB)", arena.bytes_per_stream / 1e6, num_slots,
                  arena.bytes_per_stream * num_slots / 2**30)
@@ -175,11 +176,14 @@ class Server:
                  asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
         self.sessions.draining = True
+        drain = (time.monotonic(), sum(self.sessions.pending_by_client.values()), len(self.sessions.streams))
         self.ready = False
         self.metrics.ready.set(0)
         while len(self.scheduler) or self._busy:
             await asyncio.sleep(0.005)
         self._flush()
+        self.sessions.connlog.flush()
+        shutdown_summary(log, self.metrics, drain[1], drain[2], time.monotonic() - drain[0])
         loop.remove_reader(self.transport.fd)
         for task in tasks:
             task.cancel()
