@@ -176,6 +176,8 @@ class Server:
                  asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
         self.sessions.draining = True
+        self.scheduler.batch_window_s = 0.0  # queued chunks run now, without waiting for company
+        self._work.set()
         drain = (time.monotonic(), sum(self.sessions.pending_by_client.values()), len(self.sessions.streams))
         self.ready = False
         self.metrics.ready.set(0)
