@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import os
 import socket
@@ -25,18 +26,31 @@ EXIT_USAGE = 2
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every option's default: argparse's own, or ``unset``/``off`` for None/False, unless the
-    help text already states it."""
+    """``--help`` shows every option's default (options without a help text too): argparse's own, or
+    ``unset``/``off`` for None/False, unless the help text already states it."""
+
+    @staticmethod
+    def _default_suffix(action: argparse.Action) -> str | None:
+        if action.default is argparse.SUPPRESS or not action.option_strings or action.required:
+            return None
+        if action.default is None:
+            return "(default: unset)"
+        if action.default is False and action.nargs == 0:
+            return "(default: off)"
+        return "(default: %(default)s)"
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or action.required:
+        suffix = self._default_suffix(action)
+        if "default:" in text or suffix is None:
             return text
-        if action.default is None:
-            return f"{text} (default: unset)"
-        if action.default is False and action.nargs == 0:
-            return f"{text} (default: off)"
-        return super()._get_help_string(action)
+        return f"{text} {suffix}".strip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._default_suffix(action):  # argparse prints nothing for an empty help
+            action = copy.copy(action)
+            action.help = self._default_suffix(action)
+        return super()._format_action(action)
 
 
 def package_version() -> str:
