@@ -182,7 +182,7 @@ def test_client_without_server_gets_typed_error_within_connect_timeout(tmp_path)
     with pytest.raises(cerr.SidecarNotRunning) as info:
         SidecarClient(address, connect_timeout_s=0.5)
     elapsed_s = time.monotonic() - t0
-    assert elapsed_s < 0.5 + 1.0  # the handshake deadline, plus the wait's grace: not a 5 s default
+    assert elapsed_s < 3.0  # the 0.5 s handshake deadline plus the wait's 1 s grace and slack, not the 5 s default
     assert isinstance(info.value, cerr.Unavailable)  # existing handlers of Unavailable still catch it
     message = str(info.value)
     assert address in message and f"code2wav-sidecar serve --address {address}" in message
