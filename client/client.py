@@ -38,16 +38,20 @@ from code2wav.proto import (
     encode,
 )
 
+from code2wav.proto.address import default_address
+
 from ._io import Connection
 from .cuda_ipc.link import IpcLink
-from .errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
+from .errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable, not_running
+from .keys import server_public_key
 from .sender import WAIT_GRACE_S, Sender, set_exception, set_result
 from .stream import Stream
 from .transport import CodesLike, InlineTransport, host_id
 
 __all__ = ["SidecarClient", "DEFAULT_ADDRESS", "BatchItem"]
 
-DEFAULT_ADDRESS = "ipc:///run/code2wav/sidecar.sock"
+DEFAULT_ADDRESS = default_address(os.environ, os.getuid())
+"""Where ``serve`` binds by default (``code2wav.proto.address``); ``SidecarClient()`` re-reads the environment."""
 
 BatchItem = Union[tuple[Stream, CodesLike], tuple[Stream, CodesLike, dict[str, Any]]]
 
@@ -57,7 +61,7 @@ class SidecarClient:
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | None = None,
         *,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
@@ -67,18 +71,22 @@ class SidecarClient:
         ipc_codes_nbytes: int = 4 << 20,
         ipc_audio_nbytes: int = 64 << 20,
     ) -> None:
-        """``curve_server_key``: the sidecar's CurveZMQ public key (Z85, 40 characters) when it listens on a
-        non-loopback TCP address with CurveZMQ; the client then encrypts with a fresh keypair of its own.
+        """``address``: default ``code2wav.proto.address.default_address`` (the address ``serve`` binds by default).
+
+        ``curve_server_key``: the sidecar's CurveZMQ public key when it listens on a non-loopback TCP address with
+        CurveZMQ (a certificate file path or the 40-character Z85 key: ``client.keys``); the client then
+        encrypts with a fresh keypair of its own.
 
         ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
         are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
         ``ipc_audio_nbytes`` for audio views alive at once; 64 MiB holds about 350 s of 24 kHz audio)."""
-        self.address = address
+        self.address = address or default_address(os.environ, os.getuid())
         self.timeout_s = float(timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         capabilities = {"cuda_ipc": bool(cuda_ipc), "gpu_uuid": None, "host_id": host_id()}
         routing_id = b"c2w-" + uuid.uuid4().bytes
-        self._conn = Connection(address, self.client_id, routing_id, capabilities, curve_server_key)
+        curve_key = None if curve_server_key is None else server_public_key(curve_server_key)
+        self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
         self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits)
         try:
@@ -98,13 +106,9 @@ class SidecarClient:
         try:
             future.result(connect_timeout_s + WAIT_GRACE_S)
         except (DeadlineExceeded, Unavailable, concurrent.futures.TimeoutError) as exc:
-            hint = ""
-            if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
-                hint = f" (the socket file {self.address[len('ipc://'):]} does not exist)"
-            raise Unavailable(
-                f"no code2wav sidecar answered at {self.address} within {connect_timeout_s:g}s{hint}; "
-                "start one with `code2wav-sidecar serve` or pass the address it listens on"
-            ) from exc
+            ipc = self.address.startswith("ipc://")
+            exists = os.path.exists(self.address[len("ipc://"):]) if ipc else None
+            raise not_running(self.address, connect_timeout_s, exists) from exc
 
     # ------------------------------------------------------------------ info
 

@@ -19,6 +19,8 @@ __all__ = [
     "Internal",
     "VersionMismatch",
     "StreamLost",
+    "SidecarNotRunning",
+    "not_running",
     "error_from",
 ]
 
@@ -66,6 +68,26 @@ class Unavailable(SidecarError):
     """The server is unreachable, stopped answering heartbeats, or is shutting down."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class SidecarNotRunning(Unavailable):
+    """No sidecar answered the handshake within ``connect_timeout_s``: none runs at that address (or it is
+    still starting). The message names the address and the command that starts one."""
+
+
+def not_running(address: str, connect_timeout_s: float, socket_exists: bool | None = None) -> SidecarNotRunning:
+    """The error for a handshake that got no answer. ``socket_exists``: for ipc:// addresses, whether the socket
+    file is there (None: not an ipc:// address)."""
+    if socket_exists is False:
+        why = f"the socket file {address[len('ipc://'):]} does not exist"
+    elif socket_exists:
+        why = "its socket file exists but no server answered (a crashed or stopped sidecar, or one still starting)"
+    else:
+        why = "nothing answered (not started, still starting, or a firewall or CurveZMQ key mismatch)"
+    return SidecarNotRunning(
+        f"no code2wav sidecar answered at {address} within {connect_timeout_s:g}s: {why}. Start one with "
+        f"`code2wav-sidecar serve --address {address}` (with no --address both sides use the same default), "
+        "or pass the address a running one printed in its ready line")
 
 
 class Internal(SidecarError):

@@ -12,7 +12,13 @@ def main() -> int:
         from .demo import main as run
     else:
         from .bench import main as run
-    return run(argv)
+    from code2wav.client.errors import SidecarError
+
+    try:
+        return run(argv)
+    except SidecarError as exc:  # e.g. no sidecar at --address: one line that says what to do, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 raise SystemExit(main())

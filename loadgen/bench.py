@@ -18,13 +18,18 @@ import torch
 
 from code2wav.client import SidecarClient
 
+from code2wav.sidecar.cli import DefaultsHelpFormatter
+
 from .drive import run_level, summarize
+from .options import add_server_key_option
 from .spawn import spawn_sidecar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="code2wav-sidecar bench", description=__doc__,
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--address", help="benchmark a running sidecar instead of spawning one")
+    add_server_key_option(p)
     p.add_argument("--metrics-url", help="with --address: its /metrics URL (batch size, graph hit rate)")
     p.add_argument("--model", default="default", help="folder or 'default' (spawned sidecar and baselines)")
     p.add_argument("--device", default="auto")
@@ -169,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         serve = ["--model", args.model, "--device", str(device), "--dtype", args.dtype, *args.serve_arg]
         spawned = spawn_sidecar(*serve)
         address, metrics_url = spawned.address, spawned.metrics_url
-        print(spawned.ready_line, flush=True)
+        print(spawned.banner(), flush=True)
     rows = []
     try:
-        clients = [SidecarClient(address, timeout_s=120) for _ in range(max(1, args.clients))]
+        clients = [SidecarClient(address, timeout_s=120, curve_server_key=args.server_key)
+                   for _ in range(max(1, args.clients))]
         try:
             for level in levels:
                 result = asyncio.run(run_level(clients, level, args.mode, args.frames, args.first_chunk_frames,

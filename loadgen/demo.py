@@ -4,29 +4,37 @@ a WAV, print per-chunk latency."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from code2wav.client import SidecarClient
+from code2wav.proto.address import default_address
+from code2wav.sidecar.cli import DefaultsHelpFormatter
 from code2wav.sidecar.offline import write_wav
 
+from .options import add_server_key_option
 from .spawn import spawn_sidecar
 from .traffic import chunk_sizes, synthetic_codes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar demo", description=__doc__)
-    p.add_argument("--address", help="connect to a running sidecar instead of spawning one")
+    p = argparse.ArgumentParser(prog="code2wav-sidecar demo", description=__doc__,
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--address", help="connect to a running sidecar instead of spawning one; 'default' = "
+                   f"the address `serve` binds by default, here {default_address(os.environ, os.getuid())} "
+                   "(default: unset, spawn one)")
+    add_server_key_option(p)
     p.add_argument("--model", default="default", help="for a spawned sidecar: folder or 'default'")
     p.add_argument("--device", default="auto", help="for a spawned sidecar")
     p.add_argument("--frames", type=int, default=126, help="codec frames to stream (12.5 frames = 1 s)")
-    p.add_argument("--mode", choices=["exact", "window"], default="exact")
-    p.add_argument("--first-chunk-frames", type=int, default=1)
-    p.add_argument("--chunk-frames", type=int, default=25)
-    p.add_argument("--output", default="demo.wav")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["exact", "window"], default="exact", help="stream mode")
+    p.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first chunk")
+    p.add_argument("--chunk-frames", type=int, default=25, help="frames in each later chunk")
+    p.add_argument("--output", default="demo.wav", help="WAV file to write")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic codes")
     return p
 
 
@@ -37,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     if address is None:
         print(f"starting a sidecar (model={args.model}, device={args.device}) ...", flush=True)
         spawned = spawn_sidecar("--model", args.model, "--device", args.device)
-        print(spawned.ready_line, flush=True)
+        print(spawned.banner(), flush=True)
         address = spawned.address
+    elif address == "default":
+        address = None  # the client applies the default rule
     try:
-        with SidecarClient(address, timeout_s=60) as client:
+        with SidecarClient(address, timeout_s=60, curve_server_key=args.server_key) as client:
             info = client.models[0]
             codes = synthetic_codes(info.num_quantizers, args.frames, info.codebook_size, args.seed)
             stream = client.open_stream("demo-0", mode=args.mode)

@@ -35,6 +35,10 @@ class SpawnedSidecar:
         except urllib.error.HTTPError as exc:
             return exc.code
 
+    def banner(self) -> str:
+        """The ready line and where the sidecar's log goes (what ``demo`` and ``bench`` print)."""
+        return f"{self.ready_line}\nsidecar log: {self.log_path}"
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -70,4 +74,5 @@ def spawn_sidecar(*args: str, workdir: Path | None = None, timeout_s: float = 12
             break
     proc.kill()
     proc.wait()
-    raise RuntimeError(f"the sidecar did not become ready; its log ({log_path}):\n{log_path.read_text()}")
+    raise RuntimeError(f"the sidecar did not become ready (exit code {proc.returncode}); its log ({log_path}):\n"
+                       f"{log_path.read_text()}")

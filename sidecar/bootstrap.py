@@ -14,7 +14,7 @@ from typing import Sequence
 
 import zmq
 
-from .config import ServerConfig
+from .config import ServerConfig, state_memory_bytes
 from .engine import Engine
 from .graphs.dispatcher import GraphDispatcher
 from .graphs.manager import GraphManager
@@ -53,7 +53,7 @@ def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES
 def build_arena(cfg: ServerConfig, model: ModelInfo, metrics: Metrics) -> StateArena:
     layout = model.state_layout()
     num_slots = cfg.streams.max_streams or StateArena.slots_for_budget(layout, model.dtype,
-                                                                       cfg.streams.state_memory_bytes)
+                                                                       state_memory_bytes(cfg, model.device.type))
     arena = StateArena(layout, num_slots, model.dtype, model.device)
     log.info("stream state: %.2f MB per stream, %d slots (%.2f GiB)", arena.bytes_per_stream / 1e6, num_slots,
              arena.bytes_per_stream * num_slots / 2**30)

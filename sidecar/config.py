@@ -13,13 +13,15 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from code2wav.proto.address import default_address as proto_default_address
+
 from .graphs import plan
 
 
 def default_address() -> str:
-    """An ipc:// socket in a private per-user directory (created 0700 at bind time)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/code2wav-sidecar-{os.getuid()}"
-    return f"ipc://{base}/code2wav/sidecar.sock"
+    """The address clients also default to (``code2wav.proto.address``: ``$CODE2WAV_SIDECAR_ADDRESS``, else an
+    ipc:// socket under ``$XDG_RUNTIME_DIR`` or ``/tmp/code2wav-sidecar-<uid>``, created 0700 at bind time)."""
+    return proto_default_address(os.environ, os.getuid())
 
 
 class _Section(BaseModel):
@@ -27,8 +29,11 @@ class _Section(BaseModel):
 
 
 class StreamsConfig(_Section):
-    max_streams: int | None = Field(None, ge=1, description="stream slots in the state arena; None = from memory")
-    state_memory_bytes: int = Field(2 << 30, ge=1 << 20, description="arena budget when max_streams is None")
+    max_streams: int | None = Field(None, ge=1, description="stream slots in the state arena; unset = as many as "
+                                    "state_memory_bytes holds")
+    state_memory_bytes: Annotated[int, Field(ge=1 << 20)] | Literal["auto"] = Field(
+        "auto", description="state arena budget when max_streams is unset; auto = 2 GiB on CUDA (~400 streams "
+        "fp32), 256 MiB on CPU (~50 streams fp32: a laptop's idle server stays well under 1 GB)")
     ttl_s: float = Field(600.0, gt=0, description="streams idle longer than this are reaped")
 
 
@@ -108,6 +113,18 @@ def busy_poll_s(cfg: ServerConfig, device_type: str) -> float:
     if cfg.busy_poll_us == "auto":
         return AUTO_BUSY_POLL_US / 1e6 if device_type == "cuda" else 0.0
     return cfg.busy_poll_us / 1e6
+
+
+AUTO_STATE_MEMORY_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
+"""``streams.state_memory_bytes: auto`` by device type (other device types get the CPU figure)."""
+
+
+def state_memory_bytes(cfg: ServerConfig, device_type: str) -> int:
+    """The stream arena budget in bytes (``streams.state_memory_bytes`` with ``auto`` resolved for the device)."""
+    budget = cfg.streams.state_memory_bytes
+    if budget == "auto":
+        return AUTO_STATE_MEMORY_BYTES.get(device_type, AUTO_STATE_MEMORY_BYTES["cpu"])
+    return budget
 
 
 class ConfigError(ValueError):

@@ -3,6 +3,7 @@ stateless chunked decode), plus WAV/NPY output. Uses the same Engine code path a
 
 from __future__ import annotations
 
+import os
 import wave
 from pathlib import Path
 
@@ -11,6 +12,60 @@ import torch
 from torch import Tensor
 
 from .engine import Engine
+
+
+OUTPUT_SUFFIXES = (".npy", ".wav")
+CODES_SHAPE = "[B, Q, T] (batch, quantizers, frames)"
+
+
+class InputError(ValueError):
+    """A ``decode`` input or output the person has to fix; the message is one line naming what is expected."""
+
+
+def check_output_path(path: Path) -> Path:
+    """Refuse, before any decoding, an output that cannot be written: wrong suffix, missing or read-only folder."""
+    if path.suffix not in OUTPUT_SUFFIXES:
+        raise InputError(f"--output {path}: use a .npy (float32 [B, 1, T*U]) or .wav file name")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"--output {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"--output {path}: the folder {folder} is not writable")
+    if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"--output {path}: exists and cannot be overwritten")
+    return path
+
+
+def load_codes_npy(path: Path) -> np.ndarray:
+    """The codes array of a ``.npy`` file (never unpickled); integer dtype and 3 dimensions checked."""
+    expected = f"expected integer codes {CODES_SHAPE} in a .npy file"
+    if not path.is_file():
+        raise InputError(f"--input {path}: no such file ({expected})")
+    try:
+        codes = np.load(path, allow_pickle=False)
+    except PermissionError:
+        raise InputError(f"--input {path}: not readable (permission denied)") from None
+    except (OSError, ValueError, EOFError) as exc:  # not .npy, truncated, or an object array (pickle)
+        raise InputError(f"--input {path}: not a readable .npy array ({exc}); {expected}") from None
+    if not isinstance(codes, np.ndarray):
+        raise InputError(f"--input {path}: holds {type(codes).__name__}, not an array; {expected}")
+    if codes.dtype.kind not in "iu":
+        raise InputError(f"--input {path}: dtype {codes.dtype}; {expected} (int16, int32 or int64)")
+    if codes.ndim != 3:
+        raise InputError(f"--input {path}: shape {list(codes.shape)}; {expected}")
+    return codes
+
+
+def check_codes(codes: np.ndarray, source: str, num_quantizers: int, codebook_size: int) -> None:
+    """Shape and value range against the model: ``[B, num_quantizers, T]``, ``T >= 1``, values in
+    ``[0, codebook_size)``."""
+    batch, quantizers, num_frames = codes.shape
+    expected = f"expected [B, {num_quantizers}, T] with B, T >= 1 and values in [0, {codebook_size})"
+    if quantizers != num_quantizers or batch < 1 or num_frames < 1:
+        raise InputError(f"--input {source}: shape {list(codes.shape)}; {expected}")
+    low, high = int(codes.min()), int(codes.max())
+    if low < 0 or high >= codebook_size:
+        raise InputError(f"--input {source}: values span [{low}, {high}]; {expected}")
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ from code2wav.proto import ErrorCode
 
 from . import bootstrap
 from .config import ServerConfig, busy_poll_s
+from .connlog import shutdown_summary
 from .metrics import HealthServer, Metrics
 from .models import FAMILIES, DecoderFamily, ModelInfo, configure_cuda, resolve_device
 from .scheduler import Scheduler
@@ -103,11 +104,16 @@ class Server:
                  asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
         self.sessions.draining = True
+        self.scheduler.batch_window_s = 0.0  # queued chunks run now, without waiting for company
+        self._work.set()
+        drain = (time.monotonic(), sum(self.sessions.pending_by_client.values()), len(self.sessions.streams))
         self.ready = False
         self.metrics.ready.set(0)
         while not self.stepper.idle:
             await asyncio.sleep(0.005)
         self.flush()
+        self.sessions.connlog.flush()
+        shutdown_summary(log, self.metrics, drain[1], drain[2], time.monotonic() - drain[0])
         loop.remove_reader(self.transport.fd)
         for task in tasks:
             task.cancel()

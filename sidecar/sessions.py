@@ -22,6 +22,7 @@ from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
 from .config import ServerConfig
+from .connlog import ConnLog
 from .inputs import read_chunk_inputs
 from .ipc.device import CudaIpcDevice
 from .ipc.regions import RegionService
@@ -78,6 +79,7 @@ class Sessions:
         self.streams: dict[tuple[bytes, str], Stream] = {}
         self.outbox: list[Outbound] = []
         self.draining = False
+        self.connlog = ConnLog(log)  # connect/disconnect lines, rate-limited
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
         self.regions = RegionService(ipc_device, host_id, metrics, self._send, self.error, ipc_off_reason,
                                      session_of=self.clients.get)
@@ -138,6 +140,7 @@ class Sessions:
             self.drop_client(identity, reason="rehandshake")
         self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock())
         self.metrics.clients.set(len(self.clients))
+        self.connlog.connected(msg.client_id, len(self.clients))
         m = self.model
         info = model_entry(m)
         self._send(identity, proto.Welcome(
@@ -328,6 +331,7 @@ class Sessions:
         client = self.clients.pop(identity, None)
         if client is None:
             return
+        self.connlog.disconnected(client.client_id, reason, len(client.streams), len(self.clients))
         for stream_id in list(client.streams):
             stream = self.streams.get((identity, stream_id))
             if stream is not None:

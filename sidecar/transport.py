@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 import stat
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -28,8 +29,70 @@ log = logging.getLogger(__name__)
 ZERO_COPY_MIN_NBYTES = 64 * 1024  # below this a copy is cheaper than pinning the buffer
 
 
+PROBE_TIMEOUT_S = 1.0
+"""How long a starting server waits for an answer from whatever holds its ipc:// socket file."""
+
+
+class AddressInUse(OSError):
+    """The address is held by a live process: a running sidecar, or another program."""
+
+
+def _probe_sidecar(address: str, timeout_s: float) -> str | None:
+    """Say ``hello`` (then ``bye``) on ``address``: the answering sidecar's server id, or None if none answered."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        hello = proto.Hello(request_id=1, version=proto.PROTOCOL_VERSION,
+                            client_id=f"code2wav-sidecar-probe:{os.getpid()}")
+        sock.send_multipart(proto.encode(hello))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        try:
+            reply = proto.decode_server_message(sock.recv_multipart())
+        except proto.ProtocolError:
+            return "?"  # it speaks ZeroMQ and answered, but not our protocol version
+        server_id = getattr(reply, "server_id", "?")
+        sock.send_multipart(proto.encode(proto.Bye(request_id=2)), zmq.NOBLOCK)
+        return server_id
+    finally:
+        sock.close(linger=100)
+        ctx.term()
+
+
+def _socket_is_live(path: Path) -> bool:
+    """True when a process accepts connections on the Unix socket ``path``; False for a stale file."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(PROBE_TIMEOUT_S)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # e.g. a timeout: something holds it; refuse rather than steal
+    finally:
+        probe.close()
+    return True
+
+
+def claim_ipc_path(address: str, path: Path) -> None:
+    """Refuse an ipc:// socket file that a live process serves; remove a stale one (of a crashed run)."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise AddressInUse(f"{path} exists and is not a socket; remove it or choose another --address")
+    if _socket_is_live(path):
+        server_id = _probe_sidecar(address, PROBE_TIMEOUT_S)
+        who = f"a running sidecar ({server_id})" if server_id else "another program (it did not answer hello)"
+        raise AddressInUse(f"address in use by {who}: {address}. Stop it first, or give this one another --address")
+    log.info("removing the stale socket %s (no process listens on it)", path)
+    path.unlink()
+
+
 def prepare_ipc_path(address: str) -> Path | None:
-    """Create the socket's parent directory 0700 (refuse one others can enter); None for non-ipc addresses."""
+    """Create the socket's parent directory 0700 (refuse one others can enter) and claim the socket file (refuse a
+    live one, remove a stale one); None for non-ipc addresses."""
     if not address.startswith("ipc://"):
         return None
     path = Path(address[len("ipc://"):])
@@ -40,8 +103,7 @@ def prepare_ipc_path(address: str) -> Path | None:
         if parent.stat().st_uid != os.getuid():
             raise PermissionError(f"socket directory {parent} is open to other users (mode {mode:o}) and not ours")
         os.chmod(parent, 0o700)
-    if path.exists():
-        path.unlink()  # a stale socket of a previous run
+    claim_ipc_path(address, path)
     return path
 
 
@@ -100,8 +162,18 @@ class Transport:
         # Hard per-frame cap in libzmq (a peer over it is disconnected); the typed check at
         # max_message_bytes happens in proto, so this only guards memory against hostile peers.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + (1 << 20))
-        ipc_path = prepare_ipc_path(address)
-        self.socket.bind(address)
+        try:
+            ipc_path = prepare_ipc_path(address)
+            self.socket.bind(address)
+        except zmq.ZMQError as exc:
+            self.socket.close(linger=0)
+            if exc.errno == zmq.EADDRINUSE:
+                raise AddressInUse(f"address in use: {address} is bound by another process. Stop it first, or "
+                                   "give this one another --address") from None
+            raise ValueError(f"cannot bind {address}: {exc}") from None
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
         if ipc_path is not None:
             os.chmod(ipc_path, 0o600)
         self.bound_address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()

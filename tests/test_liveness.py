@@ -92,25 +92,30 @@ def test_sidecar_death_and_restart_are_noticed(tmp_path, golden_cases):
 
 
 def test_sigterm_drains_in_flight_chunks_and_exits_zero(tmp_path, golden_cases):
+    """Chunks the sidecar accepted before SIGTERM complete (bit-exact), later requests get a typed error, exit 0.
+
+    No sleep decides what is in flight: a batching window of 10 minutes holds every chunk in the sidecar's queue
+    (one stream: one chunk per batch, and the batch never fills), the test waits until the sidecar's own
+    queue_depth gauge shows all of them, and only then sends SIGTERM; the drain runs them without the window."""
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
-    config = tmp_path / "slow.yaml"
-    config.write_text("scheduler:\n  max_batch_size: 1\n")  # one chunk per step: there is a queue to drain
+    num_chunks = 8
+    config = tmp_path / "held.yaml"
+    config.write_text("scheduler:\n  max_batch_size: 64\n  batch_window_us: 600000000\n")
     running = start_sidecar(tmp_path, "--config", str(config))
-    with SidecarClient(running.address, timeout_s=30) as client:
+    with SidecarClient(running.address, timeout_s=60) as client:
         s = client.open_stream("drain")
-        futures = [s.submit(codes[:, a:a + 5]) for a in range(0, 40, 5)]
-        time.sleep(0.05)
+        futures = [s.submit(codes[:, a:a + 5]) for a in range(0, 5 * num_chunks, 5)]
+        queued = _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_queue_depth") == num_chunks, 60)
+        assert queued, "the sidecar never showed the chunks in its queue"
+        assert not any(f.done() for f in futures)  # held by the window: in flight at the signal
         running.proc.send_signal(signal.SIGTERM)
-        outs = []
-        for f in futures:
-            try:
-                outs.append(f.result(30))
-            except cerr.Unavailable:  # sent after the drain began: refused with a typed error, never lost
-                break
-        assert outs, "chunks accepted before SIGTERM must complete"
+        outs = [f.result(60) for f in futures]  # every accepted chunk completes, none is lost or refused
         got = torch.cat(outs)
+        assert got.numel() == 5 * num_chunks * 48
         assert (got - full[: got.numel()]).abs().max().item() <= 1e-5
         with pytest.raises((cerr.Unavailable, cerr.SidecarError)):
             client.open_stream("late", timeout_s=3)
-    assert running.proc.wait(timeout=20) == 0
-    assert "Traceback" not in running.log()
+    assert running.proc.wait(timeout=60) == 0
+    log_text = running.log()
+    assert "Traceback" not in log_text
+    assert f"shutdown: drained {num_chunks} chunks" in log_text and f"served {num_chunks} chunks" in log_text

@@ -7,7 +7,8 @@ YAML can set them per stage with ``env:``), then defaults. No vLLM import here.
 =============================  ===============================  ==============================================
 connector ``extra`` key         environment variable             meaning (default)
 =============================  ===============================  ==============================================
-``sidecar_address``             ``CODE2WAV_SIDECAR_ADDRESS``     ZeroMQ address (``ipc:///run/code2wav/sidecar.sock``)
+``sidecar_address``             ``CODE2WAV_SIDECAR_ADDRESS``     ZeroMQ address (the one ``serve`` binds by default:
+                                                                 ``code2wav.proto.address.default_address``)
 ``sidecar_mode``                ``CODE2WAV_SIDECAR_MODE``        ``exact`` (stateful, exact) or ``window`` (vLLM-Omni's
                                                                  stateless left-context decode)
 ``sidecar_left_context_frames``  ``CODE2WAV_SIDECAR_LEFT_CONTEXT_FRAMES``  window mode: frames of left context
@@ -25,14 +26,15 @@ connector ``extra`` key         environment variable             meaning (defaul
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..client import DEFAULT_ADDRESS
+from code2wav.proto.address import default_address
 
 __all__ = ["DEFAULT_SIDECAR_ADDRESS", "DelegateSettings", "connector_extra"]
 
-DEFAULT_SIDECAR_ADDRESS = DEFAULT_ADDRESS  # ipc:///run/code2wav/sidecar.sock, the client's default
+DEFAULT_SIDECAR_ADDRESS = default_address(os.environ, os.getuid())
+"""At import; ``DelegateSettings.from_sources`` applies the same rule to the environment it is given."""
 _MODES = ("exact", "window")
 
 
@@ -49,7 +51,7 @@ def connector_extra(stage_connector_config: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DelegateSettings:
-    address: str = DEFAULT_SIDECAR_ADDRESS
+    address: str = field(default_factory=lambda: default_address(os.environ, os.getuid()))
     mode: str = "exact"
     left_context_frames: int = 25
     window_chunk_frames: int = 300
@@ -93,7 +95,7 @@ class DelegateSettings:
         chunk_default = extra.get("decode_chunk_frames")
         model = pick("sidecar_model", "CODE2WAV_SIDECAR_MODEL", None, str)
         return cls(
-            address=pick("sidecar_address", "CODE2WAV_SIDECAR_ADDRESS", DEFAULT_SIDECAR_ADDRESS, str),
+            address=pick("sidecar_address", "CODE2WAV_SIDECAR_ADDRESS", default_address(env, os.getuid()), str),
             mode=pick("sidecar_mode", "CODE2WAV_SIDECAR_MODE", "exact", str).strip().lower(),
             left_context_frames=pick("sidecar_left_context_frames", "CODE2WAV_SIDECAR_LEFT_CONTEXT_FRAMES",
                                      int(left_default) if left_default is not None else 25, int),
