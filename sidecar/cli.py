@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-CLIENT_SIDE_COMMANDS = ("demo", "bench")
+CLIENT_SIDE_COMMANDS = ("demo", "bench", "fidelity")
 
 
 def _serve_parser(sub) -> None:
