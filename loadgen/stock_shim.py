@@ -38,7 +38,10 @@ _BARE_PACKAGES = ("vllm_omni", "vllm_omni.model_executor", "vllm_omni.model_exec
 
 
 def vllm_omni_installed() -> bool:
-    return importlib.util.find_spec("vllm_omni") is not None
+    try:
+        return importlib.util.find_spec("vllm_omni") is not None
+    except ImportError:  # an import hook that refuses the name
+        return False
 
 
 def vllm_importable() -> bool:
