@@ -84,7 +84,8 @@ class StockCode2Wav:
     graphs: bool
     startup_s: float
     capture_s: float | None = None
-    graph_memory_bytes: int | None = None
+    graph_memory_bytes: int | None = None  # CUDA memory reserved by its capture (graph pool, static buffers)
+    graph_allocated_bytes: int | None = None  # of which still allocated after it
     graph_batch_sizes: list[int] = field(default_factory=list)
     graph_seq_lens: list[int] = field(default_factory=list)
 
@@ -169,6 +170,7 @@ def build_stock(model, *, enforce_eager: bool | None = None, graph_batch_sizes: 
                           vllm_shim=vllm_shim, graphs=graphs, startup_s=startup_s)
     if timing.seconds is not None:
         stock.capture_s, stock.graph_memory_bytes = timing.seconds, timing.memory_bytes
+        stock.graph_allocated_bytes = timing.allocated_bytes
     if wrapper is not None:
         stock.graph_batch_sizes = list(wrapper.capture_batch_sizes)
         stock.graph_seq_lens = list(wrapper.icl_capture_sizes)
@@ -182,16 +184,19 @@ class _CaptureTimer:
     def __init__(self, decoder, device: torch.device) -> None:
         self.seconds: float | None = None
         self.memory_bytes: int | None = None
+        self.allocated_bytes: int | None = None
         inner = decoder.enable_cudagraph
 
         def timed(*args, **kwargs):
             _sync(device)
             before = torch.cuda.memory_reserved(device)
+            allocated_before = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
             result = inner(*args, **kwargs)
             _sync(device)
             self.seconds = time.perf_counter() - t0
             self.memory_bytes = torch.cuda.memory_reserved(device) - before
+            self.allocated_bytes = torch.cuda.memory_allocated(device) - allocated_before
             return result
 
         decoder.enable_cudagraph = timed

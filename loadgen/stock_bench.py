@@ -56,6 +56,7 @@ def run_stock_phase(args: argparse.Namespace, model, codes: torch.Tensor | None 
         return {"skipped": str(exc)}
     info = {"vllm_shim": stock.vllm_shim, "graphs": stock.graphs, "startup_s": stock.startup_s,
             "capture_s": stock.capture_s, "graph_memory_bytes": stock.graph_memory_bytes,
+            "graph_allocated_bytes": stock.graph_allocated_bytes,
             "graph_batch_sizes": stock.graph_batch_sizes, "graph_seq_lens": stock.graph_seq_lens,
             "deploy": stock.settings}
     print(f"{NAME}: vllm_shim={str(stock.vllm_shim).lower()} graphs={stock.graphs} startup {stock.startup_s:.2f} s"

@@ -23,6 +23,7 @@ importable without running their ``__init__`` (their submodules load from the in
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import importlib.util
 import logging
@@ -49,7 +50,7 @@ def vllm_importable() -> bool:
     if isinstance(sys.modules.get("vllm"), _ShimModule):
         return False
     try:
-        import vllm  # noqa: F401
+        importlib.import_module("vllm")
     except ImportError:
         return False
     return True
