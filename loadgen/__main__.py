@@ -1,15 +1,17 @@
 import sys
 
-USAGE = "usage: python -m code2wav.loadgen {demo,bench} [options]"
+USAGE = "usage: python -m code2wav.loadgen {demo,bench,fidelity} [options]"
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "bench"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "bench", "fidelity"):
         print(USAGE, file=sys.stderr)
         return 2
     command, argv = sys.argv[1], sys.argv[2:]
     if command == "demo":
         from .demo import main as run
+    elif command == "fidelity":
+        from .fidelity import main as run
     else:
         from .bench import main as run
     from code2wav.client.errors import SidecarError

@@ -23,6 +23,7 @@ from code2wav.sidecar.cli import DefaultsHelpFormatter
 from .drive import run_level, summarize
 from .options import add_server_key_option
 from .spawn import spawn_sidecar
+from .stock_bench import add_stock_args, run_stock_phase
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: per-chunk round trip of inline bytes vs CUDA IPC against the in-process decode")
     p.add_argument("--transport-batch", type=int, default=16, help="--transport: the sidecar's max batch size")
     p.add_argument("--transport-chunks", type=int, default=1000, help="--transport: chunks per level and transport")
+    add_stock_args(p)
     return p
 
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_cuda()  # the server's defaults, so baselines and sidecar run the same math
     levels = [int(x) for x in args.concurrency.split(",") if x]
     baselines: list[dict] = []
+    stock: dict = {"skipped": "--no-baselines"}
     if not args.no_baselines:
         from .baselines import run_baselines
 
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"\nprofile: one eager exact step, batch {args.profile_batch} x {args.chunk_frames} frames")
             print(profile_kernels(model, args.profile_batch, args.chunk_frames))
+        stock = run_stock_phase(args, model)  # vLLM-Omni 0.30's own Code2Wav, same device/dtype/weights
+        baselines += stock.get("rows", [])
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = next((b for b in baselines if b["name"] == "window-eager-b1"), None)
     print_table(baselines, rows, ref)
     env = environment(device, args.dtype, args.model)
-    report = {"environment": env, "baselines": baselines, "results": rows,
+    report = {"environment": env, "baselines": baselines, "results": rows, "vllm_omni_stock": stock,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json_path", "plot_path")}}
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -76,7 +76,7 @@ def test_demo_streams_through_a_spawned_sidecar(tmp_path):
 def test_bench_smoke_writes_json_and_plot(tmp_path):
     report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = run_cli("bench", "--model", str(TINY), "--device", "cpu", "--concurrency", "1,4", "--frames", "26",
-                   "--baseline-iters", "3", "--json", str(report_path), "--plot", str(plot_path), timeout_s=300)
+                   "--baseline-iters", "3", "--baseline", "none", "--json", str(report_path), "--plot", str(plot_path), timeout_s=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     report = json.loads(report_path.read_text())
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]

@@ -1,0 +1,191 @@
+"""``code2wav-sidecar fidelity``: how far each streaming path drifts from one forward over all frames.
+
+Decodes ``--streams`` seeded random streams of ``--frames`` frames, each once without and once with
+``--context-frames`` reference frames in front (voice-clone context: decoded into the state, no audio), through
+
+- ``oneshot``: our model's forward over all frames at once (the reference, path (a));
+- ``stock``: vLLM-Omni 0.30's own streaming path (``Qwen3TTSCode2Wav`` with its per-request decoder state cache,
+  configured by its deploy file: first chunk 1 frame, then 25; see ``loadgen/stock.py``);
+- ``exact``: a real sidecar (spawned), exact mode, same chunks;
+- ``window``: the same sidecar, window mode (stateless ``--window-left-context`` frames of left context);
+
+and prints the max and mean absolute error and the SNR of each against ``oneshot``, also split at the decoder's
+sliding window (frames before it and after it). ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+
+import torch
+
+from .traffic import chunk_sizes, synthetic_codes
+
+PATHS = ("oneshot", "stock", "exact", "window")
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="code2wav-sidecar fidelity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="folder or 'default' (seeded random weights)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--streams", type=int, default=1, help="seeded random streams (each without and with context)")
+    p.add_argument("--frames", type=int, default=240, help="new frames per stream (after the context frames)")
+    p.add_argument("--context-frames", type=int, default=48,
+                   help="reference frames in front of the second variant of each stream (0: only the first variant)")
+    p.add_argument("--first-chunk-frames", type=int, default=1)
+    p.add_argument("--chunk-frames", type=int, default=25)
+    p.add_argument("--window-left-context", type=int, default=72, help="window mode's left context frames")
+    p.add_argument("--paths", default=",".join(PATHS[1:]), help=f"comma-separated, of {', '.join(PATHS[1:])}")
+    p.add_argument("--seed", type=int, default=0, help="first stream's seed")
+    p.add_argument("--json", dest="json_path")
+    return p
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, samples_per_frame: int, window_frames: int) -> dict:
+    """Errors of ``got`` against ``want`` (both ``[N]``): whole, before and after ``window_frames`` frames."""
+    if got.shape != want.shape:
+        raise ValueError(f"audio lengths differ: {tuple(got.shape)} vs reference {tuple(want.shape)}")
+    err = (got.double() - want.double()).abs()  # [N]
+    split = min(err.numel(), window_frames * samples_per_frame)
+    noise = float(err.pow(2).sum())
+    signal = float(want.double().pow(2).sum())
+    return {
+        "max_abs": float(err.max()), "mean_abs": float(err.mean()),
+        "snr_db": math.inf if noise == 0 else 10 * math.log10(signal / noise),
+        "max_abs_in_window": float(err[:split].max()) if split else 0.0,
+        "mean_abs_in_window": float(err[:split].mean()) if split else 0.0,
+        "max_abs_after_window": float(err[split:].max()) if err.numel() > split else None,
+        "mean_abs_after_window": float(err[split:].mean()) if err.numel() > split else None,
+    }
+
+
+def _sidecar_stream(client, mode: str, codes: torch.Tensor, sizes: list[int], context_frames: int,
+                    left_context_frames: int, stream_id: str) -> torch.Tensor:
+    stream = client.open_stream(stream_id, mode=mode, left_context_frames=left_context_frames)
+    pieces, start = [], 0
+    for i, size in enumerate(sizes):
+        ctx = context_frames if i == 0 else 0
+        end = start + ctx + size
+        pieces.append(stream.decode(codes[:, start:end].contiguous(), final=i == len(sizes) - 1, context_frames=ctx))
+        start = end
+    return torch.cat(pieces).float().cpu()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from code2wav.sidecar.models import load_model, resolve_device
+
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = sorted(set(paths) - set(PATHS[1:]))
+    if unknown:
+        raise SystemExit(f"--paths: unknown {unknown}; choose from {', '.join(PATHS[1:])}")
+    if args.frames < 1 or args.streams < 1 or args.context_frames < 0:
+        raise SystemExit("--frames and --streams must be >= 1 and --context-frames >= 0")
+    device = resolve_device(args.device)
+    model = load_model(args.model, device, args.dtype)
+    window = model.module.cfg.sliding_window
+    if args.context_frames > window and "stock" in paths:
+        raise SystemExit(f"--context-frames {args.context_frames}: vLLM-Omni's first chunk holds at most "
+                         f"{window} reference frames (the decoder's sliding window); give at most {window}")
+    sizes = chunk_sizes(args.frames, args.first_chunk_frames, args.chunk_frames)
+    cases = []
+    for i in range(args.streams):
+        for ctx in sorted({0, args.context_frames}):
+            codes = synthetic_codes(model.num_quantizers, ctx + args.frames, model.codebook_size, seed=args.seed + i)
+            cases.append({"stream": i, "context_frames": ctx, "codes": codes})
+    U = model.samples_per_frame
+    audio: dict[str, list[torch.Tensor]] = {p: [] for p in PATHS}
+    timing_s: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for case in cases:
+            wav = model.module(case["codes"][None].to(device))[0, 0].float().cpu()  # [(ctx + T) * U]
+            audio["oneshot"].append(wav[case["context_frames"] * U:])
+    timing_s["oneshot"] = time.perf_counter() - t0
+    print(f"oneshot: {len(cases)} streams in {timing_s['oneshot']:.1f} s", flush=True)
+    extra: dict = {}
+    if "stock" in paths:
+        from .stock import build_stock
+
+        stock = build_stock(model)
+        extra["vllm_shim"] = stock.vllm_shim
+        extra["stock_settings"] = stock.settings
+        print(f"vllm-omni-stock: vllm_shim={stock.vllm_shim} graphs={stock.graphs}", flush=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for n, case in enumerate(cases):
+                audio["stock"].append(stock.stream(case["codes"], sizes, case["context_frames"], f"fid-{n}"))
+        timing_s["stock"] = time.perf_counter() - t0
+        print(f"stock: {timing_s['stock']:.1f} s", flush=True)
+        del stock
+    del model
+    sidecar_paths = [p for p in ("exact", "window") if p in paths]
+    if sidecar_paths:
+        _run_sidecar_paths(args, device, sidecar_paths, cases, sizes, audio, timing_s)
+    return _report(args, device, paths, cases, audio, timing_s, U, window, extra)
+
+
+def _run_sidecar_paths(args, device, sidecar_paths, cases, sizes, audio, timing_s) -> None:
+    from code2wav.client import SidecarClient
+
+    from .spawn import spawn_sidecar
+
+    spawned = spawn_sidecar("--model", args.model, "--device", str(device), "--dtype", args.dtype)
+    print(spawned.ready_line, flush=True)
+    try:
+        with SidecarClient(spawned.address, timeout_s=600) as client:
+            for mode in sidecar_paths:
+                t0 = time.perf_counter()
+                for n, case in enumerate(cases):
+                    audio[mode].append(_sidecar_stream(client, mode, case["codes"], sizes, case["context_frames"],
+                                                       args.window_left_context, f"fid-{mode}-{n}"))
+                timing_s[mode] = time.perf_counter() - t0
+                print(f"{mode}: {timing_s[mode]:.1f} s", flush=True)
+    finally:
+        spawned.stop()
+
+
+def _report(args, device, paths, cases, audio, timing_s, U, window, extra) -> dict:
+    rows = []
+    for path in paths:
+        for case, got, want in zip(cases, audio[path], audio["oneshot"]):
+            rows.append({"path": path, "stream": case["stream"], "context_frames": case["context_frames"],
+                         "frames": args.frames, **compare(got, want, U, window)})
+    print(f"\nfidelity against one forward over all frames ({args.frames} frames, chunks "
+          f"{args.first_chunk_frames} then {args.chunk_frames}; 'window' columns: the first {window} frames)")
+    print(f"{'path':<7} {'stream':>6} {'ctx':>4} {'max_abs':>10} {'mean_abs':>10} {'snr_db':>8} "
+          f"{'max_in_win':>10} {'max_after':>10} {'mean_after':>10}")
+
+    def fmt(v):
+        return f"{v:>10.2e}" if v is not None else f"{'-':>10}"
+
+    for r in rows:
+        print(f"{r['path']:<7} {r['stream']:>6} {r['context_frames']:>4} {fmt(r['max_abs'])} {fmt(r['mean_abs'])} "
+              f"{r['snr_db']:>8.1f} {fmt(r['max_abs_in_window'])} {fmt(r['max_abs_after_window'])} "
+              f"{fmt(r['mean_abs_after_window'])}")
+    if "vllm_shim" in extra:
+        print(f"vllm_shim: {str(extra['vllm_shim']).lower()}")
+    report = {"environment": {"device": str(device), "dtype": args.dtype, "model": args.model,
+                              "torch": torch.__version__},
+              "settings": {k: v for k, v in vars(args).items() if k != "json_path"},
+              "sliding_window_frames": window, "timing_s": timing_s, "results": rows, **extra}
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json_path}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    run(args)
+    return 0
