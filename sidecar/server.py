@@ -58,6 +58,12 @@ _CODES_GRACE_S = 0.0002
 while the sidecar's step held the GPU, and runs as soon as that step ends, within microseconds."""
 
 
+def _configured_buckets(gcfg) -> tuple:
+    """The graph buckets the config names (captured on CUDA; on CPU their metrics series still exist, at 0)."""
+    return (build_buckets("exact", gcfg.exact_batch_sizes, gcfg.exact_frames)
+            + build_buckets("window", gcfg.window_batch_sizes, gcfg.window_frames))
+
+
 class Server:
     def __init__(self, cfg: ServerConfig, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
@@ -105,6 +111,7 @@ class Server:
         self.metrics.state_bytes_per_stream.labels(model=self.model.name).set(arena.bytes_per_stream)
         self.metrics.arena_slots.labels(model=self.model.name, kind="total").set(num_slots)
         self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(0)
+        self.metrics.start_series(self.model.name, tuple((k.mode, k.label) for k in _configured_buckets(cfg.graphs)))
         graphs = None
         if device.type == "cuda" and cfg.graphs.enabled:  # capture on the engine thread; /healthz stays live
             graphs = await loop.run_in_executor(self._pool, self._build_graphs, arena)
@@ -136,8 +143,7 @@ class Server:
     def _build_graphs(self, arena: StateArena) -> GraphManager:
         """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""
         gcfg = self.cfg.graphs
-        buckets = (build_buckets("exact", gcfg.exact_batch_sizes, gcfg.exact_frames)
-                   + build_buckets("window", gcfg.window_batch_sizes, gcfg.window_frames))
+        buckets = _configured_buckets(gcfg)
         max_frames = self.cfg.engine.max_forward_frames
         routines = {
             "exact": StreamRoutine(self.model, arena, max(gcfg.exact_batch_sizes), max(max(gcfg.exact_frames), max_frames)),
