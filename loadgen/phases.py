@@ -18,7 +18,7 @@ import torch
 
 from code2wav.client import SidecarClient
 
-from .drive import realtime_level_s, run_level, summarize
+from .drive import realtime_level_s, run_level, significant, summarize
 from .report import BenchReport
 from .spawn import SpawnedSidecar, spawn_sidecar
 from .traffic import chunk_sizes
@@ -27,7 +27,7 @@ from .traffic import chunk_sizes
 @dataclass(frozen=True)
 class Step:
     label: str
-    weight: float = 1.0  # relative cost within the phase, for the time-left estimate
+    weight: float = 1.0  # relative cost within the phase, for the time-left estimate (0: not counted)
     expected_s: float | None = None  # when its duration is known in advance (an open-loop level)
 
 
@@ -62,7 +62,7 @@ class Progress:
     @staticmethod
     def time_left_s(steps: list[Step], done: int, elapsed_s: list[float]) -> float | None:
         """Seconds left for ``steps[done:]``; None when a step has neither a known duration nor a rate yet."""
-        timed = [(s, t) for s, t in zip(steps[:done], elapsed_s) if s.expected_s is None]
+        timed = [(s, t) for s, t in zip(steps[:done], elapsed_s) if s.expected_s is None and s.weight > 0]
         rate = sum(t for _, t in timed) / sum(s.weight for s, _ in timed) if timed else None
         left = 0.0
         for step in steps[done:]:
@@ -82,6 +82,8 @@ class Progress:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
@@ -101,6 +103,7 @@ def run_phases(phases: list[Phase], report: BenchReport, progress: Progress) -> 
                     t0 = progress.clock()
                     summary = phase.run_step(i, step, report)
                     elapsed.append(progress.clock() - t0)
+                    label = f"after {step.label}"
                     progress.say(f"{phase.name} {i + 1}/{len(steps)}: {step.label} done in "
                                  f"{_duration(elapsed[-1])}" + (f": {summary}" if summary else "")
                                  + f"; {progress.left_text(steps, i + 1, elapsed)}")
@@ -121,7 +124,7 @@ class BaselinesPhase(Phase):
         self.model = None
 
     def plan(self) -> list[Step]:
-        steps = [Step("load model"),
+        steps = [Step("load model", weight=0),  # not like the others: no rate for the time-left estimate
                  Step(f"baselines (window b1, exact b{','.join(map(str, self.batches))}, "
                       f"{self.args.baseline_iters} iterations each)", weight=2 + len(self.batches))]
         if self.args.profile_batch:
@@ -155,9 +158,9 @@ class BaselinesPhase(Phase):
 
 
 def _rounded_baseline(row: dict) -> dict:
-    """Latencies to 1 us (in-process steps are steady to a few us), throughput to 0.1 audio-s/s."""
+    """Latencies to 1 us (in-process steps are steady to a few us), throughput to 4 significant digits."""
     return {**row, "latency_ms_p50": round(row["latency_ms_p50"], 3), "latency_ms_p95": round(row["latency_ms_p95"], 3),
-            "audio_s_per_s": round(row["audio_s_per_s"], 1)}
+            "audio_s_per_s": significant(row["audio_s_per_s"])}
 
 
 class SidecarPhase(Phase):
@@ -171,6 +174,7 @@ class SidecarPhase(Phase):
         self.spawned: SpawnedSidecar | None = None
         self.clients: list[SidecarClient] = []
         self.metrics_url = args.metrics_url
+        self.runner = None  # asyncio.Runner: one event loop for every level (Ctrl-C cancels its task)
 
     def plan(self) -> list[Step]:
         a = self.args
@@ -189,18 +193,23 @@ class SidecarPhase(Phase):
             print(self.spawned.ready_line, flush=True)
             print(f"sidecar log: {self.spawned.log_path}", flush=True)
         self.clients = [SidecarClient(address, timeout_s=120) for _ in range(max(1, a.clients))]
+        if hasattr(asyncio, "Runner"):  # Python 3.11+; 3.10 runs each level in its own asyncio.run
+            self.runner = asyncio.Runner()
         return self
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
         a = self.args
-        result = asyncio.run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
+        run = self.runner.run if self.runner is not None else asyncio.run
+        result = run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
                                        a.chunk_frames, a.arrival, self.metrics_url, tag="bench"))
         row = summarize(result)
         report.results.append(row)
-        return (f"{row['chunks']} chunks, {row['audio_s_per_s']:.1f} audio-s/s, p50 {row['chunk_latency_ms_p50']} ms, "
+        return (f"{row['chunks']} chunks, {row['audio_s_per_s']:.4g} audio-s/s, p50 {row['chunk_latency_ms_p50']} ms, "
                 f"{row['refused_streams']} refused (busy), {row['errors']} errors")
 
     def __exit__(self, *exc) -> None:
+        if self.runner is not None:
+            self.runner.close()
         for client in self.clients:
             client.close()
         if self.spawned is not None:

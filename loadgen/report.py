@@ -65,7 +65,7 @@ def print_table(report: BenchReport) -> None:
         print(f"{'baseline':<18} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10}")
         for b in baselines:
             print(f"{b['name']:<18} {b['batch']:>5} {b['new_frames']:>6} {b['latency_ms_p50']:>8.2f} "
-                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.1f}")
+                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g}")
     if not rows:
         print("\nno sidecar level finished")
         return
@@ -74,11 +74,11 @@ def print_table(report: BenchReport) -> None:
     print(f"{'conc':>5} {'mode':>6} {'arrival':>8} {'p50_ms':>8} {'p95_ms':>8} {'p99_ms':>8} {'first_p50':>9} "
           f"{'audio_s/s':>10} {'x_thru':>7} {'x_p50':>6} {'batch':>6} {'graph':>6} {'refused':>7} {'err':>4}")
     for r in rows:
-        x_thru = r["audio_s_per_s"] / ref["audio_s_per_s"] if ref else None
+        x_thru = r["audio_s_per_s"] / ref["audio_s_per_s"] if ref and ref["audio_s_per_s"] else None
         x_p50 = r["chunk_latency_ms_p50"] / ref["latency_ms_p50"] if ref and r["chunk_latency_ms_p50"] else None
         print(f"{r['concurrency']:>5} {r['mode']:>6} {r['arrival']:>8} {_fmt(r['chunk_latency_ms_p50'], '8.2f')} "
               f"{_fmt(r['chunk_latency_ms_p95'], '8.2f')} {_fmt(r['chunk_latency_ms_p99'], '8.2f')} "
-              f"{_fmt(r['first_chunk_latency_ms_p50'], '9.2f')} {r['audio_s_per_s']:>10.1f} {_fmt(x_thru, '7.2f')} "
+              f"{_fmt(r['first_chunk_latency_ms_p50'], '9.2f')} {r['audio_s_per_s']:>10.4g} {_fmt(x_thru, '7.2f')} "
               f"{_fmt(x_p50, '6.2f')} {_fmt(r['mean_batch_size'], '6.1f')} {_fmt(r['graph_hit_rate'], '6.2f')} "
               f"{r.get('refused_streams', 0):>7} {r['errors']:>4}")
     if any(r.get("server_mean_ms") for r in rows):
