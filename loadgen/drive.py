@@ -11,11 +11,18 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from code2wav.client import SidecarClient
-from code2wav.client.errors import SidecarError
+from code2wav.client.errors import Busy, SidecarError
 
 from .traffic import chunk_sizes, synthetic_codes
 
 FRAME_S = 0.08  # 12.5 frames per second
+REALTIME_STAGGER_S = 2.0  # open loop: streams start at random within this long
+
+
+def realtime_level_s(num_frames: int) -> float:
+    """How long an open-loop level lasts at least: the last stream starts within the stagger, then its frames
+    arrive at the talker's pace."""
+    return REALTIME_STAGGER_S + num_frames * FRAME_S
 
 
 @dataclass
@@ -24,7 +31,7 @@ class LevelResult:
     mode: str
     arrival: str
     chunks: int
-    errors: int
+    errors: int  # streams that ended on an error other than busy
     wall_s: float
     audio_s: float
     chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
@@ -33,6 +40,18 @@ class LevelResult:
     graph_hit_rate: float | None = None
     server_ms: dict = field(default_factory=dict)  # mean server-side times from /metrics (a profile)
     error_samples: list[str] = field(default_factory=list)
+    refused_streams: int = 0  # the server answered busy (at capacity): refused at this load, not a failure
+    refused_samples: list[str] = field(default_factory=list)
+
+    def record_error(self, exc: SidecarError) -> None:
+        if isinstance(exc, Busy):
+            self.refused_streams += 1
+            samples = self.refused_samples
+        else:
+            self.errors += 1
+            samples = self.error_samples
+        if len(samples) < 5:
+            samples.append(f"{type(exc).__name__}: {exc}")
 
     @property
     def audio_s_per_s(self) -> float:
@@ -74,9 +93,17 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def _one_stream(client: SidecarClient, stream_id: str, mode: str, codes, sizes: list[int], arrival: str,
+async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelResult):
+    """The stream, or None when the server refused it (busy: counted as refused) or failed (an error)."""
+    try:
+        return await asyncio.wrap_future(client.submit_open_stream(stream_id, mode=mode))
+    except SidecarError as exc:
+        result.record_error(exc)
+        return None
+
+
+async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
                       start_at_s: float, sample_rate_hz: int, result: LevelResult) -> None:
-    stream = await asyncio.get_running_loop().run_in_executor(None, lambda: client.open_stream(stream_id, mode=mode))
     now = time.perf_counter()
     if start_at_s > now:
         await asyncio.sleep(start_at_s - now)
@@ -94,10 +121,8 @@ async def _one_stream(client: SidecarClient, stream_id: str, mode: str, codes, s
         try:
             wav = await asyncio.wrap_future(
                 stream.submit(codes[:, frames_done:frames_done + n], final=(i == len(sizes) - 1)))
-        except SidecarError as exc:
-            result.errors += 1
-            if len(result.error_samples) < 5:
-                result.error_samples.append(f"{type(exc).__name__}: {exc}")
+        except SidecarError as exc:  # busy mid-stream (queue full) counts as refused at this load
+            result.record_error(exc)
             return
         latency_ms = (time.perf_counter() - t0) * 1e3
         (result.first_chunk_latency_ms if i == 0 else result.chunk_latency_ms).append(latency_ms)
@@ -113,15 +138,21 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
                          audio_s=0.0)
+    # every stream of the level is opened first, so the streams the server refuses (busy: no arena slot) are
+    # those over its capacity at this load, whatever the timing of the others
+    streams = await asyncio.gather(*(_open(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, result)
+                                     for i in range(concurrency)))
     before = _scrape(metrics_url)
     rng = random.Random(concurrency)
     t0 = time.perf_counter()
-    stagger_s = 2.0 if arrival == "realtime" else 0.0
+    stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
     tasks = []
-    for i in range(concurrency):
+    for i, stream in enumerate(streams):
+        start_at_s = t0 + rng.random() * stagger_s
+        if stream is None:
+            continue
         codes = synthetic_codes(info.num_quantizers, num_frames, info.codebook_size, seed=i)
-        tasks.append(_one_stream(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, codes, sizes, arrival,
-                                 t0 + rng.random() * stagger_s, info.sample_rate, result))
+        tasks.append(_one_stream(stream, mode, codes, sizes, arrival, start_at_s, info.sample_rate, result))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
     after = _scrape(metrics_url)
@@ -153,16 +184,34 @@ def _scrape(metrics_url: str | None) -> dict[str, float] | None:
         return None
 
 
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: a throughput means as much at 0.01 as at 800 audio-s/s."""
+    return float(f"{value:.{digits}g}")
+
+
 def summarize(result: LevelResult) -> dict:
+    """One level's row, rounded to what the figures mean: client-seen latencies to 10 us (ms, 2 decimals; the
+    wire and the scheduler jitter more than that), server means to 1 us, throughput to 4 significant digits, the mean
+    batch size to 0.01, the graph hit rate to 0.001, wall time to 10 ms."""
     lat, first = result.chunk_latency_ms, result.first_chunk_latency_ms
+
+    def ms(q: float, values: list[float]) -> float | None:
+        return _round(percentile(values, q), 2)
+
     return {
         "concurrency": result.concurrency, "mode": result.mode, "arrival": result.arrival,
+        "streams": result.concurrency - result.refused_streams, "refused_streams": result.refused_streams,
+        "refused_samples": result.refused_samples,
         "chunks": result.chunks, "errors": result.errors, "error_samples": result.error_samples,
-        "chunk_latency_ms_p50": percentile(lat, 50), "chunk_latency_ms_p95": percentile(lat, 95),
-        "chunk_latency_ms_p99": percentile(lat, 99),
-        "first_chunk_latency_ms_p50": percentile(first, 50), "first_chunk_latency_ms_p99": percentile(first, 99),
-        "audio_s_per_s": result.audio_s_per_s, "realtime_streams": int(result.audio_s_per_s),
-        "mean_batch_size": result.mean_batch_size, "graph_hit_rate": result.graph_hit_rate,
-        "server_mean_ms": result.server_ms,
-        "wall_s": result.wall_s, "mean_chunk_latency_ms": statistics.fmean(lat) if lat else None,
+        "chunk_latency_ms_p50": ms(50, lat), "chunk_latency_ms_p95": ms(95, lat), "chunk_latency_ms_p99": ms(99, lat),
+        "first_chunk_latency_ms_p50": ms(50, first), "first_chunk_latency_ms_p99": ms(99, first),
+        "audio_s_per_s": significant(result.audio_s_per_s), "realtime_streams": int(result.audio_s_per_s),
+        "mean_batch_size": _round(result.mean_batch_size, 2), "graph_hit_rate": _round(result.graph_hit_rate, 3),
+        "server_mean_ms": {k: round(v, 3) for k, v in result.server_ms.items()},
+        "wall_s": round(result.wall_s, 2),
+        "mean_chunk_latency_ms": _round(statistics.fmean(lat), 2) if lat else None,
     }

@@ -36,6 +36,7 @@ import torch
 from code2wav.client import SidecarClient
 
 from .drive import metric_value
+from .phases import Progress, Step
 from .spawn import spawn_sidecar
 from .traffic import synthetic_codes
 
@@ -152,6 +153,56 @@ def _drive(address: str, use_ipc: bool, concurrency: int, chunks_per_stream: int
     return latencies, stats, between_s
 
 
+def _measure_level(level: int, args, spawned, ref: InProcessReference, between, first_ref: dict[int, float],
+                   num_quantizers: int, codebook_size: int) -> list[dict]:
+    """The inline and the ipc row of one concurrency level, each against its in-process reference. Times are
+    rounded to 1 us (ms with 3 decimals; the overhead in whole us): the wire's cost is measured in us."""
+    batch_cap = args.transport_batch
+    per_stream = max(10, args.transport_chunks // level)
+    batch = 1 if level == 1 else batch_cap
+    steps = level / min(level, batch_cap)
+    interleave = level == 1  # reference blocks between chunk blocks: both see the same GPU state
+    before_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
+    pair = []
+    for transport in ("inline", "ipc"):
+        before = _server_counters(spawned)
+        times, stats, ref_s = _drive(spawned.address, transport == "ipc", level, per_stream,
+                                     args.chunk_frames, num_quantizers, codebook_size, between if interleave else None)
+        after = _server_counters(spawned)
+        pair.append((transport, times, stats, {key: after[key] - before[key] for key in after}, ref_s))
+    after_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
+    rows = []
+    for transport, times, stats, counters, ref_s in pair:
+        if interleave:
+            reference, how = _percentiles(ref_s)[0], "interleaved"
+        else:
+            reference, how = steps * (before_ms + after_ms) / 2, [round(steps * before_ms, 3), round(steps * after_ms, 3)]
+        first_ref.setdefault(batch, reference / steps)
+        p50, p95 = _percentiles(times)
+        rows.append({"transport": transport, "concurrency": level, "chunks": len(times), "p50_ms": round(p50, 3),
+                     "p95_ms": round(p95, 3), "in_process_ms": round(reference, 3),
+                     "overhead_p50_us": round((p50 - reference) * 1e3), "in_process_measured": how,
+                     "ipc_chunks": stats.get("ipc_chunks", 0), "server_counters": counters,
+                     "fallbacks": {k2: v for k2, v in stats.items() if k2.startswith("inline_fallback")}})
+    return rows
+
+
+def _print_rows(args, rows: list[dict], first_ref: dict[int, float]) -> None:
+    print(f"\nin-process graph step (GPU codes -> GPU audio), {args.chunk_frames} frames, first measurement: "
+          + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in sorted(first_ref.items()))
+          + f"; each row's inproc_ms: at concurrency 1 the p50 of reference steps run in blocks of {_BLOCK} between "
+          f"blocks of its chunks, "
+          "else the mean of measurements right before and after its inline/ipc pair")
+    print(f"{'transport':>9} {'conc':>5} {'chunks':>7} {'p50_ms':>8} {'p95_ms':>8} {'inproc_ms':>9} "
+          f"{'overhead_us':>11} {'ipc_chunks':>10} {'deferred':>8} {'polled':>7} {'woken':>6} {'steps':>6} {'batch':>5}")
+    for r in rows:
+        c = r["server_counters"]
+        print(f"{r['transport']:>9} {r['concurrency']:>5} {r['chunks']:>7} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f} "
+              f"{r['in_process_ms']:>9.3f} {r['overhead_p50_us']:>11.0f} {r['ipc_chunks']:>10} {c['deferred']:>8.0f} "
+              f"{c['polled']:>7.0f} {c['woken']:>6.0f} {c['steps']:>6.0f} {c['batched'] / max(c['steps'], 1):>5.1f} "
+              f"{r['fallbacks'] or ''}")
+
+
 def run(args) -> int:
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
@@ -171,58 +222,42 @@ def run(args) -> int:
     spawned = spawn_sidecar("--model", args.model, "--device", str(device), "--dtype", args.dtype,
                             "--config", str(config), *args.serve_arg, workdir=workdir)
     print(spawned.ready_line, flush=True)
-    rows = []
+    print(f"sidecar log: {spawned.log_path}", flush=True)
+    rows: list[dict] = []
     first_ref: dict[int, float] = {}
 
     def between() -> list[float]:
         return [ref.step_s(1) for _ in range(_BLOCK)]
 
+    progress = Progress()
+    steps = [Step(f"concurrency {level}: inline then ipc") for level in levels]
+    elapsed: list[float] = []
+    interrupted = None
+    progress.say(f"transport: {len(steps)} levels, {args.transport_chunks} chunks per level and transport; "
+                 f"{progress.left_text(steps, 0, elapsed)}")
     try:
-        for level in levels:
-            per_stream = max(10, args.transport_chunks // level)
-            batch = 1 if level == 1 else batch_cap
-            steps = level / min(level, batch_cap)
-            interleave = level == 1  # reference blocks between chunk blocks: both see the same GPU state
-            before_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
-            pair = []
-            for transport in ("inline", "ipc"):
-                before = _server_counters(spawned)
-                times, stats, ref_s = _drive(spawned.address, transport == "ipc", level, per_stream,
-                                             args.chunk_frames, q, k, between if interleave else None)
-                after = _server_counters(spawned)
-                pair.append((transport, times, stats, {key: after[key] - before[key] for key in after}, ref_s))
-            after_ms = 0.0 if interleave else ref.p50_ms(batch, args.baseline_iters)
-            for transport, times, stats, counters, ref_s in pair:
-                if interleave:
-                    reference, how = _percentiles(ref_s)[0], "interleaved"
-                else:
-                    reference, how = steps * (before_ms + after_ms) / 2, [steps * before_ms, steps * after_ms]
-                first_ref.setdefault(batch, reference / steps)
-                p50, p95 = _percentiles(times)
-                rows.append({"transport": transport, "concurrency": level, "chunks": len(times), "p50_ms": p50,
-                             "p95_ms": p95, "in_process_ms": reference, "overhead_p50_us": (p50 - reference) * 1e3,
-                             "in_process_measured": how,
-                             "ipc_chunks": stats.get("ipc_chunks", 0), "server_counters": counters,
-                             "fallbacks": {k2: v for k2, v in stats.items() if k2.startswith("inline_fallback")}})
+        for i, level in enumerate(levels):
+            progress.say(f"transport {i + 1}/{len(levels)}: {steps[i].label} ...")
+            t0 = progress.clock()
+            rows += _measure_level(level, args, spawned, ref, between, first_ref, q, k)
+            elapsed.append(progress.clock() - t0)
+            progress.say(f"transport {i + 1}/{len(levels)} done in {elapsed[-1]:.0f} s: "
+                         + ", ".join(f"{r['transport']} p50 {r['p50_ms']:.3f} ms" for r in rows[-2:])
+                         + f"; {progress.left_text(steps, i + 1, elapsed)}")
+    except KeyboardInterrupt:
+        interrupted = steps[len(elapsed)].label
+        progress.say(f"interrupted during {interrupted}; keeping what finished")
     finally:
         spawned.stop()
-    print(f"\nin-process graph step (GPU codes -> GPU audio), {args.chunk_frames} frames, first measurement: "
-          + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in sorted(first_ref.items()))
-          + f"; each row's inproc_ms: at concurrency 1 the p50 of reference steps run in blocks of {_BLOCK} between "
-          f"blocks of its chunks, "
-          "else the mean of measurements right before and after its inline/ipc pair")
-    print(f"{'transport':>9} {'conc':>5} {'chunks':>7} {'p50_ms':>8} {'p95_ms':>8} {'inproc_ms':>9} "
-          f"{'overhead_us':>11} {'ipc_chunks':>10} {'deferred':>8} {'polled':>7} {'woken':>6} {'steps':>6} {'batch':>5}")
-    for r in rows:
-        c = r["server_counters"]
-        print(f"{r['transport']:>9} {r['concurrency']:>5} {r['chunks']:>7} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f} "
-              f"{r['in_process_ms']:>9.3f} {r['overhead_p50_us']:>11.0f} {r['ipc_chunks']:>10} {c['deferred']:>8.0f} "
-              f"{c['polled']:>7.0f} {c['woken']:>6.0f} {c['steps']:>6.0f} {c['batched'] / max(c['steps'], 1):>5.1f} "
-              f"{r['fallbacks'] or ''}")
+    _print_rows(args, rows, first_ref)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"in_process_ms": first_ref, "rows": rows,
-                                                    "settings": {"dtype": args.dtype, "model": args.model,
-                                                                 "chunk_frames": args.chunk_frames,
-                                                                 "batch_cap": batch_cap}}, indent=2))
-        print(f"wrote {args.json_path}")
+        report = {"in_process_ms": {b: round(ms, 3) for b, ms in first_ref.items()}, "rows": rows,
+                  "settings": {"dtype": args.dtype, "model": args.model, "chunk_frames": args.chunk_frames,
+                               "batch_cap": batch_cap}}
+        if interrupted is not None:
+            report["interrupted"] = interrupted
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_path}" + (" (interrupted: partial)" if interrupted else ""))
+    if interrupted is not None:
+        return 130
     return 0

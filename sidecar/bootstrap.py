@@ -60,7 +60,18 @@ def build_arena(cfg: ServerConfig, model: ModelInfo, metrics: Metrics) -> StateA
     metrics.state_bytes_per_stream.labels(model=model.name).set(arena.bytes_per_stream)
     metrics.arena_slots.labels(model=model.name, kind="total").set(num_slots)
     metrics.arena_slots.labels(model=model.name, kind="used").set(0)
+    metrics.start_series(model.name, tuple((k.mode, k.label) for k in configured_buckets(cfg.graphs)))
     return arena
+
+
+def configured_buckets(gcfg) -> tuple:
+    """The graph buckets the config names, every mode's (captured on CUDA; on CPU their metrics series still
+    exist, at 0, so dashboards and alerts have data from the first scrape)."""
+    buckets: tuple = ()
+    for mode in MODES.values():
+        batch_sizes, frames = mode.bucket_sizes(gcfg)
+        buckets += build_buckets(mode.name, batch_sizes, frames)
+    return buckets
 
 
 def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, scheduler: Scheduler,
@@ -69,10 +80,9 @@ def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, schedul
     scheduler's batch size is capped to the largest captured stateful bucket when configured so."""
     gcfg = cfg.graphs
     max_frames = cfg.engine.max_forward_frames
-    buckets, routines = (), {}
+    buckets, routines = configured_buckets(gcfg), {}
     for mode in MODES.values():
         batch_sizes, frames = mode.bucket_sizes(gcfg)
-        buckets += build_buckets(mode.name, batch_sizes, frames)
         routines[mode.name] = StreamRoutine(model, arena if mode.stateful else None, max(batch_sizes),
                                             max(max(frames), max_frames))
     manager = GraphManager(routines, buckets, model.device, metrics, mode=gcfg.mode,

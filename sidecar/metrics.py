@@ -2,6 +2,12 @@
 
 Names are prefixed ``code2wav_sidecar_``. Labels are bounded sets (model, mode, code, component, bucket);
 never request or stream ids.
+
+Every labelled series that the shipped Grafana dashboard and alert rules query exists from the first scrape with
+value 0 (``Metrics.start_series``, called once the model is loaded), on a CPU server too: a ``rate()`` panel of
+a counter that has never moved shows 0 instead of nothing, and an ``absent()`` alert does not fire on a healthy
+server. The label values below are the bounded sets the server uses (tests/test_metrics_first_scrape.py scrapes
+a fresh server for each of them).
 """
 
 from __future__ import annotations
@@ -12,11 +18,21 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from code2wav.proto import REGION_ACCESS, STREAM_MODES, ErrorCode
+
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.012, 0.016, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+STREAM_CLOSE_REASONS = ("final", "finish", "abort", "bye", "rehandshake", "ttl")
+"""Why a stream closed (sessions.py): its final chunk, finish(), abort(), its client's bye or re-handshake, TTL."""
+GRAPH_MISS_REASONS = ("no_buckets", "batch_too_large", "frames_too_long", "not_captured", "capture_deferred")
+"""Why a batch ran eager although graphs are on (graphs/plan.py ``dispatch``, engine.py ``_try_graph``)."""
+IPC_DIRECTIONS = ("codes_in", "audio_out")
+IPC_REGISTER_FAILURE_REASONS = ("unsupported", "different_gpu", "open_failed")
+"""Why a CUDA IPC region registration was refused (ipc/regions.py)."""
 
 
 class Metrics:
@@ -67,6 +83,33 @@ class Metrics:
                                      "busy polling (busy_poll_us), woken = after sleeping", ["how"], registry=r)
         for how in ("polled", "woken"):
             self.input_pickups.labels(how=how)
+
+    def start_series(self, model: str, graph_buckets: tuple[tuple[str, str], ...] = ()) -> None:
+        """Create every labelled series the dashboard and the alerts query, at 0: per-mode counters and
+        histograms of ``model``, errors for every protocol code, stream closes by reason, the CUDA IPC series and,
+        for each configured ``(component, bucket)`` graph bucket, its replays and captures (graph misses per
+        component and reason). A child created here is the one later ``.labels(...)`` calls return."""
+        for mode in STREAM_MODES:
+            for counter in (self.chunks, self.frames, self.audio_seconds):
+                counter.labels(model=model, mode=mode)
+            for per_mode in (self.chunk_latency, self.batch_size, self.step_seconds, self.streams_opened):
+                per_mode.labels(mode=mode)
+            for reason in GRAPH_MISS_REASONS:
+                self.graph_misses.labels(component=mode, reason=reason)
+        for code in ErrorCode:
+            self.errors.labels(code=code.value)
+        for reason in STREAM_CLOSE_REASONS:
+            self.streams_closed.labels(reason=reason)
+        for access in REGION_ACCESS:
+            self.ipc_regions.labels(access=access)
+        for direction in IPC_DIRECTIONS:
+            self.ipc_chunks.labels(direction=direction)
+        for reason in IPC_REGISTER_FAILURE_REASONS:
+            self.ipc_register_failures.labels(reason=reason)
+        for component, bucket in graph_buckets:
+            for per_bucket in (self.graph_replays, self.graph_captures, self.graph_capture_failures,
+                               self.graph_capture_seconds, self.graph_bytes):
+                per_bucket.labels(component=component, bucket=bucket)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

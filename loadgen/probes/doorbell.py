@@ -18,7 +18,7 @@ Compared in the same run, interleaved in rounds:
                 armed, waiting context slow the client's own GPU work through time-slicing?).
 
 Every mode's audio is checked against the in-process result for the same codes before timing, so a broken
-ordering shows as a mismatch, not as a fast number. Needs a CUDA GPU; run it under MPS too (see README.md).
+ordering shows as a mismatch, not as a fast number. Needs a CUDA GPU; run it under MPS too (see docs/design-notes.md).
 
     python loadgen/probes/doorbell.py                  # N=400 per round, ROUNDS=3
     MATMULS=120 DIM=1024 python loadgen/probes/doorbell.py

@@ -1,0 +1,148 @@
+"""What a bench run leaves behind: the report (JSON, also when the run was interrupted), the table, the plot."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .drive import FRAME_S
+
+PLOT_HINT = "--plot needs matplotlib: pip install matplotlib (or install the bench extra: pip install -e '.[bench]')"
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def check_plot_available() -> None:
+    """Fail at the start of a run, not at its end, when ``--plot`` cannot be drawn."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise PlotUnavailable(f"{PLOT_HINT} ({exc})") from exc
+
+
+@dataclass
+class BenchReport:
+    environment: dict
+    settings: dict
+    baselines: list[dict] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)
+    interrupted: str | None = None  # what was running when Ctrl-C came; None for a complete run
+    vllm_omni_stock: dict = field(default_factory=dict)  # the stock baseline's start-up, graphs, shim (stock_bench)
+
+    def as_json(self) -> dict:
+        out = {"environment": self.environment, "baselines": self.baselines, "results": self.results,
+               "settings": self.settings, "vllm_omni_stock": self.vllm_omni_stock}
+        if self.interrupted is not None:
+            out["interrupted"] = self.interrupted
+        return out
+
+    def write(self, path: str) -> None:
+        Path(path).write_text(json.dumps(self.as_json(), indent=2) + "\n")
+
+    def reference(self) -> dict | None:
+        """The baseline every sidecar figure is a ratio to: what vLLM-Omni 0.30 does per chunk today, its own
+        Code2Wav at batch 1 (``vllm-omni-stock-b1``); the stateless window decode only where stock is absent."""
+        for name in ("vllm-omni-stock-b1", "window-eager-b1"):
+            found = next((b for b in self.baselines if b["name"] == name), None)
+            if found is not None:
+                return found
+        return None
+
+    def title(self) -> str:
+        env = self.environment
+        return (f"code2wav-sidecar bench: {env['gpu'] or env['device']}, {env['dtype']}, model {env['model']}, "
+                f"{self.settings['arrival']}")
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "-".rjust(int(spec.split(".")[0]))
+    return format(value, spec)
+
+
+def print_table(report: BenchReport) -> None:
+    baselines, rows, ref = report.baselines, report.results, report.reference()
+    if baselines:
+        print("\nin-process baselines (same device, model, dtype)")
+        print(f"{'baseline':<18} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10}")
+        for b in baselines:
+            print(f"{b['name']:<18} {b['batch']:>5} {b['new_frames']:>6} {b['latency_ms_p50']:>8.2f} "
+                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g}")
+    if not rows:
+        print("\nno sidecar level finished")
+        return
+    print("\nthrough the sidecar" + (f" (x = ratio to {ref['name']})" if ref else "")
+          + "; refused = streams the server answered busy (at capacity)")
+    print(f"{'conc':>5} {'mode':>6} {'arrival':>8} {'p50_ms':>8} {'p95_ms':>8} {'p99_ms':>8} {'first_p50':>9} "
+          f"{'audio_s/s':>10} {'x_thru':>7} {'x_p50':>6} {'batch':>6} {'graph':>6} {'refused':>7} {'err':>4}")
+    for r in rows:
+        x_thru = r["audio_s_per_s"] / ref["audio_s_per_s"] if ref and ref["audio_s_per_s"] else None
+        x_p50 = r["chunk_latency_ms_p50"] / ref["latency_ms_p50"] if ref and r["chunk_latency_ms_p50"] else None
+        print(f"{r['concurrency']:>5} {r['mode']:>6} {r['arrival']:>8} {_fmt(r['chunk_latency_ms_p50'], '8.2f')} "
+              f"{_fmt(r['chunk_latency_ms_p95'], '8.2f')} {_fmt(r['chunk_latency_ms_p99'], '8.2f')} "
+              f"{_fmt(r['first_chunk_latency_ms_p50'], '9.2f')} {r['audio_s_per_s']:>10.4g} {_fmt(x_thru, '7.2f')} "
+              f"{_fmt(x_p50, '6.2f')} {_fmt(r['mean_batch_size'], '6.1f')} {_fmt(r['graph_hit_rate'], '6.2f')} "
+              f"{r.get('refused_streams', 0):>7} {r['errors']:>4}")
+    if any(r.get("server_mean_ms") for r in rows):
+        print("\nserver-side means from /metrics (ms): arrival->reply, engine step, wait for batch")
+        nan = float("nan")
+        for r in rows:
+            sm = r.get("server_mean_ms") or {}
+            print(f"{r['concurrency']:>5}  reply {sm.get('server_chunk_latency', nan):8.2f}  "
+                  f"step {sm.get('engine_step', nan):8.2f}  wait {sm.get('batch_wait', nan):8.2f}  "
+                  f"client-seen mean {r['mean_chunk_latency_ms'] or nan:8.2f}")
+
+
+def plot(path: str, report: BenchReport) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(report: BenchReport):
+    """Latency and throughput against concurrency, with the in-process baselines and the real-time lines: a chunk
+    must come back within its own audio's duration, and each stream consumes one audio-second per second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, baselines = report.results, report.baselines
+    conc = [r["concurrency"] for r in rows]
+    chunk_s = report.settings.get("chunk_frames", 25) * FRAME_S
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label in (("chunk_latency_ms_p50", "p50"), ("chunk_latency_ms_p99", "p99")):
+        ax1.plot(conc, [r[key] for r in rows], marker="o", label=f"sidecar {label}")
+    ax2.plot(conc, [r["audio_s_per_s"] for r in rows], marker="o", label="sidecar")
+    styles = ("--", ":", "-.")
+    for i, b in enumerate(baselines):
+        style = {"linestyle": styles[i % len(styles)], "linewidth": 1.2, "color": f"C{i + 2}"}
+        ax1.axhline(b["latency_ms_p50"], label=f"{b['name']} p50 (in-process)", **style)
+        ax2.axhline(b["audio_s_per_s"], label=f"{b['name']} (in-process)", **style)
+    realtime = {"color": "black", "linewidth": 1.0, "alpha": 0.6}
+    ax1.axhline(chunk_s * 1e3, label=f"real time: a chunk's own audio ({chunk_s:g} s)", **realtime)
+    span = [min(conc, default=1), max(conc, default=1)]
+    ax2.plot(span, span, label="real time: 1 audio-s/s per stream", **realtime)
+    ax1.set_yscale("log")
+    for ax, ylabel in ((ax1, "chunk latency (ms)"), (ax2, "audio seconds decoded per second")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(report.title() + (" (interrupted)" if report.interrupted else ""), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def load(path: str) -> BenchReport:
+    with open(path) as f:
+        raw = json.load(f)
+    return BenchReport(raw["environment"], raw["settings"], raw["baselines"], raw["results"], raw.get("interrupted"),
+                       raw.get("vllm_omni_stock", {}))

@@ -1,0 +1,128 @@
+"""``code2wav-sidecar bench`` respects the person running it: progress per phase on stderr, Ctrl-C keeps the
+partial JSON, ``--plot`` fails at the start when matplotlib is missing, figures rounded to what they mean, the
+real-time lines on the plot, and streams the server refuses (busy) recorded as refused at that load while the
+run goes on. Each CLI case runs the real command in a subprocess against a real spawned sidecar (tiny model, CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from code2wav.loadgen.drive import FRAME_S
+from code2wav.loadgen.phases import Progress, Step
+from code2wav.loadgen.report import draw, load
+from conftest import ROOT, TINY
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+BENCH = [sys.executable, "-m", "code2wav.sidecar", "bench", "--model", str(TINY), "--device", "cpu"]
+
+
+def _decimals(value: float) -> int:
+    text = repr(float(value))
+    return 0 if text.endswith(".0") else len(text.split(".")[1])
+
+
+def test_plot_without_matplotlib_fails_before_any_work(tmp_path):
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('No module named matplotlib (test shim)')\n")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(ROOT)])}
+    report = tmp_path / "bench.json"
+    proc = subprocess.run([*BENCH, "--plot", str(tmp_path / "b.png"), "--json", str(report)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--plot needs matplotlib: pip install matplotlib" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "ready:" not in proc.stdout and "[bench] phase" not in proc.stderr  # nothing was spawned or measured
+    assert not report.exists()
+
+
+def test_busy_streams_are_recorded_as_refused_and_the_run_goes_on(tmp_path):
+    """A sidecar with 2 stream slots: at 4 streams, 2 are refused (busy) and the other 2 are measured."""
+    report_path = tmp_path / "bench.json"
+    proc = subprocess.run([*BENCH, "--no-baselines", "--concurrency", "2,4,1", "--frames", "26",
+                           "--serve-arg=--max-streams", "--serve-arg=2", "--json", str(report_path)],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+    rows = {r["concurrency"]: r for r in json.loads(report_path.read_text())["results"]}
+    assert [(c, rows[c]["streams"], rows[c]["refused_streams"], rows[c]["errors"]) for c in (2, 4, 1)] == [
+        (2, 2, 0, 0), (4, 2, 2, 0), (1, 1, 0, 0)]
+    assert rows[4]["chunks"] == 2 * 2  # the accepted streams ran to the end: 1 + 25 frames each
+    assert all(s.startswith("Busy: ") for s in rows[4]["refused_samples"])
+    # progress: the phase, each step with what it is, and the time left
+    progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("[bench] ")]
+    assert progress[0].startswith("[bench] phase 1/1 sidecar: 3 steps (2 closed-loop streams, 4 closed-loop "
+                                  "streams, 1 closed-loop streams)")
+    assert any("sidecar 2/3: 4 closed-loop streams done in" in ln and "2 refused (busy)" in ln
+               and "about" in ln and "left" in ln for ln in progress)
+    assert progress[-1].endswith("phase done")
+    assert "sidecar log: " in proc.stdout
+    # figures rounded to what they mean: latencies to 10 us, throughput to 4 significant digits
+    for r in rows.values():
+        for key in ("chunk_latency_ms_p50", "chunk_latency_ms_p95", "chunk_latency_ms_p99", "mean_chunk_latency_ms"):
+            assert _decimals(r[key]) <= 2, (key, r[key])
+        assert len(repr(r["audio_s_per_s"]).replace(".", "").lstrip("0").rstrip("0")) <= 4  # 4 significant digits
+        assert r["audio_s_per_s"] > 0 and _decimals(r["wall_s"]) <= 2
+
+
+def test_ctrl_c_writes_the_partial_json(tmp_path):
+    """Open loop, so each level lasts at least 51 frames x 80 ms: SIGINT, sent once the second level has started,
+    lands inside it."""
+    report_path = tmp_path / "bench.json"
+    proc = subprocess.Popen([*BENCH, "--no-baselines", "--arrival", "realtime", "--concurrency", "1,2",
+                             "--frames", "51", "--json", str(report_path)],
+                            stdout=open(tmp_path / "stdout.txt", "w"), stderr=subprocess.PIPE, text=True, env=ENV,
+                            cwd=ROOT)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if "sidecar 2/2: 2 real-time streams ..." in line:  # the second level has started
+                proc.send_signal(signal.SIGINT)
+                break
+        seen += proc.stderr.readlines()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = "".join(seen)
+    assert proc.returncode == 130, stderr
+    assert "interrupted during sidecar: 2 real-time streams" in stderr and "Traceback" not in stderr
+    report = json.loads(report_path.read_text())
+    assert report["interrupted"] == "sidecar: 2 real-time streams"
+    assert [(r["concurrency"], r["chunks"], r["errors"]) for r in report["results"]] == [(1, 3, 0)]  # 1+25+25
+    assert "wrote " + str(report_path) + " (interrupted: partial)" in (tmp_path / "stdout.txt").read_text()
+
+
+def test_time_left_counts_known_durations_and_estimates_the_rest():
+    steps = [Step("a", weight=1), Step("b", weight=4), Step("c", expected_s=7.5), Step("d", weight=2)]
+    assert Progress.time_left_s(steps, 0, []) is None  # nothing measured yet: no rate for weighted steps
+    assert Progress.time_left_s(steps, 1, [3.0]) == pytest.approx(4 * 3.0 + 7.5 + 2 * 3.0)
+    assert Progress.time_left_s(steps, 3, [3.0, 5.0, 9.0]) == pytest.approx(2 * (8.0 / 5))
+    assert Progress.time_left_s(steps[2:3], 0, []) == 7.5
+    assert Progress.left_text(Progress(), steps, 4, [1, 1, 1, 1]) == "phase done"
+    # a step of weight 0 (loading a model) is no sample for the rate of the others
+    assert Progress.time_left_s([Step("load", weight=0), Step("run", weight=3)], 1, [40.0]) is None
+
+
+def test_plot_draws_the_real_time_lines():
+    pytest.importorskip("matplotlib")
+    report = load(str(ROOT / "deploy" / "k8s" / "bench" / "h200-bfloat16.json"))
+    fig = draw(report)
+    latency_ax, throughput_ax = fig.axes
+    chunk_ms = report.settings["chunk_frames"] * FRAME_S * 1e3
+    realtime = {ax: [ln for ln in ax.get_lines() if ln.get_label().startswith("real time")]
+                for ax in (latency_ax, throughput_ax)}
+    (budget,) = realtime[latency_ax]
+    assert list(budget.get_ydata()) == [chunk_ms, chunk_ms]  # a chunk's own audio: 2 s for 25 frames
+    (per_stream,) = realtime[throughput_ax]
+    conc = [r["concurrency"] for r in report.results]
+    assert list(per_stream.get_xdata()) == list(per_stream.get_ydata()) == [min(conc), max(conc)]
