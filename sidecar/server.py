@@ -42,7 +42,7 @@ from .metrics import HealthServer, Metrics
 from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
 from .scheduler import Scheduler
-from .sessions import Sessions
+from .sessions import CLOSE_SLICE_STREAMS, Sessions
 from .state_store import StateArena
 from .transport import Transport, check_bind_security
 
@@ -75,6 +75,7 @@ class Server:
         self._zmq = zmq.Context()
         self._busy = False  # an engine step is in flight
         self._ops_running = False  # a task is draining region open/close work
+        self._close_slice_due = False  # a loop turn will free a slice of sessions.close_backlog
         self._busy_poll_s = 0.0  # resolved for the device at start
         self._poll_until = 0.0  # monotonic: the step loop polls instead of sleeping until then
         self._polling = False  # the step loop is busy-polling now (input found now was not waited for)
@@ -373,9 +374,17 @@ class Server:
             self.transport.send(out.identity, out.message, out.buffers)
         if outbox and self.transport.readable():  # sending may have consumed the descriptor's signal
             asyncio.get_running_loop().call_soon(self._on_readable)
+        if self.sessions.close_backlog and not self._close_slice_due:  # a departed client's streams: a slice
+            self._close_slice_due = True  # per loop turn, so other clients' messages are handled in between
+            asyncio.get_running_loop().call_soon(self._close_slice)
         if self.sessions.regions.device_ops and not self._ops_running:
             self._ops_running = True
             asyncio.get_running_loop().create_task(self._run_device_ops(), name="region-ops")
+
+    def _close_slice(self) -> None:
+        self._close_slice_due = False
+        self.sessions.close_some(CLOSE_SLICE_STREAMS)
+        self._flush()
 
 
 def install_uvloop() -> str:

@@ -6,6 +6,7 @@ socket or the model. Every failure is a typed error scoped to the message or chu
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
@@ -32,6 +33,10 @@ from .streams import SeqVerdict, Stream, check_seq
 from .work import ChunkRejected
 
 log = logging.getLogger(__name__)
+
+CLOSE_SLICE_STREAMS = 512
+"""Streams freed per loop turn when a client with many streams leaves (bye, re-handshake, TTL): the rest wait in
+``close_backlog`` so pings of other clients are answered in between (``close_some``)."""
 
 @dataclass
 class ClientState:
@@ -61,6 +66,7 @@ class Sessions:
         self.outbox: list[Outbound] = []
         self.draining = False
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
+        self.close_backlog: collections.deque[tuple[Stream, str]] = collections.deque()  # detached, to free
         self.regions = RegionService(ipc_device, host_id, metrics, self._send, self.error, ipc_off_reason,
                                      session_of=self.clients.get)
 
@@ -283,7 +289,7 @@ class Sessions:
 
     # ------------------------------------------------------------------ lifecycle
     def abort_stream(self, stream: Stream, reason: str) -> None:
-        for job in self.scheduler.remove_stream(stream):
+        for job in self.scheduler.remove_stream(stream) if stream.num_pending else ():  # (no queue scan if idle)
             self._job_done(job)
             self._reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
                          f"stream '{stream.stream_id}' was aborted ({reason})")
@@ -294,10 +300,11 @@ class Sessions:
         if stream.closed:
             return
         stream.closed = True
-        self.streams.pop(stream.key, None)
-        client = self.clients.get(stream.client)
-        if client is not None:
-            client.streams.discard(stream.stream_id)
+        if self.streams.get(stream.key) is stream:  # (a stream from close_backlog was detached already)
+            self.streams.pop(stream.key)
+            client = self.clients.get(stream.client)
+            if client is not None:
+                client.streams.discard(stream.stream_id)
         if stream.slot is not None and stream.num_pending == 0:
             self.arena.release(stream.slot)
             stream.slot = None
@@ -321,10 +328,16 @@ class Sessions:
         client = self.clients.pop(identity, None)
         if client is None:
             return
-        for stream_id in list(client.streams):
-            stream = self.streams.get((identity, stream_id))
+        num_streams = len(client.streams)
+        for stream_id in client.streams:
+            stream = self.streams.pop((identity, stream_id), None)
             if stream is not None:
-                self.abort_stream(stream, reason)
+                self.close_backlog.append((stream, reason))
+        client.streams.clear()
+        if num_streams > CLOSE_SLICE_STREAMS:
+            log.info("client '%s' left (%s) with %d open streams: freeing them in slices of %d", client.client_id,
+                     reason, num_streams, CLOSE_SLICE_STREAMS)
+        self.close_some(CLOSE_SLICE_STREAMS)
         self.regions.drop_client(identity)
         self.metrics.clients.set(len(self.clients))
 
@@ -332,13 +345,30 @@ class Sessions:
         """Close streams idle past the TTL and forget clients silent past it. Returns streams reaped."""
         ttl = self.cfg.streams.ttl_s
         idle = [s for s in self.streams.values() if s.num_pending == 0 and now_s - s.last_active_s > ttl]
-        for stream in idle:
-            log.info("reaping stream '%s' idle for %.1fs", stream.stream_id, now_s - stream.last_active_s)
-            self.abort_stream(stream, "ttl")
-        for identity, client in list(self.clients.items()):
-            if not client.streams and now_s - client.last_seen_s > ttl:
-                self.drop_client(identity, reason="ttl")
+        for stream in idle:  # detached now (O(1) each), freed in slices by close_some
+            del self.streams[stream.key]
+            client = self.clients.get(stream.client)
+            if client is not None:
+                client.streams.discard(stream.stream_id)
+            self.close_backlog.append((stream, "ttl"))
+        gone = [identity for identity, client in self.clients.items()
+                if not client.streams and now_s - client.last_seen_s > ttl]
+        for identity in gone:
+            self.drop_client(identity, reason="ttl")
+        if idle or gone:  # one summary line, not one per stream
+            oldest_s = max((now_s - s.last_active_s for s in idle), default=0.0)
+            log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and %d silent clients",
+                     len(idle), ttl, oldest_s, len(gone))
+        self.close_some(CLOSE_SLICE_STREAMS)
         return len(idle)
+
+    def close_some(self, max_streams: int) -> bool:
+        """Free up to ``max_streams`` detached streams of ``close_backlog``; True while more are waiting
+        (the server calls again on its next loop turn)."""
+        for _ in range(min(max_streams, len(self.close_backlog))):
+            stream, reason = self.close_backlog.popleft()
+            self.abort_stream(stream, reason)
+        return bool(self.close_backlog)
 
     # ------------------------------------------------------------------ output
     def _update_arena_metrics(self) -> None:
