@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Literal, Sequence, Union
 
 import torch
+import zmq.auth
 
 from code2wav.proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
@@ -92,12 +93,14 @@ class SidecarClient:
         connect_timeout_s: float = 5.0,
         client_id: str | None = None,
         curve_server_key: bytes | str | None = None,
+        curve_client_key_file: str | None = None,
         cuda_ipc: bool = True,
         ipc_codes_nbytes: int = 4 << 20,
         ipc_audio_nbytes: int = 64 << 20,
     ) -> None:
         """``curve_server_key``: the sidecar's CurveZMQ public key (Z85, 40 characters) when it listens on a
-        non-loopback TCP address with CurveZMQ; the client then encrypts with a fresh keypair of its own.
+        non-loopback TCP address with CurveZMQ; the client then encrypts with a fresh keypair of its own, or
+        with the one in ``curve_client_key_file`` (a ``.key_secret`` file) for a sidecar with a client allow-list.
 
         ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
         are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
@@ -109,7 +112,8 @@ class SidecarClient:
         self._order_lock = threading.Lock()  # seq assignment and queueing happen in one order
         capabilities = {"cuda_ipc": bool(cuda_ipc), "gpu_uuid": None, "host_id": host_id()}
         routing_id = b"c2w-" + uuid.uuid4().bytes
-        self._conn = Connection(address, self.client_id, routing_id, capabilities, curve_server_key)
+        client_keys = zmq.auth.load_certificate(curve_client_key_file) if curve_client_key_file else None
+        self._conn = Connection(address, self.client_id, routing_id, capabilities, curve_server_key, client_keys)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
         try:
             self._handshake(connect_timeout_s)

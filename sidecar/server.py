@@ -42,6 +42,7 @@ from .metrics import HealthServer, Metrics
 from .models import LoadedModel, configure_cuda, load_model, resolve_device
 from .models.routine import StreamRoutine
 from .scheduler import Scheduler
+from .auth import start_client_auth
 from .sessions import CLOSE_SLICE_STREAMS, Sessions
 from .state_store import StateArena
 from .transport import Transport, check_bind_security
@@ -114,6 +115,10 @@ class Server:
         self.sessions = Sessions(cfg, self.model, arena, self.scheduler, self.metrics, ipc_device, host_id(),
                                  ipc_off_reason)
         sec = cfg.security
+        self.auth = start_client_auth(self._zmq, check_bind_security(cfg.address, sec.curve_secret_key_file,
+                                      sec.insecure, warn=False), sec.curve_allowed_clients_dir, self.metrics)
+        if self.auth is not None:
+            loop.add_signal_handler(signal.SIGHUP, self.auth.reload)
         self.transport = Transport(self._zmq, cfg.address, cfg.limits.max_message_bytes,
                                    sec.curve_secret_key_file, sec.insecure)
         self.ready = True
@@ -194,6 +199,8 @@ class Server:
         await self.health.close()
         if self.transport is not None:
             self.transport.close()
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
         self._zmq.term()
         self._pool.shutdown(wait=True)
 
@@ -211,7 +218,7 @@ class Server:
             count += 1
             identity, frames = received
             try:
-                self.sessions.on_message(identity, frames)
+                self.sessions.on_message(identity, frames, self.transport.last_user_id)
             except Exception:  # a bug must not stop the server; the client gets an internal error
                 log.exception("internal error while handling a message")
                 self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")

@@ -19,6 +19,7 @@ from torch import Tensor
 from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
+from .auth import SessionOwners, new_session_secret
 from .config import ServerConfig
 from .engine import DecodeItem
 from .inputs import read_chunk_inputs
@@ -43,6 +44,8 @@ class ClientState:
     client_id: str
     streams: set = field(default_factory=set)
     last_seen_s: float = 0.0
+    secret: str = ""  # sent in the welcome; a re-handshake on this routing id must present it (auth.py)
+    owner: str | None = None  # CURVE: the client's public key (ZAP user id); every message must carry it
 
 
 class Sessions:
@@ -66,6 +69,7 @@ class Sessions:
         self.outbox: list[Outbound] = []
         self.draining = False
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
+        self.owners = SessionOwners(metrics)
         self.close_backlog: collections.deque[tuple[Stream, str]] = collections.deque()  # detached, to free
         self.regions = RegionService(ipc_device, host_id, metrics, self._send, self.error, ipc_off_reason,
                                      session_of=self.clients.get)
@@ -90,20 +94,24 @@ class Sessions:
             self.pending_by_client.pop(stream.client, None)
 
     # ------------------------------------------------------------------ input
-    def on_message(self, identity: bytes, frames: list) -> None:
+    def on_message(self, identity: bytes, frames: list, user_id: str | None = None) -> None:
         try:
             msg = proto.decode_client_message(frames, self.limits)
         except ProtocolError as exc:
             self.error(identity, exc.request_id, exc.code, exc.message)
             return
         client = self.clients.get(identity)
+        if client is not None and not isinstance(msg, proto.Hello) and not self.owners.owns(client.owner, user_id):
+            self.owners.refused(identity, client.client_id, "a message from a CURVE key that does not own the session")
+            return self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, "this routing id has a "
+                              "session owned by another CURVE client key; connect with a fresh routing id")
         if client is not None:
             client.last_seen_s = self.clock()
         if isinstance(msg, proto.Hello):
-            self._hello(identity, msg)
+            self._hello(identity, msg, user_id)
         elif client is None:
             self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
-                        f"{type(msg).__name__} before the handshake: send hello first")
+                        f"{msg.TYPE} before the handshake: send hello first")
         elif isinstance(msg, proto.Ping):
             self._send(identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.boot_epoch))
         elif isinstance(msg, proto.OpenStream):
@@ -121,10 +129,17 @@ class Sessions:
         elif isinstance(msg, proto.UnregisterRegion):
             self.regions.on_unregister(identity, msg)
 
-    def _hello(self, identity: bytes, msg: proto.Hello) -> None:
-        if identity in self.clients:
+    def _hello(self, identity: bytes, msg: proto.Hello, user_id: str | None = None) -> None:
+        old = self.clients.get(identity)
+        if old is not None:
+            why = self.owners.rehandshake_refusal(old.owner, old.secret, user_id, msg.session_secret)
+            if why is not None:  # the session stays as it is
+                self.owners.refused(identity, msg.client_id, why)
+                return self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, why)
             self.drop_client(identity, reason="rehandshake")
-        self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock())
+        secret = new_session_secret()
+        self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock(), secret=secret,
+                                             owner=user_id)
         self.metrics.clients.set(len(self.clients))
         m = self.model
         info = proto.ModelInfo(name=m.name, num_quantizers=m.num_quantizers, codebook_size=m.codebook_size,
@@ -134,7 +149,8 @@ class Sessions:
         self._send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
             boot_epoch=self.boot_epoch, models=(info,), default_model=m.name, limits=self.limits,
-            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities()))
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities(),
+            session_secret=secret))
 
     def _open(self, identity: bytes, client: ClientState, msg: proto.OpenStream) -> None:
         rid = msg.request_id
