@@ -39,11 +39,12 @@ from code2wav.proto import (
     Welcome,
     decode_server_message,
     encode,
+    exceeded_limit,
 )
 
 from ._call import RECEIVE_LIMITS, Call, OnFailure, Outcome
 from ._liveness import DEAD_AFTER_INTERVALS, LinkState, Liveness
-from .errors import DeadlineExceeded, Internal, SidecarError, Unavailable, error_from
+from .errors import DeadlineExceeded, Internal, LimitExceeded, SidecarError, Unavailable, error_from
 
 __all__ = ["Call", "Connection", "Outcome", "DEAD_AFTER_INTERVALS"]
 
@@ -124,6 +125,11 @@ class Connection(Liveness):
         """Send ``call`` now from this thread when the socket is free and nothing is queued ahead of it, else
         queue it for the I/O thread. Reply callbacks fire on the I/O thread; a failure found while sending
         here (or a closed client) is reported on this thread."""
+        welcome = self._state.welcome  # the server's limits: refuse here what it would refuse (or drop)
+        exceeded = exceeded_limit(call.frames, welcome.limits) if welcome is not None else None
+        if exceeded is not None:
+            call.on_failure(LimitExceeded(exceeded[1], exceeded[0]), "not_sent")
+            return
         with self._submit_lock:
             if self._closed.is_set():
                 failures = None

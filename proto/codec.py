@@ -81,15 +81,7 @@ def _check_frame_count(frames: Sequence[Any], limits: Limits) -> None:
                 "(max_frames_per_message)")
 
 
-def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, check_frame_count: bool = True
-                ) -> dict[str, Any]:
-    """Check the message's size limits and unpack frame 0 into a header map. The decoders check the frame
-    count after parsing (``check_frame_count=False``): a decode with too many chunks (and so too many frames)
-    is then answered naming ``max_chunks_per_message``, with its request id."""
-    if len(frames) == 0:
-        invalid("empty message: expected a msgpack header frame")
-    if check_frame_count:
-        _check_frame_count(frames, limits)
+def _check_message_nbytes(frames: Sequence[Any], limits: Limits) -> None:
     total_nbytes = 0
     for frame in frames:
         try:
@@ -98,7 +90,23 @@ def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, check_fr
             invalid(f"frame of type {type_name(frame)} is not a bytes-like object")
     if total_nbytes > limits.max_message_bytes:
         invalid(f"message is {total_nbytes} bytes; the limit is {limits.max_message_bytes} (max_message_bytes)")
-    header_nbytes = memoryview(frames[0]).nbytes
+
+
+def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, check_size: bool = True
+                ) -> dict[str, Any]:
+    """Check the message's size limits and unpack frame 0 (at most ``max_header_bytes``) into a header map.
+    The decoders check the message's size after reading its request id (``check_size=False``), so that
+    error is scoped to the request; and its frame count after parsing, so a decode with too many chunks (and
+    so too many frames) is answered naming ``max_chunks_per_message``."""
+    if len(frames) == 0:
+        invalid("empty message: expected a msgpack header frame")
+    if check_size:
+        _check_frame_count(frames, limits)
+        _check_message_nbytes(frames, limits)
+    try:
+        header_nbytes = memoryview(frames[0]).nbytes
+    except TypeError:
+        invalid(f"frame of type {type_name(frames[0])} is not a bytes-like object")
     if header_nbytes > limits.max_header_bytes:
         invalid(f"header is {header_nbytes} bytes; the limit is {limits.max_header_bytes} (max_header_bytes)")
     try:
@@ -140,9 +148,10 @@ def _message_type(header: dict[str, Any], known: Sequence[str]) -> str:
 
 def decode_client_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ClientMessage:
     """Parse and validate a client -> server message (strict: unknown keys are rejected)."""
-    header = read_header(frames, limits, check_frame_count=False)
+    header = read_header(frames, limits, check_size=False)
     request_id = _peek_request_id(header)
     try:
+        _check_message_nbytes(frames, limits)
         parser = _CLIENT_PARSERS[_message_type(header, tuple(_CLIENT_PARSERS))]
         msg = parser(header, limits, frames)
         _check_frame_count(frames, limits)
@@ -153,9 +162,10 @@ def decode_client_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS
 
 def decode_server_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ServerMessage:
     """Parse and validate a server -> client message (unknown keys are ignored)."""
-    header = read_header(frames, limits, check_frame_count=False)
+    header = read_header(frames, limits, check_size=False)
     request_id = _peek_request_id(header)
     try:
+        _check_message_nbytes(frames, limits)
         parser = _SERVER_PARSERS[_message_type(header, tuple(_SERVER_PARSERS))]
         msg = parser(header, limits, frames)
         _check_frame_count(frames, limits)
