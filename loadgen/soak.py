@@ -10,8 +10,7 @@ fixed schedule (open loop: not waiting for replies) until ``--stream-frames``, t
 stream. A chunk's outcome is decoded (audio of the right length), failed with a typed error (counted by code:
 expected around the faults), or lost: no outcome at all from a client process that lived to the end. ``lost``
 must be 0. The report (JSON): counts, p99 latency per 10 s window, the sidecar's RSS and GPU memory over time,
-the sidecar's time to ready after its restart. ``python -m code2wav.loadgen.soak client`` is one client process
-(the driver starts them); it appends JSON lines to its ``--out`` file every half second.
+the sidecar's time to ready after its restart. Each client process is ``loadgen/soak_client.py``.
 """
 
 from __future__ import annotations
@@ -31,128 +30,6 @@ from .spawn import ROOT, spawn_sidecar
 
 WINDOW_S = 10.0
 SAMPLE_EVERY_S = 1.0
-FLUSH_EVERY_S = 0.5
-
-
-# ------------------------------------------------------------------ one client process
-class _Recorder:
-    """Counters and latencies, appended to a JSON-lines file every FLUSH_EVERY_S (a SIGKILL loses at most that)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-        self.sent = self.decoded = self.bad_audio = 0
-        self.failed: dict[str, int] = {}  # chunks sent that failed, by error code
-        self.failed_unsent: dict[str, int] = {}  # refused before sending (open_stream failed, server down)
-        self.latencies: list[tuple[float, float]] = []  # (wall time sent, seconds), since the last flush
-
-    def outcome(self, t_sent: float, t0: float, future, want_samples: int) -> None:
-        error = future.exception()
-        with self.lock:
-            if error is None:
-                if future.result().numel() == want_samples:
-                    self.decoded += 1
-                    self.latencies.append((t_sent, time.monotonic() - t0))
-                else:
-                    self.bad_audio += 1
-            else:
-                self.failed[_code(error)] = self.failed.get(_code(error), 0) + 1
-
-    def unsent(self, error: BaseException) -> None:
-        with self.lock:
-            self.failed_unsent[_code(error)] = self.failed_unsent.get(_code(error), 0) + 1
-
-    def flush(self, kind: str = "progress") -> None:
-        with self.lock:
-            line = {"kind": kind, "t": time.time(), "sent": self.sent, "decoded": self.decoded,
-                    "bad_audio": self.bad_audio, "failed": dict(self.failed), "failed_unsent": dict(self.failed_unsent),
-                    "latencies": self.latencies}
-            self.latencies = []
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-
-
-def client_main(args: argparse.Namespace) -> int:
-    import torch  # noqa: PLC0415 - the driver does not need torch
-
-    from code2wav.client import SidecarClient, SidecarError  # noqa: PLC0415
-
-    rec = _Recorder(Path(args.out))
-    stop_at = time.monotonic() + args.duration_s
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    gen = torch.Generator().manual_seed(args.seed)
-    client = None
-    while client is None and time.monotonic() < stop_at:
-        try:
-            client = SidecarClient(args.address, timeout_s=args.timeout_s, connect_timeout_s=2.0,
-                                   client_id=f"soak-{args.seed}")
-        except SidecarError:
-            time.sleep(0.5)
-    if client is None:
-        rec.flush("exit")
-        return 1
-    rec.flush("ready")
-    info = client.models[0]
-    frame_rate_hz = args.frame_rate_hz or info.sample_rate / info.samples_per_frame
-    period_s = args.chunk_frames / frame_rate_hz
-    slots: list[dict] = [{"stream": None, "pos": 0, "due": time.monotonic() + i * period_s / args.streams}
-                         for i in range(args.streams)]
-    futures = []
-    last_flush = time.monotonic()
-    opened = 0
-    while time.monotonic() < stop_at and not stopping.is_set():
-        now = time.monotonic()
-        for slot in slots:
-            if now < slot["due"]:
-                continue
-            slot["due"] += period_s  # open loop: the schedule does not wait for replies
-            if slot["due"] < now:  # fell behind (e.g. the sidecar was down): skip, do not burst
-                slot["due"] = now + period_s
-            stream = slot["stream"]
-            if stream is None or stream.closed or stream.lost:
-                try:
-                    stream = client.open_stream(f"soak-{args.seed}-{opened}")
-                except SidecarError as exc:
-                    rec.unsent(exc)
-                    continue
-                opened += 1
-                slot["stream"], slot["pos"] = stream, 0
-            final = slot["pos"] + args.chunk_frames >= args.stream_frames
-            codes = torch.randint(0, info.codebook_size, (info.num_quantizers, args.chunk_frames), generator=gen)
-            try:
-                future = stream.submit(codes, final=final)  # [Q, n] -> [n * U]
-            except SidecarError as exc:
-                rec.unsent(exc)
-                slot["stream"] = None
-                continue
-            with rec.lock:
-                rec.sent += 1
-            t_sent, t0 = time.time(), time.monotonic()
-            want = args.chunk_frames * info.samples_per_frame
-            future.add_done_callback(lambda f, t_sent=t_sent, t0=t0, want=want: rec.outcome(t_sent, t0, f, want))
-            futures.append(future)
-            slot["pos"] += args.chunk_frames
-            if final:
-                slot["stream"] = None
-        futures = [f for f in futures if not f.done()]
-        if now - last_flush >= FLUSH_EVERY_S:
-            rec.flush()
-            last_flush = now
-        next_due = min(slot["due"] for slot in slots)
-        time.sleep(max(0.0, min(next_due - time.monotonic(), 0.05)))
-    deadline = time.monotonic() + args.timeout_s + 5.0  # every chunk sent gets its outcome (or counts as lost)
-    while any(not f.done() for f in futures) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.1)  # done callbacks run on the client's I/O thread
-    client.close()
-    rec.flush("exit")
-    return 0
-
-
-def _code(error: BaseException) -> str:
-    """The protocol error code of a client error (its class name for anything else)."""
-    return getattr(getattr(error, "code", None), "value", type(error).__name__)
 
 
 # ------------------------------------------------------------------ the driver
@@ -182,7 +59,7 @@ def _start_client(args: argparse.Namespace, address: str, workdir: Path, index: 
     """A client process; it runs until the driver's SIGTERM (then it collects every outcome and exits)."""
     out = workdir / f"client{index}-{generation}.jsonl"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    cmd = [sys.executable, "-m", "code2wav.loadgen.soak", "client", "--address", address, "--out", str(out),
+    cmd = [sys.executable, "-m", "code2wav.loadgen.soak_client", "--address", address, "--out", str(out),
            "--duration-s", f"{args.duration_s + 3600:.0f}", "--streams", str(args.streams_per_client),
            "--chunk-frames", str(args.chunk_frames), "--stream-frames", str(args.stream_frames),
            "--timeout-s", str(args.timeout_s), "--seed", str(index * 1000 + generation)]
@@ -306,17 +183,6 @@ def _sent_failures(stats: dict) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m code2wav.loadgen.soak", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command")
-    c = sub.add_parser("client", help="one client process (started by the driver)")
-    c.add_argument("--address", required=True)
-    c.add_argument("--out", required=True)
-    c.add_argument("--duration-s", type=float, required=True)
-    c.add_argument("--streams", type=int, required=True)
-    c.add_argument("--chunk-frames", type=int, default=25)
-    c.add_argument("--stream-frames", type=int, default=250)
-    c.add_argument("--frame-rate-hz", type=float, default=None)
-    c.add_argument("--timeout-s", type=float, default=10.0)
-    c.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -340,8 +206,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "client":
-        return client_main(args)
     if args.streams_per_client is None:
         if args.capacity_streams is None:
             raise SystemExit("give --streams-per-client, or --capacity-streams (and --fraction)")

@@ -24,6 +24,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from .metrics import Metrics
 
@@ -91,7 +92,7 @@ class ClientAuth(ThreadAuthenticator):
             self.metrics.auth_refused.labels(reason="unknown_key").inc()
             if self._logged.first(client_key):
                 log.warning("refused a CURVE client whose public key %s is not in %s (logged once per key)",
-                            zmq.utils.z85.encode(client_key).decode(), self.allowed_dir)
+                            z85.encode(client_key).decode(), self.allowed_dir)
         return allowed, reason
 
 
