@@ -104,9 +104,10 @@ def _arena_used(running) -> float:
     return _metric(running.scrape(), "code2wav_sidecar_arena_slots", kind="used")
 
 
-def _free_all_while_pinging(running, leave) -> float:
+def _free_all_while_pinging(running, leave, all_open: bool = True) -> float:
     peer = _open_many(running.address)
-    assert _arena_used(running) == NUM_STREAMS
+    if all_open:  # (with a TTL, the first streams may age out while the last are still being opened)
+        assert _arena_used(running) == NUM_STREAMS
     pinger = _Pinger(running.address)
     pinger.start()
     assert pinger.ready.wait(30)
@@ -142,7 +143,7 @@ def test_bye_with_16384_streams_keeps_pings_answered(tmp_path):
 def test_ttl_reap_of_16384_streams_keeps_pings_answered(tmp_path):
     running = start_sidecar(tmp_path, "--max-streams", str(NUM_STREAMS), "--stream-ttl-s", "12")
     try:
-        worst_s = _free_all_while_pinging(running, lambda peer: peer.close())  # vanishes without a bye
+        worst_s = _free_all_while_pinging(running, lambda peer: peer.close(), all_open=False)  # no bye
         print(f"\nTTL reap of {NUM_STREAMS} streams: max ping latency {worst_s * 1e3:.1f} ms")
         assert worst_s < LIVENESS_BOUND_S
     finally:
