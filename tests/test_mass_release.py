@@ -106,8 +106,12 @@ def _arena_used(running) -> float:
 
 def _free_all_while_pinging(running, leave, all_open: bool = True) -> float:
     peer = _open_many(running.address)
-    if all_open:  # (with a TTL, the first streams may age out while the last are still being opened)
-        assert _arena_used(running) == NUM_STREAMS
+    try:
+        if all_open:  # (with a TTL, the first streams may age out while the last are still being opened)
+            assert _arena_used(running) == NUM_STREAMS
+    except BaseException:
+        peer.close()  # (a zmq context left to the garbage collector can hang the test process)
+        raise
     pinger = _Pinger(running.address)
     pinger.start()
     assert pinger.ready.wait(30)
