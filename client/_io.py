@@ -42,11 +42,12 @@ from code2wav.proto import (
     Welcome,
     decode_server_message,
     encode,
+    exceeded_limit,
 )
 
 from ._call import RECEIVE_LIMITS, Call, OnFailure, Outcome
 from ._liveness import DEAD_AFTER_INTERVALS, LinkState, Liveness
-from .errors import DeadlineExceeded, Internal, SidecarError, Unavailable, error_from
+from .errors import DeadlineExceeded, Internal, LimitExceeded, SidecarError, Unavailable, error_from
 
 __all__ = ["Call", "Connection", "Outcome", "DEAD_AFTER_INTERVALS"]
 
@@ -62,7 +63,7 @@ class Connection(Liveness):
     """Owns the DEALER socket and the I/O thread. Thread-safe entry points: ``submit``, ``close``."""
 
     def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any],
-                 curve_server_key: bytes | str | None = None) -> None:
+                 curve_server_key: bytes | str | None = None, curve_client_keys: tuple | None = None) -> None:
         self.address = address
         self.client_id = client_id
         self._capabilities = dict(capabilities)
@@ -87,7 +88,7 @@ class Connection(Liveness):
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if curve_server_key is not None:  # CurveZMQ: encrypt and authenticate the server by its public key
-            public, secret = zmq.curve_keypair()
+            public, secret = curve_client_keys or zmq.curve_keypair()  # (a fixed pair for an allow-list)
             self._sock.curve_serverkey = curve_server_key.encode() if isinstance(curve_server_key, str) else curve_server_key
             self._sock.curve_publickey = public
             self._sock.curve_secretkey = secret
@@ -127,6 +128,11 @@ class Connection(Liveness):
         """Send ``call`` now from this thread when the socket is free and nothing is queued ahead of it, else
         queue it for the I/O thread. Reply callbacks fire on the I/O thread; a failure found while sending
         here (or a closed client) is reported on this thread."""
+        welcome = self._state.welcome  # the server's limits: refuse here what it would refuse (or drop)
+        exceeded = exceeded_limit(call.frames, welcome.limits) if welcome is not None else None
+        if exceeded is not None:
+            call.on_failure(LimitExceeded(exceeded[1], exceeded[0]), "not_sent")
+            return
         with self._submit_lock:
             if self._closed.is_set():
                 failures = None
@@ -160,7 +166,9 @@ class Connection(Liveness):
                    on_failure: OnFailure) -> Call:
         """A ``hello`` call; on success the connection adopts the welcome before ``on_welcome``."""
         request_id = self.next_request_id()
-        msg = Hello(request_id, PROTOCOL_VERSION, self.client_id, self._capabilities)
+        last = self._state.welcome  # a re-handshake presents the session's secret (it may still exist)
+        msg = Hello(request_id, PROTOCOL_VERSION, self.client_id, self._capabilities,
+                    session_secret=last.session_secret if last is not None else None)
 
         def on_reply(reply: ServerMessage, frames: list[memoryview]) -> None:
             if not isinstance(reply, Welcome):

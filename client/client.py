@@ -24,6 +24,8 @@ import uuid
 from concurrent.futures import Future
 from typing import Any, Sequence, Union
 
+import zmq.auth
+
 from code2wav.proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
     STREAM_MODES,
@@ -67,6 +69,7 @@ class SidecarClient:
         connect_timeout_s: float = 5.0,
         client_id: str | None = None,
         curve_server_key: bytes | str | None = None,
+        curve_client_key_file: str | None = None,
         cuda_ipc: bool = True,
         ipc_codes_nbytes: int = 4 << 20,
         ipc_audio_nbytes: int = 64 << 20,
@@ -75,7 +78,8 @@ class SidecarClient:
 
         ``curve_server_key``: the sidecar's CurveZMQ public key when it listens on a non-loopback TCP address with
         CurveZMQ (a certificate file path or the 40-character Z85 key: ``client.keys``); the client then
-        encrypts with a fresh keypair of its own.
+        encrypts with a fresh keypair of its own. With a client allow-list on the sidecar, ``curve_client_key_file`` (a ``.key_secret``
+        file) is the keypair the client presents instead of a fresh one.
 
         ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
         are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
@@ -86,7 +90,8 @@ class SidecarClient:
         capabilities = {"cuda_ipc": bool(cuda_ipc), "gpu_uuid": None, "host_id": host_id()}
         routing_id = b"c2w-" + uuid.uuid4().bytes
         curve_key = None if curve_server_key is None else server_public_key(curve_server_key)
-        self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key)
+        client_keys = zmq.auth.load_certificate(curve_client_key_file) if curve_client_key_file else None
+        self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key, client_keys)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
         self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits)
         try:

@@ -10,6 +10,7 @@ from code2wav.proto import ErrorCode
 __all__ = [
     "SidecarError",
     "InvalidArgument",
+    "LimitExceeded",
     "NotFound",
     "AlreadyExists",
     "OutOfOrder",
@@ -40,6 +41,14 @@ class SidecarError(Exception):
 
 class InvalidArgument(SidecarError):
     code = ErrorCode.INVALID_ARGUMENT
+
+
+class LimitExceeded(InvalidArgument):
+    """Raised before sending: the message breaks one of the server's ``welcome.limits``, named by ``limit``."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class NotFound(SidecarError):

@@ -23,7 +23,7 @@ from code2wav.proto import (Abort, Aborted, Chunk, Decode, DecodeResult, Finish,
 from ._call import Call, Outcome
 from ._io import Connection
 from .cuda_ipc.link import IpcLink
-from .errors import DeadlineExceeded, Internal, InvalidArgument, SidecarError
+from .errors import DeadlineExceeded, Internal, InvalidArgument, LimitExceeded, SidecarError
 from .ledger import SentChunk, StreamLedger
 from .results import Settle, settle_reply
 from .transport import CodesLike, TensorTransport
@@ -129,9 +129,8 @@ class Sender:
         if not entries:
             raise InvalidArgument("a batch needs at least one chunk")
         if len(entries) > limits.max_chunks_per_message:
-            raise InvalidArgument(
-                f"{len(entries)} chunks in one batch; the server's limit is {limits.max_chunks_per_message}"
-            )
+            raise LimitExceeded(f"{len(entries)} chunks in one batch; the server's limit is "
+                                f"{limits.max_chunks_per_message} (max_chunks_per_message)", "max_chunks_per_message")
         prepared = []
         nbytes = 0
         for stream, codes, final, context_frames in entries:
@@ -140,8 +139,9 @@ class Sender:
             prepared.append((stream, stream.wire_inputs(codes, final, context_frames, limits), final, context_frames))
             nbytes += prepared[-1][1].nbytes + HEADER_NBYTES_PER_CHUNK
         if nbytes > limits.max_message_bytes:  # counted as if inline: CUDA codes may fall back to it
-            raise InvalidArgument(
-                f"batch is about {nbytes} bytes; the server's limit is {limits.max_message_bytes}: split it"
+            raise LimitExceeded(
+                f"batch is about {nbytes} bytes; the server's limit is {limits.max_message_bytes} "
+                "(max_message_bytes): split it", "max_message_bytes"
             )
         if self.ipc.enabled:  # export and register the regions once per session, outside the order lock
             for device in {array.device for _, array, _, _ in prepared if isinstance(array, torch.Tensor)}:

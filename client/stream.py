@@ -16,7 +16,7 @@ import torch
 
 from code2wav.proto import Limits, Opened
 
-from .errors import InvalidArgument, SidecarError
+from .errors import InvalidArgument, LimitExceeded, SidecarError
 from .ledger import SentChunk, StreamLedger
 from .transport import as_wire_codes, cuda_wire_codes
 
@@ -144,7 +144,8 @@ class Stream:
                 f"codes have {num_quantizers} quantizers; stream {self.stream_id!r} needs {self.num_quantizers}"
             )
         if num_frames > limits.max_chunk_frames:
-            raise InvalidArgument(f"chunk has {num_frames} frames; the limit is {limits.max_chunk_frames}")
+            raise LimitExceeded(f"chunk has {num_frames} frames; the limit is {limits.max_chunk_frames} "
+                                "(max_chunk_frames)", "max_chunk_frames")
         if num_frames == 0 and not final:
             raise InvalidArgument("a chunk with 0 frames must be final")
         if not 0 <= context_frames <= num_frames:

@@ -19,7 +19,7 @@ from .ipc import (
     RegisterRegion,
     UnregisterRegion,
 )
-from .limits import DEFAULT_LIMITS, Limits, MiB
+from .limits import DEFAULT_LIMITS, Limits, MiB, exceeded_limit
 from .messages import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
     PROTOCOL_VERSION,
@@ -63,6 +63,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "MiB",
     "Limits",
+    "exceeded_limit",
     "ErrorCode",
     "ProtocolError",
     "Buffer",

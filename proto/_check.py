@@ -139,12 +139,13 @@ def get_positive_float(obj: Mapping[str, Any], key: str, what: str) -> float:
     return number
 
 
-def get_list(obj: Mapping[str, Any], key: str, what: str, *, max_len: int) -> list[Any]:
+def get_list(obj: Mapping[str, Any], key: str, what: str, *, max_len: int, limit_name: str = "") -> list[Any]:
     value = require(obj, key, what)
     if not isinstance(value, list):
         invalid(f"{what}.{key} must be an array, got {type_name(value)}")
     if len(value) > max_len:
-        invalid(f"{what}.{key} has {len(value)} entries; the limit is {max_len}")
+        named = f" ({limit_name})" if limit_name else ""  # the limit's wire name, as in welcome.limits
+        invalid(f"{what}.{key} has {len(value)} entries; the limit is {max_len}{named}")
     return value
 
 

@@ -43,7 +43,7 @@ from .messages import (
 from .ipc import MAX_REGION_EVENTS
 from .tensors import INTEGER_DTYPES, CudaIpcLoc, InlineLoc, TensorDesc, inline_view
 
-_HELLO_KEYS = frozenset({"type", "request_id", "version", "client_id", "capabilities"})
+_HELLO_KEYS = frozenset({"type", "request_id", "version", "client_id", "capabilities", "session_secret"})
 _OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames", "options"})
 _MAX_STREAM_OPTIONS = 16
 _DECODE_KEYS = frozenset({"type", "request_id", "chunks"})
@@ -78,6 +78,8 @@ def parse_hello(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -
         version=PROTOCOL_VERSION,
         client_id=get_str(header, "client_id", "hello", max_nbytes=limits.max_id_len),
         capabilities=known,
+        session_secret=get_optional_str(header, "session_secret", "hello", max_nbytes=limits.max_id_len,
+                                        default=None),
     )
 
 
@@ -131,7 +133,7 @@ def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any
     if num_quantizers < 1:
         invalid(f"{what}.codes has 0 quantizers")
     if num_frames > limits.max_chunk_frames:
-        invalid(f"{what}.codes has {num_frames} frames; the limit is {limits.max_chunk_frames}")
+        invalid(f"{what}.codes has {num_frames} frames; the limit is {limits.max_chunk_frames} (max_chunk_frames)")
     if num_frames == 0 and not final:
         invalid(f"{what}.codes has 0 frames; only a final chunk may be empty")
     context_frames = get_int(chunk, "context_frames", what, lo=0, default=0)
@@ -164,7 +166,8 @@ def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any
 def parse_decode(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -> Decode:
     reject_unknown_keys(header, _DECODE_KEYS, "decode")
     request_id = request_id_of(header, "decode")
-    raw_chunks = get_list(header, "chunks", "decode", max_len=limits.max_chunks_per_message)
+    raw_chunks = get_list(header, "chunks", "decode", max_len=limits.max_chunks_per_message,
+                          limit_name="max_chunks_per_message")
     if not raw_chunks:
         invalid("decode.chunks must hold at least one chunk")
     chunks = tuple(_parse_chunk(value, index, limits, frames) for index, value in enumerate(raw_chunks))

@@ -17,6 +17,7 @@ from ._check import (
     check_int,
     check_str,
     get_int,
+    get_optional_str,
     get_list,
     get_positive_float,
     get_str,
@@ -138,6 +139,8 @@ def parse_welcome(header: dict[str, Any], limits: Limits, frames: Sequence[Any])
         limits=Limits.from_wire(require(header, "limits", "welcome")),
         heartbeat_interval_s=get_positive_float(header, "heartbeat_interval_s", "welcome"),
         capabilities=dict(capabilities),
+        session_secret=get_optional_str(header, "session_secret", "welcome", max_nbytes=limits.max_id_len,
+                                        default=None),
     )
 
 

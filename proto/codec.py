@@ -29,7 +29,6 @@ __all__ = ["encode", "decode_client_message", "decode_server_message", "read_hea
 Buffer = Union[bytes, bytearray, memoryview]
 
 _MAX_MAP_LEN = 256
-_MIN_ARRAY_LEN = 1024
 
 _ClientParser = Callable[[dict[str, Any], Limits, Sequence[Any]], ClientMessage]
 _ServerParser = Callable[[dict[str, Any], Limits, Sequence[Any]], ServerMessage]
@@ -76,13 +75,13 @@ def _reject_ext(code: int, data: bytes) -> object:
     invalid(f"msgpack extension types are not allowed (got ext type {code})")
 
 
-def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Check the message's size limits and unpack frame 0 into a header map."""
-    num_frames = len(frames)
-    if num_frames == 0:
-        invalid("empty message: expected a msgpack header frame")
-    if num_frames > limits.max_frames_per_message:
-        invalid(f"message has {num_frames} frames; the limit is {limits.max_frames_per_message}")
+def _check_frame_count(frames: Sequence[Any], limits: Limits) -> None:
+    if len(frames) > limits.max_frames_per_message:
+        invalid(f"message has {len(frames)} frames; the limit is {limits.max_frames_per_message} "
+                "(max_frames_per_message)")
+
+
+def _check_message_nbytes(frames: Sequence[Any], limits: Limits) -> None:
     total_nbytes = 0
     for frame in frames:
         try:
@@ -90,10 +89,26 @@ def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> dict[
         except TypeError:
             invalid(f"frame of type {type_name(frame)} is not a bytes-like object")
     if total_nbytes > limits.max_message_bytes:
-        invalid(f"message is {total_nbytes} bytes; the limit is {limits.max_message_bytes}")
-    header_nbytes = memoryview(frames[0]).nbytes
+        invalid(f"message is {total_nbytes} bytes; the limit is {limits.max_message_bytes} (max_message_bytes)")
+
+
+def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, check_size: bool = True
+                ) -> dict[str, Any]:
+    """Check the message's size limits and unpack frame 0 (at most ``max_header_bytes``) into a header map.
+    The decoders check the message's size after reading its request id (``check_size=False``), so that
+    error is scoped to the request; and its frame count after parsing, so a decode with too many chunks (and
+    so too many frames) is answered naming ``max_chunks_per_message``."""
+    if len(frames) == 0:
+        invalid("empty message: expected a msgpack header frame")
+    if check_size:
+        _check_frame_count(frames, limits)
+        _check_message_nbytes(frames, limits)
+    try:
+        header_nbytes = memoryview(frames[0]).nbytes
+    except TypeError:
+        invalid(f"frame of type {type_name(frames[0])} is not a bytes-like object")
     if header_nbytes > limits.max_header_bytes:
-        invalid(f"header is {header_nbytes} bytes; the limit is {limits.max_header_bytes}")
+        invalid(f"header is {header_nbytes} bytes; the limit is {limits.max_header_bytes} (max_header_bytes)")
     try:
         header = msgpack.unpackb(
             frames[0],
@@ -102,7 +117,8 @@ def read_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> dict[
             use_list=True,
             max_str_len=limits.max_header_bytes,
             max_bin_len=0,
-            max_array_len=max(limits.max_chunks_per_message, limits.max_rank, _MIN_ARRAY_LEN),
+            max_array_len=header_nbytes,  # (an entry takes >= 1 byte) the parsers check the protocol's limits
+            # by their wire names (e.g. max_chunks_per_message), with the request id
             max_map_len=_MAX_MAP_LEN,
             max_ext_len=0,
             ext_hook=_reject_ext,
@@ -132,22 +148,28 @@ def _message_type(header: dict[str, Any], known: Sequence[str]) -> str:
 
 def decode_client_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ClientMessage:
     """Parse and validate a client -> server message (strict: unknown keys are rejected)."""
-    header = read_header(frames, limits)
+    header = read_header(frames, limits, check_size=False)
     request_id = _peek_request_id(header)
     try:
+        _check_message_nbytes(frames, limits)
         parser = _CLIENT_PARSERS[_message_type(header, tuple(_CLIENT_PARSERS))]
-        return parser(header, limits, frames)
+        msg = parser(header, limits, frames)
+        _check_frame_count(frames, limits)
+        return msg
     except ProtocolError as exc:
         raise exc.with_request_id(request_id) from None
 
 
 def decode_server_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ServerMessage:
     """Parse and validate a server -> client message (unknown keys are ignored)."""
-    header = read_header(frames, limits)
+    header = read_header(frames, limits, check_size=False)
     request_id = _peek_request_id(header)
     try:
+        _check_message_nbytes(frames, limits)
         parser = _SERVER_PARSERS[_message_type(header, tuple(_SERVER_PARSERS))]
-        return parser(header, limits, frames)
+        msg = parser(header, limits, frames)
+        _check_frame_count(frames, limits)
+        return msg
     except ProtocolError as exc:
         raise exc.with_request_id(request_id) from None
 

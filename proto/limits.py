@@ -10,7 +10,7 @@ from typing import Any
 
 from ._check import as_map, check_int
 
-__all__ = ["Limits", "DEFAULT_LIMITS", "MiB"]
+__all__ = ["Limits", "DEFAULT_LIMITS", "MiB", "exceeded_limit"]
 
 MiB = 1024 * 1024
 
@@ -53,3 +53,19 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def exceeded_limit(frames: list, limits: Limits) -> tuple[str, str] | None:
+    """``(limit name, message)`` for the first of the message-size limits an encoded message breaks, else None:
+    what a sender checks before sending (a server answers these with ``invalid_argument``)."""
+    nbytes = [memoryview(frame).nbytes for frame in frames]
+    if len(frames) > limits.max_frames_per_message:
+        return "max_frames_per_message", (f"message has {len(frames)} frames; the server's limit is "
+                                          f"{limits.max_frames_per_message} (max_frames_per_message)")
+    if nbytes and nbytes[0] > limits.max_header_bytes:
+        return "max_header_bytes", (f"header is {nbytes[0]} bytes; the server's limit is {limits.max_header_bytes} "
+                                    "(max_header_bytes)")
+    if sum(nbytes) > limits.max_message_bytes:
+        return "max_message_bytes", (f"message is {sum(nbytes)} bytes; the server's limit is "
+                                     f"{limits.max_message_bytes} (max_message_bytes)")
+    return None

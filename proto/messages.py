@@ -68,15 +68,21 @@ class Hello:
     version: int
     client_id: str
     capabilities: dict[str, Any] = field(default_factory=dict)
+    session_secret: str | None = None
+    """A re-handshake on a connection (routing id) that has a session presents that session's secret (from
+    its ``welcome``); omitted on the wire when None."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "type": self.TYPE,
             "request_id": self.request_id,
             "version": self.version,
             "client_id": self.client_id,
             "capabilities": dict(self.capabilities),
         }
+        if self.session_secret is not None:
+            wire["session_secret"] = self.session_secret
+        return wire
 
 
 @dataclass(frozen=True)
@@ -284,6 +290,8 @@ class Welcome:
     limits: Limits = DEFAULT_LIMITS
     heartbeat_interval_s: float = 0.5
     capabilities: dict[str, Any] = field(default_factory=dict)
+    session_secret: str | None = None
+    """Binds the session to this client: a later ``hello`` on the same routing id must present it."""
 
     def model(self, name: str | None) -> ModelInfo | None:
         """The model called ``name`` (the default model for ``None``), if served."""
@@ -305,6 +313,7 @@ class Welcome:
             "limits": self.limits.to_wire(),
             "heartbeat_interval_s": float(self.heartbeat_interval_s),
             "capabilities": dict(self.capabilities),
+            **({} if self.session_secret is None else {"session_secret": self.session_secret}),
         }
 
 

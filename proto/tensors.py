@@ -144,7 +144,7 @@ def _parse_shape(value: object, limits: Limits) -> tuple[int, ...]:
     if not isinstance(value, list):
         invalid(f"tensor shape must be an array of integers, got {type_name(value)}")
     if len(value) > limits.max_rank:
-        invalid(f"tensor rank {len(value)} exceeds the limit of {limits.max_rank}")
+        invalid(f"tensor rank {len(value)} exceeds the limit of {limits.max_rank} (max_rank)")
     numel = 1
     for index, dim in enumerate(value):
         if type(dim) is not int or dim < 0 or dim > INT64_MAX:
@@ -153,7 +153,7 @@ def _parse_shape(value: object, limits: Limits) -> tuple[int, ...]:
     dims = list(value)
     if numel > limits.max_tensor_elements:
         invalid(
-            f"tensor shape {dims} has {numel} elements; the limit is {limits.max_tensor_elements}"
+            f"tensor shape {dims} has {numel} elements; the limit is {limits.max_tensor_elements} (max_tensor_elements)"
         )
     return tuple(dims)
 

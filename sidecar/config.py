@@ -76,6 +76,9 @@ class SecurityConfig(_Section):
     curve_secret_key_file: str | None = Field(None, description="CurveZMQ server certificate (zmq.auth format, "
                                               "from `code2wav-sidecar keygen`); required for non-loopback TCP")
     insecure: bool = Field(False, description="allow a non-loopback TCP bind without CurveZMQ (logs a warning)")
+    curve_allowed_clients_dir: str | None = Field(
+        None, description="CurveZMQ only: a folder of client public key files (*.key); only those clients may "
+        "connect (reloaded on SIGHUP). None: any client that has the server's public key")
 
 
 class ServerConfig(_Section):

@@ -41,6 +41,9 @@ def read_chunk_inputs(model: ModelInfo, regions: RegionService, identity: bytes,
         job.codes = torch.zeros((num_channels, 0), dtype=spec.host_dtype())
         return
     if chunk.audio_out is not None:
+        if regions.device is None:  # (audio_out is always cuda_ipc) unsupported here, as for codes: not not_found
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "audio_out: cuda_ipc tensors are not supported by "
+                                "this sidecar (capabilities.cuda_ipc is false)")
         num_samples = (num_frames - chunk.context_frames) * model.samples_per_frame
         if chunk.audio_out.shape != (num_samples,):
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"audio_out has shape {list(chunk.audio_out.shape)}; "

@@ -40,6 +40,9 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         p = "code2wav_sidecar_"
+        self.auth_refused = Counter(p + "auth_refused", "Clients refused: a CURVE key not in the allow-list "
+                                    "(unknown_key) or a session owned by another client (session_owner)",
+                                    ["reason"], registry=r)
         self.chunks = Counter(p + "chunks", "Chunks decoded successfully", ["model", "mode"], registry=r)
         self.frames = Counter(p + "frames", "Codec frames decoded (context frames included)", ["model", "mode"],
                               registry=r)

@@ -32,7 +32,8 @@ from .connlog import shutdown_summary
 from .metrics import HealthServer, Metrics
 from .models import FAMILIES, DecoderFamily, ModelInfo, configure_cuda, resolve_device
 from .scheduler import Scheduler
-from .sessions import Sessions
+from .auth import start_client_auth
+from .sessions import CLOSE_SLICE_STREAMS, Sessions
 from .stepper import Stepper
 from .transport import Transport, check_bind_security
 
@@ -64,6 +65,7 @@ class Server:
         self.region_ops_running = False  # a task is draining region open/close work
         self.busy_poll_s = 0.0  # resolved for the device at start
         self.poll_until = 0.0  # monotonic: the step loop polls instead of sleeping until then
+        self._close_slice_due = False  # a loop turn will free a slice of the sessions' close backlog
         self._polling = False  # the step loop is busy-polling now (input found now was not waited for)
         self._pickups_polled = self.metrics.input_pickups.labels(how="polled")
         self._pickups_woken = self.metrics.input_pickups.labels(how="woken")
@@ -83,6 +85,11 @@ class Server:
             cfg, device, self.scheduler, self.metrics, self.families))
         self.model, self.engine = parts.model, parts.engine
         self.sessions = bootstrap.build_sessions(cfg, parts, self.scheduler, self.metrics)
+        sec = cfg.security
+        self.auth = start_client_auth(self._zmq, check_bind_security(cfg.address, sec.curve_secret_key_file,
+                                      sec.insecure, warn=False), sec.curve_allowed_clients_dir, self.metrics)
+        if self.auth is not None:
+            loop.add_signal_handler(signal.SIGHUP, self.auth.reload)
         self.transport = bootstrap.build_transport(cfg, self._zmq)
         self.stepper = Stepper(parts.engine, self.sessions, self.scheduler, self.metrics, self._pool, self,
                                cfg.codes_event_timeout_s)
@@ -127,6 +134,8 @@ class Server:
         await self.health.close()
         if self.transport is not None:
             self.transport.close()
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
         self._zmq.term()
         self._pool.shutdown(wait=True)
 
@@ -162,6 +171,9 @@ class Server:
             self.transport.send(out.identity, out.message, out.buffers)
         if outbox and self.transport.readable():  # sending may have consumed the descriptor's signal
             asyncio.get_running_loop().call_soon(self._on_readable)
+        if self.sessions.close_backlog and not self._close_slice_due:  # a departed client's streams: a slice
+            self._close_slice_due = True  # per loop turn, so other clients' messages are handled in between
+            asyncio.get_running_loop().call_soon(self._close_slice)
         if self.sessions.has_region_ops and not self.region_ops_running:
             self.region_ops_running = True
             asyncio.get_running_loop().create_task(self._run_device_ops(), name="region-ops")
@@ -180,7 +192,7 @@ class Server:
             count += 1
             identity, frames = received
             try:
-                self.sessions.on_message(identity, frames)
+                self.sessions.on_message(identity, frames, self.transport.last_user_id)
             except Exception:  # a bug must not stop the server; the client gets an internal error
                 log.exception("internal error while handling a message")
                 self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
@@ -213,6 +225,11 @@ class Server:
             await asyncio.sleep(interval_s)
             self.sessions.reap(time.monotonic())
             self.flush()
+
+    def _close_slice(self) -> None:
+        self._close_slice_due = False
+        self.sessions.close_some(CLOSE_SLICE_STREAMS)
+        self.flush()
 
 
 def install_uvloop() -> str:

@@ -9,6 +9,7 @@ kept in one place so its commit rules read in one sitting.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from torch import Tensor
 from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
+from .auth import SessionOwners, new_session_secret
 from .config import ServerConfig
 from .connlog import ConnLog
 from .inputs import read_chunk_inputs
@@ -51,12 +53,17 @@ def model_entry(model: ModelInfo) -> proto.ModelInfo:
         stream_options=tuple(proto.StreamOptionInfo(o.name, o.low, o.high, o.default)
                              for o in model.contract.stream_options))
 
+CLOSE_SLICE_STREAMS = 512
+"""Streams freed per loop turn when a client with many streams leaves (bye, re-handshake, TTL): the rest wait in
+``close_backlog`` so pings of other clients are answered in between (``close_some``)."""
 
 @dataclass
 class ClientState:
     client_id: str
     streams: set = field(default_factory=set)
     last_seen_s: float = 0.0
+    secret: str = ""  # sent in the welcome; a re-handshake on this routing id must present it (auth.py)
+    owner: str | None = None  # CURVE: the client's public key (ZAP user id); every message must carry it
 
 
 class Sessions:
@@ -81,6 +88,8 @@ class Sessions:
         self.draining = False
         self.connlog = ConnLog(log)  # connect/disconnect lines, rate-limited
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
+        self.owners = SessionOwners(metrics)
+        self.close_backlog: collections.deque[tuple[Stream, str]] = collections.deque()  # detached, to free
         self.regions = RegionService(ipc_device, host_id, metrics, self._send, self.error, ipc_off_reason,
                                      session_of=self.clients.get)
 
@@ -104,20 +113,24 @@ class Sessions:
             self.pending_by_client.pop(stream.client, None)
 
     # ------------------------------------------------------------------ input
-    def on_message(self, identity: bytes, frames: list) -> None:
+    def on_message(self, identity: bytes, frames: list, user_id: str | None = None) -> None:
         try:
             msg = proto.decode_client_message(frames, self.limits)
         except ProtocolError as exc:
             self.error(identity, exc.request_id, exc.code, exc.message)
             return
         client = self.clients.get(identity)
+        if client is not None and not isinstance(msg, proto.Hello) and not self.owners.owns(client.owner, user_id):
+            self.owners.refused(identity, client.client_id, "a message from a CURVE key that does not own the session")
+            return self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, "this routing id has a "
+                              "session owned by another CURVE client key; connect with a fresh routing id")
         if client is not None:
             client.last_seen_s = self.clock()
         if isinstance(msg, proto.Hello):
-            self._hello(identity, msg)
+            self._hello(identity, msg, user_id)
         elif client is None:
             self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
-                        f"{type(msg).__name__} before the handshake: send hello first")
+                        f"{msg.TYPE} before the handshake: send hello first")
         elif isinstance(msg, proto.Ping):
             self._send(identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.boot_epoch))
         elif isinstance(msg, proto.OpenStream):
@@ -135,10 +148,17 @@ class Sessions:
         elif isinstance(msg, proto.UnregisterRegion):
             self.regions.on_unregister(identity, msg)
 
-    def _hello(self, identity: bytes, msg: proto.Hello) -> None:
-        if identity in self.clients:
+    def _hello(self, identity: bytes, msg: proto.Hello, user_id: str | None = None) -> None:
+        old = self.clients.get(identity)
+        if old is not None:
+            why = self.owners.rehandshake_refusal(old.owner, old.secret, user_id, msg.session_secret)
+            if why is not None:  # the session stays as it is
+                self.owners.refused(identity, msg.client_id, why)
+                return self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, why)
             self.drop_client(identity, reason="rehandshake")
-        self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock())
+        secret = new_session_secret()
+        self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock(), secret=secret,
+                                             owner=user_id)
         self.metrics.clients.set(len(self.clients))
         self.connlog.connected(msg.client_id, len(self.clients))
         m = self.model
@@ -146,7 +166,8 @@ class Sessions:
         self._send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
             boot_epoch=self.boot_epoch, models=(info,), default_model=m.name, limits=self.limits,
-            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities()))
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities(),
+            session_secret=secret))
 
     def _open(self, identity: bytes, client: ClientState, msg: proto.OpenStream) -> None:
         rid = msg.request_id
@@ -293,7 +314,7 @@ class Sessions:
 
     # ------------------------------------------------------------------ lifecycle
     def abort_stream(self, stream: Stream, reason: str) -> None:
-        for job in self.scheduler.remove_stream(stream):
+        for job in self.scheduler.remove_stream(stream) if stream.num_pending else ():  # (no queue scan if idle)
             self._job_done(job)
             self._reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
                          f"stream '{stream.stream_id}' was aborted ({reason})")
@@ -304,10 +325,11 @@ class Sessions:
         if stream.closed:
             return
         stream.closed = True
-        self.streams.pop(stream.key, None)
-        client = self.clients.get(stream.client)
-        if client is not None:
-            client.streams.discard(stream.stream_id)
+        if self.streams.get(stream.key) is stream:  # (a stream from close_backlog was detached already)
+            self.streams.pop(stream.key)
+            client = self.clients.get(stream.client)
+            if client is not None:
+                client.streams.discard(stream.stream_id)
         if stream.slot is not None and stream.num_pending == 0:
             self.arena.release(stream.slot)
             stream.slot = None
@@ -332,10 +354,16 @@ class Sessions:
         if client is None:
             return
         self.connlog.disconnected(client.client_id, reason, len(client.streams), len(self.clients))
-        for stream_id in list(client.streams):
-            stream = self.streams.get((identity, stream_id))
+        num_streams = len(client.streams)
+        for stream_id in client.streams:
+            stream = self.streams.pop((identity, stream_id), None)
             if stream is not None:
-                self.abort_stream(stream, reason)
+                self.close_backlog.append((stream, reason))
+        client.streams.clear()
+        if num_streams > CLOSE_SLICE_STREAMS:
+            log.info("client '%s' left (%s) with %d open streams: freeing them in slices of %d", client.client_id,
+                     reason, num_streams, CLOSE_SLICE_STREAMS)
+        self.close_some(CLOSE_SLICE_STREAMS)
         self.regions.drop_client(identity)
         self.metrics.clients.set(len(self.clients))
 
@@ -343,13 +371,30 @@ class Sessions:
         """Close streams idle past the TTL and forget clients silent past it. Returns streams reaped."""
         ttl = self.cfg.streams.ttl_s
         idle = [s for s in self.streams.values() if s.num_pending == 0 and now_s - s.last_active_s > ttl]
-        for stream in idle:
-            log.info("reaping stream '%s' idle for %.1fs", stream.stream_id, now_s - stream.last_active_s)
-            self.abort_stream(stream, "ttl")
-        for identity, client in list(self.clients.items()):
-            if not client.streams and now_s - client.last_seen_s > ttl:
-                self.drop_client(identity, reason="ttl")
+        for stream in idle:  # detached now (O(1) each), freed in slices by close_some
+            del self.streams[stream.key]
+            client = self.clients.get(stream.client)
+            if client is not None:
+                client.streams.discard(stream.stream_id)
+            self.close_backlog.append((stream, "ttl"))
+        gone = [identity for identity, client in self.clients.items()
+                if not client.streams and now_s - client.last_seen_s > ttl]
+        for identity in gone:
+            self.drop_client(identity, reason="ttl")
+        if idle or gone:  # one summary line, not one per stream
+            oldest_s = max((now_s - s.last_active_s for s in idle), default=0.0)
+            log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and %d silent clients",
+                     len(idle), ttl, oldest_s, len(gone))
+        self.close_some(CLOSE_SLICE_STREAMS)
         return len(idle)
+
+    def close_some(self, max_streams: int) -> bool:
+        """Free up to ``max_streams`` detached streams of ``close_backlog``; True while more are waiting
+        (the server calls again on its next loop turn)."""
+        for _ in range(min(max_streams, len(self.close_backlog))):
+            stream, reason = self.close_backlog.popleft()
+            self.abort_stream(stream, reason)
+        return bool(self.close_backlog)
 
     # ------------------------------------------------------------------ output
     def _update_arena_metrics(self) -> None:

@@ -32,7 +32,8 @@ class StateArena:
             name: torch.zeros((num_slots + 1, *shape), dtype=dtype, device=device) for name, shape in layout.items()
         }
         self.positions = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # [S + 1] frames decoded
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out low slots first
+        self._in_use = bytearray(num_slots)  # 1 where a slot is handed out: O(1) double-free check
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_stream = sum(math.prod(s) for s in layout.values()) * itemsize + 8
 
@@ -52,12 +53,15 @@ class StateArena:
         if not self._free:
             raise ArenaFull(f"all {self.num_slots} stream slots are in use")
         slot = self._free.pop()
+        self._in_use[slot] = 1
         self.reset(slot)
         return slot
 
     def release(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or slot in self._free:
+        """O(1): freeing N streams costs O(N) (no search of the free list)."""
+        if not 0 <= slot < self.num_slots or not self._in_use[slot]:
             raise ValueError(f"slot {slot} is not allocated")
+        self._in_use[slot] = 0
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:

@@ -177,6 +177,7 @@ class Transport:
         if ipc_path is not None:
             os.chmod(ipc_path, 0o600)
         self.bound_address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.last_user_id: str | None = None  # CURVE: the client key (ZAP user id) of the last message received
 
     @property
     def fd(self) -> int:
@@ -196,6 +197,8 @@ class Transport:
             parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        if self.security == "curve":
+            self.last_user_id = parts[0].get("User-Id") or None
         return parts[0].bytes, [p.buffer for p in parts[1:]]
 
     def send(self, identity: bytes, message, buffers: list) -> None:

@@ -1,0 +1,223 @@
+"""A soak with faults: open-loop real-time streams from several client processes against one sidecar, while
+client processes are SIGKILLed and restarted and the sidecar is SIGTERMed and restarted once.
+
+    python -m code2wav.loadgen.soak --model /models/qwen3/speech_tokenizer --device cuda --dtype bfloat16 \\
+        --duration-s 600 --clients 4 --capacity-streams 400 --fraction 0.8 --kill-every-s 30 \\
+        --restart-sidecar-at-s 300 --out soak.json
+
+Each stream sends a chunk of ``--chunk-frames`` random codes every ``chunk_frames / frame_rate`` seconds on a
+fixed schedule (open loop: not waiting for replies) until ``--stream-frames``, then a final chunk and a new
+stream. A chunk's outcome is decoded (audio of the right length), failed with a typed error (counted by code:
+expected around the faults), or lost: no outcome at all from a client process that lived to the end. ``lost``
+must be 0. The report (JSON): counts, p99 latency per 10 s window, the sidecar's RSS and GPU memory over time,
+the sidecar's time to ready after its restart. Each client process is ``loadgen/soak_client.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .spawn import ROOT, spawn_sidecar
+
+WINDOW_S = 10.0
+SAMPLE_EVERY_S = 1.0
+
+
+# ------------------------------------------------------------------ the driver
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gpu_used_bytes() -> int | None:
+    """GPU memory in use on GPU 0 (nvidia-smi), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+        return int(float(out.split()[0])) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _start_client(args: argparse.Namespace, address: str, workdir: Path, index: int, generation: int
+                  ) -> tuple[subprocess.Popen, Path]:
+    """A client process; it runs until the driver's SIGTERM (then it collects every outcome and exits)."""
+    out = workdir / f"client{index}-{generation}.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-m", "code2wav.loadgen.soak_client", "--address", address, "--out", str(out),
+           "--duration-s", f"{args.duration_s + 3600:.0f}", "--streams", str(args.streams_per_client),
+           "--chunk-frames", str(args.chunk_frames), "--stream-frames", str(args.stream_frames),
+           "--timeout-s", str(args.timeout_s), "--seed", str(index * 1000 + generation)]
+    if args.frame_rate_hz:
+        cmd += ["--frame-rate-hz", str(args.frame_rate_hz)]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT), out
+
+
+def _read_client(path: Path) -> dict:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    last = lines[-1] if lines else {"sent": 0, "decoded": 0, "bad_audio": 0, "failed": {}, "failed_unsent": {}}
+    latencies = [pair for line in lines for pair in line["latencies"]]
+    return {"exited": bool(lines) and last.get("kind") == "exit", "sent": last["sent"], "decoded": last["decoded"],
+            "bad_audio": last["bad_audio"], "failed": last["failed"], "failed_unsent": last["failed_unsent"],
+            "latencies": latencies}
+
+
+def _p99_windows(latencies: list[tuple[float, float]], t0: float) -> list[dict]:
+    windows: dict[int, list[float]] = {}
+    for t_sent, seconds in latencies:
+        windows.setdefault(int((t_sent - t0) // WINDOW_S), []).append(seconds)
+    report = []
+    for index in sorted(windows):
+        values = sorted(windows[index])
+        report.append({"window_start_s": index * WINDOW_S, "chunks": len(values),
+                       "p99_ms": 1e3 * values[min(len(values) - 1, int(0.99 * len(values)))]})
+    return report
+
+
+def run_soak(args: argparse.Namespace) -> dict:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="code2wav-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    sidecar_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *args.sidecar_arg]
+    holder = {"sidecar": spawn_sidecar(*sidecar_args, workdir=workdir)}
+    address = holder["sidecar"].address
+    clients = [_start_client(args, address, workdir, i, 0) for i in range(args.clients)]
+    deadline = time.monotonic() + 300  # the clock starts once every client is connected (imports take a while)
+    while not all(out.exists() and out.stat().st_size for _, out in clients) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    t0_wall, t0 = time.time(), time.monotonic()
+    end_at = t0 + args.duration_s
+    generations = [0] * args.clients
+    outputs: list[Path] = [out for _, out in clients]
+    killed: list[Path] = []
+    samples, kills = [], []
+    restart: dict = {}
+    restarter = None
+    next_kill = t0 + args.kill_every_s if args.kill_every_s else float("inf")
+    next_sample = t0
+    victim = 0
+    while time.monotonic() < end_at:
+        now = time.monotonic()
+        if now >= next_sample:
+            samples.append({"t_s": round(now - t0, 2), "sidecar_rss_bytes": _rss_bytes(holder["sidecar"].proc.pid),
+                            "gpu_used_bytes": _gpu_used_bytes() if args.device != "cpu" else None})
+            next_sample += SAMPLE_EVERY_S
+        if now >= next_kill and end_at - now > 2.0:
+            proc, out = clients[victim]
+            proc.kill()  # SIGKILL: no bye, its streams are reaped by the TTL
+            proc.wait()
+            killed.append(out)
+            generations[victim] += 1
+            clients[victim] = _start_client(args, address, workdir, victim, generations[victim])
+            outputs.append(clients[victim][1])
+            kills.append({"t_s": round(now - t0, 2), "client": victim})
+            victim = (victim + 1) % args.clients
+            next_kill += args.kill_every_s
+        if args.restart_sidecar_at_s is not None and restarter is None and now - t0 >= args.restart_sidecar_at_s:
+            restarter = threading.Thread(target=_restart_sidecar, args=(holder, sidecar_args, workdir, t0, restart))
+            restarter.start()  # (sampling and kills go on meanwhile)
+        time.sleep(0.05)
+    if restarter is not None:
+        restarter.join()
+    for proc, _ in clients:
+        proc.send_signal(signal.SIGTERM)
+    for proc, _ in clients:
+        proc.wait(timeout=args.timeout_s + 60)
+    holder["sidecar"].stop()
+    per_client = {str(path.name): _read_client(path) for path in outputs}
+    survivors = [per_client[p.name] for p in outputs if p not in killed]
+    failed: dict[str, int] = {}
+    failed_unsent: dict[str, int] = {}
+    for stats in per_client.values():
+        for code, count in stats["failed"].items():
+            failed[code] = failed.get(code, 0) + count
+        for code, count in stats["failed_unsent"].items():
+            failed_unsent[code] = failed_unsent.get(code, 0) + count
+    lost = sum(s["sent"] - s["decoded"] - s["bad_audio"] - _sent_failures(s) for s in survivors)
+    latencies = [pair for stats in per_client.values() for pair in stats["latencies"]]
+    return {
+        "duration_s": args.duration_s, "clients": args.clients, "streams_per_client": args.streams_per_client,
+        "chunk_frames": args.chunk_frames, "device": args.device, "dtype": args.dtype,
+        "sent": sum(s["sent"] for s in per_client.values()),
+        "decoded": sum(s["decoded"] for s in per_client.values()),
+        "failed": failed, "failed_unsent": failed_unsent, "bad_audio": sum(s["bad_audio"] for s in per_client.values()),
+        "lost": lost, "survivors": {"processes": len(survivors), "sent": sum(s["sent"] for s in survivors),
+                                    "decoded": sum(s["decoded"] for s in survivors),
+                                    "failed": sum(_sent_failures(s) for s in survivors)},
+        "all_survivors_exited": all(s["exited"] for s in survivors),
+        "kills": kills, "sidecar_restart": restart, "p99_by_window": _p99_windows(latencies, t0_wall),
+        "memory": samples, "workdir": str(workdir),
+    }
+
+
+def _restart_sidecar(holder: dict, sidecar_args: list[str], workdir: Path, t0: float, report: dict) -> None:
+    """SIGTERM the sidecar (it drains), start it again on the same address; fills ``report``."""
+    t_term = time.monotonic()
+    old = holder["sidecar"]
+    old.proc.send_signal(signal.SIGTERM)
+    exit_code = old.proc.wait(timeout=120)
+    t_down = time.monotonic()
+    holder["sidecar"] = spawn_sidecar(*sidecar_args, workdir=workdir)
+    report.update({"t_s": round(t_term - t0, 2), "drain_s": round(t_down - t_term, 3), "exit_code": exit_code,
+                   "time_to_ready_s": round(time.monotonic() - t_down, 3),
+                   "down_s": round(time.monotonic() - t_term, 3)})
+
+
+def _sent_failures(stats: dict) -> int:
+    return sum(stats["failed"].values())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m code2wav.loadgen.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--clients", type=int, default=4, help="client processes")
+    p.add_argument("--streams-per-client", type=int, default=None)
+    p.add_argument("--capacity-streams", type=int, default=None,
+                   help="real-time streams the sidecar sustains (measured before, e.g. by the bench)")
+    p.add_argument("--fraction", type=float, default=0.8, help="of --capacity-streams")
+    p.add_argument("--chunk-frames", type=int, default=25)
+    p.add_argument("--stream-frames", type=int, default=250, help="frames per stream before its final chunk")
+    p.add_argument("--frame-rate-hz", type=float, default=None, help="default: the model's (e.g. 12.5)")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="the clients' request timeout")
+    p.add_argument("--kill-every-s", type=float, default=30.0, help="SIGKILL one client process this often (0: never)")
+    p.add_argument("--restart-sidecar-at-s", type=float, default=None, help="SIGTERM and restart the sidecar once")
+    p.add_argument("--sidecar-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None, help="write the report here (JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.streams_per_client is None:
+        if args.capacity_streams is None:
+            raise SystemExit("give --streams-per-client, or --capacity-streams (and --fraction)")
+        args.streams_per_client = max(1, round(args.capacity_streams * args.fraction / args.clients))
+    report = run_soak(args)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    summary = {k: report[k] for k in ("sent", "decoded", "failed", "bad_audio", "lost", "sidecar_restart")}
+    print(json.dumps(summary))
+    return 0 if report["lost"] == 0 and report["bad_audio"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

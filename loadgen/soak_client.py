@@ -1,0 +1,155 @@
+"""One client process of the soak (``loadgen/soak.py`` starts them): real-time streams on a fixed schedule
+(open loop), every chunk's outcome counted; JSON lines appended to ``--out`` every half second (a SIGKILL
+loses at most that); on SIGTERM it stops sending, waits for every outcome and writes its ``exit`` line.
+
+    python -m code2wav.loadgen.soak_client --address ipc:///... --out c0.jsonl --duration-s 600 --streams 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+FLUSH_EVERY_S = 0.5
+
+class _Recorder:
+    """Counters and latencies, appended to a JSON-lines file every FLUSH_EVERY_S (a SIGKILL loses at most that)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.sent = self.decoded = self.bad_audio = 0
+        self.failed: dict[str, int] = {}  # chunks sent that failed, by error code
+        self.failed_unsent: dict[str, int] = {}  # refused before sending (open_stream failed, server down)
+        self.latencies: list[tuple[float, float]] = []  # (wall time sent, seconds), since the last flush
+
+    def outcome(self, t_sent: float, t0: float, future, want_samples: int) -> None:
+        error = future.exception()
+        with self.lock:
+            if error is None:
+                if future.result().numel() == want_samples:
+                    self.decoded += 1
+                    self.latencies.append((t_sent, time.monotonic() - t0))
+                else:
+                    self.bad_audio += 1
+            else:
+                self.failed[_code(error)] = self.failed.get(_code(error), 0) + 1
+
+    def unsent(self, error: BaseException) -> None:
+        with self.lock:
+            self.failed_unsent[_code(error)] = self.failed_unsent.get(_code(error), 0) + 1
+
+    def flush(self, kind: str = "progress") -> None:
+        with self.lock:
+            line = {"kind": kind, "t": time.time(), "sent": self.sent, "decoded": self.decoded,
+                    "bad_audio": self.bad_audio, "failed": dict(self.failed), "failed_unsent": dict(self.failed_unsent),
+                    "latencies": self.latencies}
+            self.latencies = []
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def client_main(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415 - the driver does not need torch
+
+    from code2wav.client import SidecarClient, SidecarError  # noqa: PLC0415
+
+    rec = _Recorder(Path(args.out))
+    stop_at = time.monotonic() + args.duration_s
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    gen = torch.Generator().manual_seed(args.seed)
+    client = None
+    while client is None and time.monotonic() < stop_at:
+        try:
+            client = SidecarClient(args.address, timeout_s=args.timeout_s, connect_timeout_s=2.0,
+                                   client_id=f"soak-{args.seed}")
+        except SidecarError:
+            time.sleep(0.5)
+    if client is None:
+        rec.flush("exit")
+        return 1
+    rec.flush("ready")
+    info = client.models[0]
+    frame_rate_hz = args.frame_rate_hz or info.sample_rate / info.samples_per_frame
+    period_s = args.chunk_frames / frame_rate_hz
+    slots: list[dict] = [{"stream": None, "pos": 0, "due": time.monotonic() + i * period_s / args.streams}
+                         for i in range(args.streams)]
+    futures = []
+    last_flush = time.monotonic()
+    opened = 0
+    while time.monotonic() < stop_at and not stopping.is_set():
+        now = time.monotonic()
+        for slot in slots:
+            if now < slot["due"]:
+                continue
+            slot["due"] += period_s  # open loop: the schedule does not wait for replies
+            if slot["due"] < now:  # fell behind (e.g. the sidecar was down): skip, do not burst
+                slot["due"] = now + period_s
+            stream = slot["stream"]
+            if stream is None or stream.closed or stream.lost:
+                try:
+                    stream = client.open_stream(f"soak-{args.seed}-{opened}")
+                except SidecarError as exc:
+                    rec.unsent(exc)
+                    continue
+                opened += 1
+                slot["stream"], slot["pos"] = stream, 0
+            final = slot["pos"] + args.chunk_frames >= args.stream_frames
+            codes = torch.randint(0, info.codebook_size, (info.num_quantizers, args.chunk_frames), generator=gen)
+            try:
+                future = stream.submit(codes, final=final)  # [Q, n] -> [n * U]
+            except SidecarError as exc:
+                rec.unsent(exc)
+                slot["stream"] = None
+                continue
+            with rec.lock:
+                rec.sent += 1
+            t_sent, t0 = time.time(), time.monotonic()
+            want = args.chunk_frames * info.samples_per_frame
+            future.add_done_callback(lambda f, t_sent=t_sent, t0=t0, want=want: rec.outcome(t_sent, t0, f, want))
+            futures.append(future)
+            slot["pos"] += args.chunk_frames
+            if final:
+                slot["stream"] = None
+        futures = [f for f in futures if not f.done()]
+        if now - last_flush >= FLUSH_EVERY_S:
+            rec.flush()
+            last_flush = now
+        next_due = min(slot["due"] for slot in slots)
+        time.sleep(max(0.0, min(next_due - time.monotonic(), 0.05)))
+    deadline = time.monotonic() + args.timeout_s + 5.0  # every chunk sent gets its outcome (or counts as lost)
+    while any(not f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)  # done callbacks run on the client's I/O thread
+    client.close()
+    rec.flush("exit")
+    return 0
+
+
+def _code(error: BaseException) -> str:
+    """The protocol error code of a client error (its class name for anything else)."""
+    return getattr(getattr(error, "code", None), "value", type(error).__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    c = argparse.ArgumentParser(prog="python -m code2wav.loadgen.soak_client", description=__doc__.split("\n\n")[0])
+    c.add_argument("--address", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--duration-s", type=float, required=True)
+    c.add_argument("--streams", type=int, required=True)
+    c.add_argument("--chunk-frames", type=int, default=25)
+    c.add_argument("--stream-frames", type=int, default=250)
+    c.add_argument("--frame-rate-hz", type=float, default=None)
+    c.add_argument("--timeout-s", type=float, default=10.0)
+    c.add_argument("--seed", type=int, default=0)
+    return c
+
+
+if __name__ == "__main__":
+    sys.exit(client_main(_parser().parse_args()))

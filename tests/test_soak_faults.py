@@ -1,0 +1,41 @@
+"""The soak with faults, short CPU version (issue 22, item 6): loadgen/soak.py on the tiny model with 2 client
+processes, one SIGKILLed and restarted, and the sidecar SIGTERMed and restarted once. No chunk is lost by a
+client process that lived to the end (each got audio of the right length or a typed error), and the counts
+add up. The GPU run (10 minutes, bf16, 80 % of capacity) is in the module docstring of loadgen/soak.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY
+
+
+@pytest.mark.slow
+def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "-m", "code2wav.loadgen.soak", "--model", str(TINY), "--device", "cpu",
+           "--dtype", "float32", "--duration-s", "40", "--clients", "2", "--streams-per-client", "2",
+           "--frame-rate-hz", "50", "--chunk-frames", "10", "--stream-frames", "60", "--kill-every-s", "25",
+           "--restart-sidecar-at-s", "6", "--timeout-s", "5", "--sidecar-arg=--stream-ttl-s",
+           "--sidecar-arg=3", "--sidecar-arg=--max-streams", "--sidecar-arg=64", "--workdir",
+           str(tmp_path / "work"), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert out.exists(), done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    print("\n" + json.dumps({k: v for k, v in report.items() if k not in ("memory", "workdir")}))
+    assert len(report["kills"]) == 1 and report["sidecar_restart"]["exit_code"] == 0
+    assert report["sidecar_restart"]["time_to_ready_s"] > 0
+    survivors = report["survivors"]
+    assert survivors["processes"] == 2 and report["all_survivors_exited"]
+    assert survivors["sent"] > 0 and survivors["decoded"] > 0
+    assert report["lost"] == 0 and report["bad_audio"] == 0
+    assert survivors["sent"] == survivors["decoded"] + survivors["failed"]  # every chunk has exactly one outcome
+    assert report["decoded"] + sum(report["failed"].values()) <= report["sent"]  # (killed clients: in flight)
+    assert set(report["failed"]) <= {"unavailable", "stream_lost", "deadline_exceeded", "not_found"}, report
+    rss = [m["sidecar_rss_bytes"] for m in report["memory"] if m["sidecar_rss_bytes"]]
+    assert rss and report["p99_by_window"]
+    assert done.returncode == 0, done.stderr[-3000:]
