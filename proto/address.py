@@ -7,6 +7,9 @@ A pure function of the environment and the user id (sans-IO: nothing is read her
 2. else ``ipc://$XDG_RUNTIME_DIR/code2wav/sidecar.sock`` when ``XDG_RUNTIME_DIR`` is set (a per-user 0700
    directory on systemd hosts);
 3. else ``ipc:///tmp/code2wav-sidecar-<uid>/code2wav/sidecar.sock`` (the sidecar creates the folders 0700).
+
+Rules: no I/O (the environment and uid are arguments); imports only the standard library; imports nothing else
+of this project.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 never imports the client: they meet only on the wire).
 
 Mistakes a person can make at the command line (a bad flag value, an address or port in use, a missing model
-folder or input file) end with one ``error: ...`` line on stderr and exit code 2, never a traceback."""
+folder or input file) end with one ``error: ...`` line on stderr and exit code 2, never a traceback.
+
+(Just over 300 lines: one parser and one handler per subcommand, plus the checks ``serve`` makes before its
+model loads; the decode checks live in ``offline``, the socket claim in ``transport``.)"""
 
 from __future__ import annotations
 
