@@ -28,7 +28,11 @@ class _Section(BaseModel):
 
 class StreamsConfig(_Section):
     max_streams: int | None = Field(None, ge=1, description="stream slots in the state arena; None = from memory")
-    state_memory_bytes: int = Field(2 << 30, ge=1 << 20, description="arena budget when max_streams is None")
+    state_memory_bytes: int | None = Field(None, ge=1 << 20, description="arena budget when max_streams is None; "
+                                           "None = from free device memory (sidecar/arena_sizing.py), 2 GiB on CPU")
+    state_memory_margin_bytes: int = Field(8 << 30, ge=0, description="device memory left free when the arena is "
+                                           "sized from free memory (eager steps, workspace, other processes)")
+    auto_max_streams: int = Field(4096, ge=1, description="most slots when the arena is sized from free memory")
     ttl_s: float = Field(600.0, gt=0, description="streams idle longer than this are reaped")
 
 
@@ -54,6 +58,10 @@ class GraphsConfig(_Section):
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
     cap_batch_to_buckets: bool = Field(True, description="limit batches to the largest captured exact bucket, "
                                        "so every exact batch replays a graph")
+    compile: bool = Field(True, description="capture the torch.compile'd step per bucket (plain step if it fails; "
+                          "ignored on CPU)")
+    compile_cache_dir: str | None = Field(None, description="torch's on-disk compile cache (TORCHINDUCTOR_CACHE_DIR); "
+                                          "keep it on a volume for fast restarts; null = torch's default")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time conv algorithms for each captured bucket "
                                   "(bf16: faster replays, slower capture; fp32: measured slower)")
 

@@ -33,6 +33,8 @@ from code2wav.proto import ErrorCode
 
 from .config import ServerConfig, busy_poll_s
 from .engine import Engine
+from .arena_sizing import UNCAPPED_GRAPH_RESERVE_BYTES, ArenaPlan, plan_arena
+from .graphs.compiled import compile_routines
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
 from .ipc.cudart import CudaIpcError, host_id
@@ -97,11 +99,10 @@ class Server:
         log.info("model '%s' (%s) loaded on %s as %s in %.1fs", self.model.name, self.model.source, device,
                  cfg.dtype, time.perf_counter() - t0)
         layout = self.model.module.state_layout()
-        num_slots = cfg.streams.max_streams or StateArena.slots_for_budget(layout, self.model.dtype,
-                                                                           cfg.streams.state_memory_bytes)
+        arena_plan = self._plan_arena(StateArena.stream_nbytes(layout, self.model.dtype), device)
+        num_slots = arena_plan.num_slots
         arena = StateArena(layout, num_slots, self.model.dtype, device)
-        log.info("stream state: %.2f MB per stream, %d slots (%.2f GiB)", arena.bytes_per_stream / 1e6, num_slots,
-                 arena.bytes_per_stream * num_slots / 2**30)
+        log.info("stream state: %s", arena_plan.describe(arena.bytes_per_stream))
         self.metrics.state_bytes_per_stream.labels(model=self.model.name).set(arena.bytes_per_stream)
         self.metrics.arena_slots.labels(model=self.model.name, kind="total").set(num_slots)
         self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(0)
@@ -133,6 +134,17 @@ class Server:
         log.info("CUDA IPC regions: %s", f"accepted on {ipc_device.uuid}" if ipc_device else f"off ({reason})")
         return ipc_device, reason
 
+    def _plan_arena(self, bytes_per_stream: int, device) -> ArenaPlan:
+        """Arena slots (policy: arena_sizing): measured free device memory, less what the graphs may take."""
+        scfg, gcfg = self.cfg.streams, self.cfg.graphs
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        graphs_on = device.type == "cuda" and gcfg.enabled
+        reserve = (gcfg.max_graph_memory_bytes if gcfg.max_graph_memory_bytes is not None
+                   else UNCAPPED_GRAPH_RESERVE_BYTES) if graphs_on else 0
+        return plan_arena(bytes_per_stream, max_streams=scfg.max_streams, state_memory_bytes=scfg.state_memory_bytes,
+                          free_device_bytes=free, graph_reserve_bytes=reserve,
+                          margin_bytes=scfg.state_memory_margin_bytes, auto_max_streams=scfg.auto_max_streams)
+
     def _build_graphs(self, arena: StateArena) -> GraphManager:
         """CUDA graphs for the configured buckets (policy: graphs.plan; mechanism: graphs.manager)."""
         gcfg = self.cfg.graphs
@@ -144,10 +156,12 @@ class Server:
             "window": StreamRoutine(self.model, None, max(gcfg.window_batch_sizes),
                                     max(max(gcfg.window_frames), max_frames)),
         }
+        compiled = (compile_routines(routines, [k.mode for k in buckets], gcfg.compile_cache_dir,
+                                     gcfg.max_lazy_captures) if gcfg.compile else None)
         manager = GraphManager(routines, buckets, self.model.device, self.metrics, mode=gcfg.mode,
                                max_lazy_captures=gcfg.max_lazy_captures,
                                max_graph_memory_bytes=gcfg.max_graph_memory_bytes,
-                               cudnn_benchmark=gcfg.cudnn_benchmark)
+                               cudnn_benchmark=gcfg.cudnn_benchmark, compiled=compiled)
         manager.capture_startup()
         largest = manager.largest_captured_batch("exact")
         if largest and self.scheduler.max_batch_size > largest:

@@ -99,3 +99,13 @@ class CompiledRoutine:
         self._compiled_shapes.add(shape)
         log.info("compile %-6s b%dxt%d: %.1fs", self.name, batch, frames, self.compile_s[shape])
         return out
+
+
+def compile_routines(routines: dict[str, Any], bucket_modes: list[str], cache_dir: str | None,
+                     max_lazy_captures: int = 0) -> dict[str, Any]:
+    """The compiled implementation of each routine, for the manager's ``compiled`` argument
+    (``bucket_modes``: the mode of every configured bucket; with ``max_lazy_captures`` they size Dynamo's
+    recompile limit). A lazy capture compiles too: tens of seconds on the calling thread when the cache is cold."""
+    used = configure_compile_cache(cache_dir)
+    log.info("graphs: compiling the step per bucket (torch.compile, mode %s), cache %s", COMPILE_MODE, used)
+    return {mode: CompiledRoutine(routine, mode, bucket_modes.count(mode) + max_lazy_captures) for mode, routine in routines.items()}
