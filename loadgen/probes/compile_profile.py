@@ -7,8 +7,8 @@ and prints, for the bf16 default model:
 - per batch (``BATCHES``, default 1,16,64) at 25 frames: device time of one replay of the plain graph and of
   the compiled graph, one eager step, audio-s/s and the compute-ceiling fraction, compile and capture time,
   graph pool bytes per bucket (one shared pool, largest first);
-- torch.profiler top kernels by device time for one eager and one compiled (uncaptured) step at ``PROFILE``
-  batches (default 16,1);
+- torch.profiler top kernels by device time for one eager (``EAGER_PROFILE=0`` skips) and one compiled
+  (uncaptured) step at ``PROFILE`` batches (default 16,1);
 - float32 with TF32 off: compiled graph vs eager step, same inputs and state, max abs error of the audio and
   the new state (``FP32=0`` skips);
 - bf16 SNR of the audio against float32 for the plain graph and the compiled graph (``SNR=0`` skips).
@@ -194,7 +194,7 @@ def main() -> None:
         return
     configure_compile_cache(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     batches = env_ints("BATCHES", "1,16,64")
-    configure_cuda(False)
+    configure_cuda(False)  # TF32 off, cudnn.benchmark off: the server's defaults
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     model, _, plain, manager = build("bfloat16", batches, compile_=False)
     flops = flops_per_audio_s(model)
@@ -202,8 +202,8 @@ def main() -> None:
           f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s (assumed bf16 dense peak)")
     manager.capture_startup()
     print("\n-- plain graphs (bf16)")
-    step_table(model, plain, manager, batches, flops)
-    for b in env_ints("PROFILE", "16,1"):
+    plain_rows = step_table(model, plain, manager, batches, flops)
+    for b in env_ints("PROFILE", "16,1") if os.environ.get("EAGER_PROFILE", "1") == "1" else ():
         with torch.inference_mode():
             top_kernels(lambda: plain.forward(b, FRAMES), f"eager b{b}xt{FRAMES}")
     del manager
@@ -213,7 +213,12 @@ def main() -> None:
     compiled = manager.compiled["exact"]
     print("\n-- compiled graphs (bf16); compile s per shape:",
           {f"b{b}xt{t}": round(s, 1) for (b, t), s in compiled.compile_s.items()})
-    step_table(model, plain, manager, batches, flops)
+    compiled_rows = step_table(model, plain, manager, batches, flops)
+    print("\n-- step device time, ratios in this run (bf16, 25 frames):")
+    for b in batches:
+        (p_ms, e_ms, *_), (c_ms, *_) = plain_rows[b], compiled_rows[b]
+        print(f"  b{b:<3d} compiled/plain graph {c_ms / p_ms:.3f}  compiled/eager {c_ms / e_ms:.3f}  "
+              f"plain graph/eager {p_ms / e_ms:.3f}")
     for b in env_ints("PROFILE", "16,1"):
         with torch.inference_mode():
             top_kernels(lambda: compiled.forward(b, FRAMES), f"compiled b{b}xt{FRAMES} (uncaptured)")

@@ -105,7 +105,8 @@ def compile_routines(routines: dict[str, Any], bucket_modes: list[str], cache_di
                      max_lazy_captures: int = 0) -> dict[str, Any]:
     """The compiled implementation of each routine, for the manager's ``compiled`` argument
     (``bucket_modes``: the mode of every configured bucket; with ``max_lazy_captures`` they size Dynamo's
-    recompile limit). A lazy capture compiles too: tens of seconds on the calling thread when the cache is cold."""
+    recompile limit, which counts the specialisations of ``StreamRoutine.forward`` across all routines). A lazy
+    capture compiles too: tens of seconds on the calling thread when the cache is cold."""
     used = configure_compile_cache(cache_dir)
     log.info("graphs: compiling the step per bucket (torch.compile, mode %s), cache %s", COMPILE_MODE, used)
-    return {mode: CompiledRoutine(routine, mode, bucket_modes.count(mode) + max_lazy_captures) for mode, routine in routines.items()}
+    return {mode: CompiledRoutine(routine, mode, len(bucket_modes) + max_lazy_captures * len(routines)) for mode, routine in routines.items()}
