@@ -31,9 +31,9 @@ import zmq
 
 from code2wav.proto import ErrorCode
 
+from .arena_sizing import UNCAPPED_GRAPH_RESERVE_BYTES, ArenaPlan, plan_arena
 from .config import ServerConfig, busy_poll_s
 from .engine import Engine
-from .arena_sizing import UNCAPPED_GRAPH_RESERVE_BYTES, ArenaPlan, plan_arena
 from .graphs.compiled import compile_routines
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
