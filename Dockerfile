@@ -94,8 +94,8 @@ RUN python -m pip install --no-cache-dir /tmp/wheels/code2wav_sidecar-*.whl \
  && python -c "import code2wav.sidecar, code2wav.proto, zmq, torch; print('code2wav-sidecar on torch', torch.__version__)" \
  && groupadd --gid "${APP_GID}" code2wav \
  && useradd --uid "${APP_UID}" --gid "${APP_GID}" --create-home --home-dir /home/code2wav --shell /usr/sbin/nologin code2wav \
- && mkdir -p /run/code2wav /etc/code2wav \
- && chown "${APP_UID}:${APP_GID}" /run/code2wav \
+ && mkdir -p /run/code2wav /etc/code2wav /var/cache/code2wav \
+ && chown "${APP_UID}:${APP_GID}" /run/code2wav /var/cache/code2wav \
  && chmod 0700 /run/code2wav
 COPY deploy/sidecar.yaml /etc/code2wav/sidecar.yaml
 ENV HOME=/home/code2wav \

@@ -12,10 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 import zmq
 
+from .arena_sizing import UNCAPPED_GRAPH_RESERVE_BYTES, ArenaPlan, plan_arena
 from .config import ServerConfig, state_memory_bytes
 from .engine import Engine
+from .graphs.compiled import compile_routines
 from .graphs.dispatcher import GraphDispatcher
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
@@ -52,16 +55,28 @@ def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES
 
 def build_arena(cfg: ServerConfig, model: ModelInfo, metrics: Metrics) -> StateArena:
     layout = model.state_layout()
-    num_slots = cfg.streams.max_streams or StateArena.slots_for_budget(layout, model.dtype,
-                                                                       state_memory_bytes(cfg, model.device.type))
+    plan = plan_arena_for(cfg, StateArena.stream_nbytes(layout, model.dtype), model.device)
+    num_slots = plan.num_slots
     arena = StateArena(layout, num_slots, model.dtype, model.device)
-    log.info("stream state: %.2f MB per stream, %d slots (%.2f GiB)", arena.bytes_per_stream / 1e6, num_slots,
-             arena.bytes_per_stream * num_slots / 2**30)
+    log.info("stream state: %s", plan.describe(arena.bytes_per_stream))
     metrics.state_bytes_per_stream.labels(model=model.name).set(arena.bytes_per_stream)
     metrics.arena_slots.labels(model=model.name, kind="total").set(num_slots)
     metrics.arena_slots.labels(model=model.name, kind="used").set(0)
     metrics.start_series(model.name, tuple((k.mode, k.label) for k in configured_buckets(cfg.graphs)))
     return arena
+
+
+def plan_arena_for(cfg: ServerConfig, bytes_per_stream: int, device) -> ArenaPlan:
+    """Arena slots (policy: arena_sizing): on CUDA, measured free device memory less what the graphs may take."""
+    scfg, gcfg = cfg.streams, cfg.graphs
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    graphs_on = device.type == "cuda" and gcfg.enabled
+    reserve = (gcfg.max_graph_memory_bytes if gcfg.max_graph_memory_bytes is not None
+               else UNCAPPED_GRAPH_RESERVE_BYTES) if graphs_on else 0
+    return plan_arena(bytes_per_stream, max_streams=scfg.max_streams,
+                      state_memory_bytes=state_memory_bytes(cfg, device.type), free_device_bytes=free,
+                      graph_reserve_bytes=reserve, margin_bytes=scfg.state_memory_margin_bytes,
+                      auto_max_streams=scfg.auto_max_streams)
 
 
 def configured_buckets(gcfg) -> tuple:
@@ -85,9 +100,12 @@ def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, schedul
         batch_sizes, frames = mode.bucket_sizes(gcfg)
         routines[mode.name] = StreamRoutine(model, arena if mode.stateful else None, max(batch_sizes),
                                             max(max(frames), max_frames))
+    compiled = (compile_routines(routines, [k.mode for k in buckets], gcfg.compile_cache_dir,
+                                 gcfg.max_lazy_captures) if gcfg.compile else None)
     manager = GraphManager(routines, buckets, model.device, metrics, mode=gcfg.mode,
                            max_lazy_captures=gcfg.max_lazy_captures,
-                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes, cudnn_benchmark=gcfg.cudnn_benchmark)
+                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes, cudnn_benchmark=gcfg.cudnn_benchmark,
+                           compiled=compiled)
     dispatcher = GraphDispatcher(manager, max_frames, metrics)
     dispatcher.capture_startup()
     for mode in MODES.values():

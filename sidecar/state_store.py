@@ -38,11 +38,14 @@ class StateArena:
         self.bytes_per_stream = sum(math.prod(s) for s in layout.values()) * itemsize + 8
 
     @staticmethod
+    def stream_nbytes(layout: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
+        """Bytes one slot takes: its state entries plus its position."""
+        return sum(math.prod(s) for s in layout.values()) * dtype.itemsize + 8
+
+    @staticmethod
     def slots_for_budget(layout: dict[str, tuple[int, ...]], dtype: torch.dtype, budget_bytes: int,
                          max_slots: int = 65536) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_stream = sum(math.prod(s) for s in layout.values()) * itemsize + 8
-        return max(1, min(max_slots, budget_bytes // per_stream))
+        return max(1, min(max_slots, budget_bytes // StateArena.stream_nbytes(layout, dtype)))
 
     @property
     def num_used(self) -> int:

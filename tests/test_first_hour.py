@@ -236,7 +236,7 @@ def test_state_memory_default_depends_on_the_device():
     cfg = ServerConfig()
     assert cfg.streams.state_memory_bytes == "auto"
     assert state_memory_bytes(cfg, "cpu") == 256 << 20
-    assert state_memory_bytes(cfg, "cuda") == 2 << 30
+    assert state_memory_bytes(cfg, "cuda") is None  # auto on CUDA: sized from free device memory (arena_sizing)
     pinned = load_config(None, {"streams": {"state_memory_bytes": 64 << 20}})
     assert state_memory_bytes(pinned, "cuda") == 64 << 20
 
