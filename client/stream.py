@@ -97,6 +97,10 @@ class Stream:
     def resend(self, *, timeout_s: float | None = None) -> torch.Tensor:
         return self.sender.wait(self.submit_resend(timeout_s=timeout_s), timeout_s)
 
+    def submit_abort(self, *, timeout_s: float | None = None) -> Future[None]:
+        """Non-blocking ``abort``: the future resolves when the server confirms."""
+        return self.sender.submit_stream_op(self, "abort", timeout_s)
+
     def finish(self, *, timeout_s: float | None = None) -> None:
         """Close gracefully once queued chunks are done (no-op if the final chunk was decoded)."""
         if self.closed:

@@ -313,7 +313,7 @@ class Code2WavDelegate:
         return results
 
     def _submit_abort(self, stream: Stream) -> Future[Any]:
-        return self.client._submit_stream_op(stream, "abort", self.settings.timeout_s)
+        return stream.submit_abort(timeout_s=self.settings.timeout_s)
 
     # ------------------------------------------------------------------ bookkeeping
 
