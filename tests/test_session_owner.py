@@ -29,7 +29,7 @@ def _peer(ctx: zmq.Context, address: str, routing_id: bytes, curve: tuple | None
     """A raw DEALER; ``curve``: (server public key, client public key, client secret key)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)  # (a shared, loaded CI machine)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
