@@ -189,6 +189,7 @@ class _CaptureTimer:
 
         def timed(*args, **kwargs):
             _sync(device)
+            torch.cuda.empty_cache()  # the capture may empty the cache itself: start from an empty one
             before = torch.cuda.memory_reserved(device)
             allocated_before = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()

@@ -5,8 +5,8 @@ never imports the client: they meet only on the wire).
 Mistakes a person can make at the command line (a bad flag value, an address or port in use, a missing model
 folder or input file) end with one ``error: ...`` line on stderr and exit code 2, never a traceback.
 
-(Just over 300 lines: one parser and one handler per subcommand, plus the checks ``serve`` makes before its
-model loads; the decode checks live in ``offline``, the socket claim in ``transport``.)"""
+Over 300 lines: one parser and one handler per subcommand, plus the checks ``serve`` makes before its
+model loads; the decode checks live in ``offline``, the socket claim in ``transport``."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--address", help=f"ZeroMQ address to bind, ipc:///path or tcp://host:port (default: "
                    f"{default_address()}: $CODE2WAV_SIDECAR_ADDRESS, else a 0700 folder under $XDG_RUNTIME_DIR "
                    "or /tmp; clients use the same default)")
-    p.add_argument("--model", help="speech_tokenizer/ folder of a Qwen3-TTS checkpoint, or 'default' (shipped "
+    p.add_argument("--model", help="a decoder model folder (its config.json names the family; see docs/ARCHITECTURE.md), or 'default' (shipped "
                    f"architecture, random weights; {cfg_default('model')})")
     p.add_argument("--device", help=f"auto | cpu | cuda | cuda:N ({cfg_default('device')})")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} ({cfg_default('dtype')})")
@@ -108,7 +108,7 @@ def _decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode a codes .npy offline (no server)", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="speech_tokenizer/ folder, or 'default' (random weights)")
     p.add_argument("--input", required=True, help="integer codes .npy, shape [B, Q, T] (Q = the model's "
-                   "quantizers, 16 for Qwen3-TTS), values in [0, codebook size)")
+                   "quantizers, as the welcome advertises), values in [0, codebook size)")
     p.add_argument("--output", required=True, help="out.npy (float32 [B, 1, T*U]) or out.wav (one file per row)")
     p.add_argument("--mode", choices=["exact", "window"], default="exact",
                    help="exact: one forward over all frames; window: vLLM-Omni's chunked decode")
@@ -186,7 +186,7 @@ def _check_serve_inputs(cfg) -> str | None:
     from .transport import AddressInUse, InsecureBind, check_bind_security, prepare_ipc_path
 
     if cfg.model != "default" and not Path(cfg.model).is_dir():
-        return (f"--model {cfg.model}: no such folder (give a Qwen3-TTS checkpoint's speech_tokenizer/ folder, "
+        return (f"--model {cfg.model}: no such folder (give a decoder model folder, e.g. a TTS checkpoint's speech_tokenizer/, "
                 "or 'default' for random weights)")
     taken = _port_in_use(cfg.metrics_host, cfg.metrics_port)
     if taken is not None:

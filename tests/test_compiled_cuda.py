@@ -16,7 +16,7 @@ from code2wav.sidecar.graphs.manager import GraphManager
 from code2wav.sidecar.graphs.plan import BucketKey
 from code2wav.sidecar.metrics import Metrics
 from code2wav.sidecar.models import load_model
-from code2wav.sidecar.models.routine import StreamRoutine
+from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 
 from conftest import TINY
@@ -39,7 +39,7 @@ def no_tf32():
 def _setup(model_spec: str, dtype: str, key: BucketKey, compile_: bool):
     device = torch.device("cuda")
     model = load_model(model_spec, device, dtype)
-    arena = StateArena(model.module.state_layout(), NUM_SLOTS, model.dtype, device)
+    arena = StateArena(model.state_layout(), NUM_SLOTS, model.dtype, device)
     metrics = Metrics()
     plain = StreamRoutine(model, arena, ROUTINE_BATCH, ROUTINE_FRAMES)
     compiled = {"exact": CompiledRoutine(plain, "exact", 1)} if compile_ else None
@@ -115,7 +115,7 @@ def _stream_audio(model_dtype: str, compile_: bool, num_chunks: int = 3) -> torc
     key = BucketKey("exact", 1, 25)
     if model_dtype == "float32" and not compile_:
         model = load_model("default", torch.device("cuda"), "float32")
-        arena = StateArena(model.module.state_layout(), NUM_SLOTS, model.dtype, model.device)
+        arena = StateArena(model.state_layout(), NUM_SLOTS, model.dtype, model.device)
         engine = Engine(model, arena)  # the reference: the eager float32 step
     else:
         model, arena, engine, _, _ = _setup("default", model_dtype, key, compile_)

@@ -472,7 +472,7 @@ def test_dockerfile_contract():
     assert text["EXPOSE"] == ["9464"]
     # the console script the entrypoint runs exists
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^code2wav-sidecar = "sidecar\.cli:main"$', pyproject, re.M)
+    assert re.search(r'^code2wav-sidecar = "code2wav\.sidecar\.cli:main"$', pyproject, re.M)
     # what the stages COPY from the context exists and is not excluded by .dockerignore
     allowed = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.startswith("!")]

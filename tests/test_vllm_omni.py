@@ -10,6 +10,8 @@ parts that need the real packages (entry points, OmniModelRegistry, the deploy l
 
 from __future__ import annotations
 
+import os
+
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,8 @@ from code2wav.client.vllm_omni import model as model_module
 from code2wav.client.vllm_omni import delegate as delegate_module
 from code2wav.client.vllm_omni.delegate import SidecarUnavailableError
 from code2wav.client.vllm_omni.model import Qwen3TTSCode2WavSidecar
-from code2wav.client.vllm_omni.settings import DEFAULT_SIDECAR_ADDRESS, DelegateSettings, connector_extra
+from code2wav.proto.address import default_address
+from code2wav.client.vllm_omni.settings import DelegateSettings, connector_extra
 from code2wav.client.vllm_omni.step import DUMMY_REQUEST_PREFIX, parse_step
 from conftest import TINY
 from code2wav.loadgen.drive import metric_value
@@ -510,7 +513,8 @@ def test_settings_precedence_and_validation():
     assert (s.address, s.mode, s.left_context_frames, s.window_chunk_frames) == ("tcp://10.0.0.1:5555", "exact",
                                                                                   25, 300)
     s = DelegateSettings.from_sources({"decode_left_context_frames": 7, "decode_chunk_frames": 50}, {})
-    assert (s.address, s.left_context_frames, s.window_chunk_frames) == (DEFAULT_SIDECAR_ADDRESS, 7, 50)
+    # no sidecar_address and an empty environment: the address `serve` binds by default in that environment
+    assert (s.address, s.left_context_frames, s.window_chunk_frames) == (default_address({}, os.getuid()), 7, 50)
     with pytest.raises(ValueError, match="sidecar_mode"):
         DelegateSettings.from_sources({"sidecar_mode": "fast"}, {})
     with pytest.raises(ValueError, match="sidecar_timeout_s"):
