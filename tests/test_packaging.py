@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_FOLDERS = ("sidecar", "client", "proto", "loadgen")
+TOP_FOLDERS = ("sidecar", "client", "proto", "loadgen", "cudart")
 
 PROBE = textwrap.dedent("""
     import importlib.metadata as md, importlib.util, json, sys
@@ -67,7 +67,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 def test_no_bare_imports_of_our_folders():
     """Every import of our code goes through ``code2wav.``; a bare ``import proto`` would find proto-plus."""
     import re
-    bare = re.compile(r"^\s*(from|import)\s+(sidecar|client|proto|loadgen)(\s|\.|$)", re.M)
+    bare = re.compile(r"^\s*(from|import)\s+(sidecar|client|proto|loadgen|cudart)(\s|\.|$)", re.M)
     offenders = [str(p.relative_to(ROOT)) for folder in (*TOP_FOLDERS, "tests") for p in (ROOT / folder).rglob("*.py")
                  if p.name != "test_packaging.py" and bare.search(p.read_text())]
     assert offenders == []
