@@ -167,7 +167,8 @@ def test_ten_thousand_chunks_leave_gpu_memory_flat(gpu_sidecar):
           f"allocated {client_before} -> {client_after} B, slots in use {usage}")
     assert stats["ipc_chunks"] == (50 + total // num_streams) * num_streams
     assert abs(free_after - free_before) <= 8 * 2**20
-    assert client_after == client_before
+    # no growth (process-wide: a tensor of an earlier test collected meanwhile may make it smaller)
+    assert client_after <= client_before
     assert usage["codes_bytes_in_use"] == 0 and usage["live_audio_views"] == 0, usage
     assert usage["audio_bytes_in_use"] <= num_streams * 8192, usage  # the last views return at the next send
 
