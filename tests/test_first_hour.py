@@ -276,7 +276,7 @@ def test_idle_cpu_server_with_the_shipped_model_fits_a_laptop(tmp_path):
     running = spawn_sidecar("--model", "default", "--device", "cpu", workdir=tmp_path, timeout_s=300)
     try:
         rss = _rss_bytes(running.proc.pid)
-        assert "(0.25 GiB)" in running.log()  # the arena line: 256 MiB
+        assert "budget 0.25 GiB" in running.log()  # the arena line: 256 MiB
         assert rss < 1.5 * 2**30, f"idle CPU server RSS {rss / 2**30:.2f} GiB"
         with SidecarClient(running.address) as client:  # and it serves
             info = client.models[0]

@@ -42,23 +42,22 @@ def _ask(sock: zmq.Socket, header: dict) -> proto.ServerMessage:
     return proto.decode_server_message(sock.recv_multipart())
 
 
-def _until_connected(sock: zmq.Socket) -> None:
-    """Ping until answered: the ROUTER refuses a routing id in use until it noticed the old connection's end."""
-    sock.setsockopt(zmq.RCVTIMEO, 500)
-    for attempt in range(60):
+def _until_connected(make_socket) -> zmq.Socket:
+    """A socket (from ``make_socket()``) whose pings are answered. The ROUTER rejects a connection whose routing id
+    is still in use (the old connection not yet seen gone), and libzmq does not always retry such a rejected
+    connection: a socket unanswered for 1 s is closed and a fresh one tried."""
+    for attempt in range(30):
+        sock = make_socket()
+        sock.setsockopt(zmq.RCVTIMEO, 1000)
         sock.send(msgpack.packb({"type": "ping", "request_id": 1000 + attempt}))
         try:
             sock.recv_multipart()
-            break
         except zmq.Again:
+            sock.close(linger=0)
             continue
-    while True:  # drop late pongs of earlier attempts
-        try:
-            sock.recv_multipart()
-        except zmq.Again:
-            break
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-
+        sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        return sock
+    raise AssertionError("no answer to a ping on a fresh connection for 30 s")
 
 def _hello(rid: int, secret: str | None = None) -> dict:
     header = {"type": "hello", "request_id": rid, "version": 1, "client_id": f"c{rid}", "capabilities": {}}
@@ -80,8 +79,7 @@ def test_rehandshake_needs_the_session_secret(sidecar):
         assert isinstance(_ask(owner, {"type": "open_stream", "request_id": 2, "stream_id": "mine"}), proto.Opened)
         owner.close()  # the owner's connection drops; its session stays until the TTL
 
-        thief = _peer(ctx, sidecar.address, ROUTING_ID)
-        _until_connected(thief)
+        thief = _until_connected(lambda: _peer(ctx, sidecar.address, ROUTING_ID))
         for rid, secret in ((10, None), (11, "0" * 32), (12, welcome.session_secret[:-1] + "x")):
             reply = _ask(thief, _hello(rid, secret))
             assert isinstance(reply, proto.Error) and reply.code == proto.ErrorCode.INVALID_ARGUMENT, reply
@@ -147,8 +145,8 @@ def test_curve_allow_list_and_session_owner(curve_sidecar):
         alice.close()
 
         # bob is allowed in, but may not act on (or re-handshake over) alice's session
-        bob = _peer(ctx, address, ROUTING_ID, _curve(keys, "bob", server_public))
-        _until_connected(bob)  # (its pings are refused: counted below)
+        # (bob's pings are refused: counted below)
+        bob = _until_connected(lambda: _peer(ctx, address, ROUTING_ID, _curve(keys, "bob", server_public)))
         refused_before = _refused(running, "session_owner")
         reply = _ask(bob, {"type": "abort", "request_id": 3, "stream_id": "a"})
         assert isinstance(reply, proto.Error) and "another CURVE client key" in reply.message
