@@ -101,7 +101,7 @@ def read_weights(folder: Path) -> tuple[dict[str, Tensor], Path]:
     return obj, path
 
 
-def fold_decoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def fold_decoder_state(tensors: dict[str, Tensor], source: str = "checkpoint") -> dict[str, Tensor]:
     """``decoder.*`` tensors without the prefix, weight norm folded in float32 (``torch._weight_norm``, the op
     upstream runs, dim 0: per output channel of a conv, per input channel of a transposed conv)."""
     raw = {k[len(DECODER_PREFIX):]: t for k, t in tensors.items()
@@ -112,7 +112,8 @@ def fold_decoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         for key in [k for k in raw if k.endswith("." + g_name)]:
             prefix = key[: -len(g_name)]
             if prefix + v_name not in raw:
-                raise CheckpointError(f"decoder.{key} has no matching decoder.{prefix}{v_name} (weight norm pair)")
+                raise CheckpointError(f"{source}: decoder.{key} has no matching decoder.{prefix}{v_name} "
+                                      f"(weight-norm pair)")
             g, v = raw[key].float(), raw[prefix + v_name].float()
             folded[prefix + "weight"] = torch._weight_norm(v, g, 0)  # [v.shape]
             used.update((key, prefix + v_name))
@@ -120,16 +121,16 @@ def fold_decoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         if key in used:
             continue
         if key.endswith(tuple(name for pair in _NORM_PAIRS for name in pair)):
-            raise CheckpointError(f"decoder.{key} has no matching weight-norm partner")
+            raise CheckpointError(f"{source}: decoder.{key} has no matching weight-norm partner")
         if key in folded:
-            raise CheckpointError(f"decoder.{key} is stored both folded and as a weight-norm pair")
+            raise CheckpointError(f"{source}: decoder.{key} is stored both folded and as a weight-norm pair")
         folded[key] = t
     return folded
 
 
 def load_state(model: VoxCPM2AudioVAEDecoder, tensors: dict[str, Tensor], source: str) -> None:
     """Strictly load a file's tensors (encoder ones skipped) into ``model``; errors name the tensors."""
-    state = fold_decoder_state(tensors)
+    state = fold_decoder_state(tensors, source)
     expected = model.decoder.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
