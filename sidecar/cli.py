@@ -35,7 +35,9 @@ def _serve_parser(sub) -> None:
 def _decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode a codes .npy offline (no server)")
     p.add_argument("--model", default="default")
-    p.add_argument("--input", required=True, help="int64 codes .npy, shape [B, Q, T]")
+    p.add_argument("--input", required=True,
+                   help="int64 codes .npy [B, Q, T]; for a VoxCPM2 model (or 'voxcpm2-default'): float latents "
+                        ".npy [B, D, T] or [D, T]")
     p.add_argument("--output", required=True, help="out.npy (float32 [B, 1, T*U]) or out.wav")
     p.add_argument("--mode", choices=["exact", "window"], default="exact")
     p.add_argument("--chunk-frames", type=int, default=25, help="window mode: new frames per chunk")
@@ -43,6 +45,7 @@ def _decode_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--time", action="store_true", help="print the decode time")
+    p.add_argument("--sr-cond", type=int, help="VoxCPM2 only: sample-rate condition in Hz (default 48000)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +110,12 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from .state_store import StateArena
 
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    from .offline_latents import cmd_decode_latents, is_latents_model
+    if is_latents_model(args.model):
+        return cmd_decode_latents(args)
+    if args.sr_cond is not None:
+        print(f"error: --sr-cond applies to VoxCPM2 models only, not --model {args.model}", file=sys.stderr)
+        return 2
     codes = np.load(args.input, allow_pickle=False)
     if codes.ndim != 3 or codes.dtype.kind not in "iu":
         print(f"error: {args.input}: expected integer codes [B, Q, T], got {codes.dtype} {codes.shape}", file=sys.stderr)
