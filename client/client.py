@@ -217,8 +217,10 @@ class SidecarClient:
         left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES,
         model: str | None = None,
         timeout_s: float | None = None,
+        sr_cond: int | None = None,
     ) -> Future[Stream]:
-        """Open a stream. ``left_context_frames`` applies to ``window`` mode only."""
+        """Open a stream. ``left_context_frames`` applies to ``window`` mode only. ``sr_cond``: VoxCPM2's
+        sample-rate condition in Hz for the stream's life (None: the model's default; other models refuse it)."""
         if mode not in STREAM_MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(STREAM_MODES)}; got {mode!r}")
         limits = self.limits
@@ -230,7 +232,10 @@ class SidecarClient:
             raise InvalidArgument(f"stream_id must be 1..{limits.max_id_len} UTF-8 bytes, got {stream_id!r}")
         request_id = self._conn.next_request_id()
         context = left_context_frames if mode == "window" else 0
-        frames = encode(OpenStream(request_id, stream_id, model, mode, context))
+        if sr_cond is not None and (isinstance(sr_cond, bool) or not isinstance(sr_cond, int) or sr_cond <= 0):
+            raise InvalidArgument(f"sr_cond must be a sample rate in Hz (a positive int), got {sr_cond!r}")
+        options = {} if sr_cond is None else {"sr_cond": sr_cond}
+        frames = encode(OpenStream(request_id, stream_id, model, mode, context, options))
         future: Future[Stream] = Future()
 
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:
@@ -249,9 +254,11 @@ class SidecarClient:
         left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES,
         model: str | None = None,
         timeout_s: float | None = None,
+        sr_cond: int | None = None,
     ) -> Stream:
         future = self.submit_open_stream(
-            stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s
+            stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s,
+            sr_cond=sr_cond,
         )
         return self._wait(future, timeout_s)
 

@@ -23,7 +23,7 @@ import torch
 from code2wav.proto import Limits, Opened
 
 from .errors import InvalidArgument, NotFound, OutOfOrder, SidecarError, StreamLost
-from .transport import as_wire_codes, cuda_wire_codes
+from .transport import as_wire_inputs, cuda_wire_inputs
 
 if TYPE_CHECKING:
     from ._io import Outcome
@@ -165,7 +165,8 @@ class Stream:
         """``codes`` in wire form, checked against this stream and the server's limits: CUDA codes stay on
         their device (sent by CUDA IPC, or inline; the audio comes back on the device either way)."""
         self._check_usable()
-        array: Any = cuda_wire_codes(codes) if isinstance(codes, torch.Tensor) and codes.is_cuda else as_wire_codes(codes)
+        # Integer codes [Q, n], or float latents [D, n] for a latents model (VoxCPM2); the server checks the kind.
+        array: Any = cuda_wire_inputs(codes) if isinstance(codes, torch.Tensor) and codes.is_cuda else as_wire_inputs(codes)
         num_quantizers, num_frames = (int(d) for d in array.shape)
         if num_quantizers != self.num_quantizers:
             raise InvalidArgument(

@@ -19,8 +19,8 @@ from code2wav.proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
 
 from .errors import InvalidArgument
 
-__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "cuda_wire_codes", "audio_from_frames",
-           "host_id"]
+__all__ = ["CodesLike", "TensorTransport", "InlineTransport", "as_wire_codes", "cuda_wire_codes", "as_wire_inputs",
+           "cuda_wire_inputs", "audio_from_frames", "host_id"]
 
 CodesLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
 
@@ -69,6 +69,40 @@ def cuda_wire_codes(codes: torch.Tensor) -> torch.Tensor:
     if codes.dim() != 2:
         raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(codes.shape)}")
     return codes.contiguous()
+
+
+def _is_float(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.is_floating_point()
+    return isinstance(x, np.ndarray) and x.dtype.kind == "f"
+
+
+def as_wire_inputs(inputs: CodesLike) -> np.ndarray:
+    """Codes (integer, see ``as_wire_codes``) or latents (float: a C-contiguous little-endian float32 array
+    ``[D, n]``; float64/float16/bfloat16 are converted, a copy). Non-finite latents are refused here already."""
+    if not _is_float(inputs):
+        return as_wire_codes(inputs)
+    if isinstance(inputs, torch.Tensor):
+        array = inputs.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    else:
+        array = np.ascontiguousarray(inputs, dtype="<f4")
+    if array.ndim != 2:
+        raise InvalidArgument(f"latents must have shape [latent_dim, num_frames], got {list(array.shape)}")
+    if not np.isfinite(array).all():
+        raise InvalidArgument("latents contain NaN or Inf")
+    return array
+
+
+def cuda_wire_inputs(inputs: torch.Tensor) -> torch.Tensor:
+    """CUDA codes (see ``cuda_wire_codes``) or CUDA latents: a contiguous float32/bfloat16 device tensor
+    ``[D, n]`` (other float dtypes become float32). The server checks finiteness after reading them."""
+    if not inputs.is_floating_point():
+        return cuda_wire_codes(inputs)
+    if inputs.dtype not in (torch.float32, torch.bfloat16):
+        inputs = inputs.to(torch.float32)
+    if inputs.dim() != 2:
+        raise InvalidArgument(f"latents must have shape [latent_dim, num_frames], got {list(inputs.shape)}")
+    return inputs.detach().contiguous()
 
 
 class TensorTransport(Protocol):

@@ -47,6 +47,7 @@ from .messages import (
 )
 from .tensors import (
     INTEGER_DTYPES,
+    LATENT_DTYPES,
     WIRE_DTYPE_ITEMSIZES,
     CudaIpcLoc,
     InlineLoc,
@@ -71,6 +72,7 @@ __all__ = [
     "read_header",
     "WIRE_DTYPE_ITEMSIZES",
     "INTEGER_DTYPES",
+    "LATENT_DTYPES",
     "InlineLoc",
     "CudaIpcLoc",
     "TensorLoc",

@@ -15,6 +15,8 @@ from ._check import (
     UINT64_MAX,
     INT64_MAX,
     as_map,
+    check_int,
+    check_str,
     get_bool,
     get_choice,
     get_int,
@@ -41,10 +43,11 @@ from .messages import (
     Ping,
 )
 from .ipc import MAX_REGION_EVENTS
-from .tensors import INTEGER_DTYPES, CudaIpcLoc, InlineLoc, TensorDesc, inline_view
+from .tensors import INTEGER_DTYPES, LATENT_DTYPES, CudaIpcLoc, InlineLoc, TensorDesc, inline_view
 
 _HELLO_KEYS = frozenset({"type", "request_id", "version", "client_id", "capabilities"})
-_OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames"})
+_OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames", "options"})
+MAX_OPEN_OPTIONS = 16
 _DECODE_KEYS = frozenset({"type", "request_id", "chunks"})
 _CHUNK_KEYS = frozenset({"stream_id", "seq", "codes", "final", "context_frames", "codes_event", "audio_out"})
 _STREAM_OP_KEYS = frozenset({"type", "request_id", "stream_id"})
@@ -90,7 +93,27 @@ def parse_open_stream(header: dict[str, Any], limits: Limits, frames: Sequence[A
         left_context_frames=get_int(
             header, "left_context_frames", "open_stream", lo=0, hi=limits.max_left_context_frames, default=0
         ),
+        options=_parse_open_options(header.get("options"), limits),
     )
+
+
+def _parse_open_options(value: object, limits: Limits) -> dict[str, Any]:
+    """``open_stream.options``: a map of per-stream model options (e.g. ``sr_cond``: int Hz) with scalar values.
+    Which names a model accepts is the server's check (it knows the model); here only the form is checked."""
+    if value is None:
+        return {}
+    options = as_map(value, "open_stream.options")
+    if len(options) > MAX_OPEN_OPTIONS:
+        invalid(f"open_stream.options has {len(options)} entries; the limit is {MAX_OPEN_OPTIONS}")
+    for key, item in options.items():
+        check_str(key, "open_stream.options key", max_nbytes=limits.max_id_len)
+        if isinstance(item, bool) or not isinstance(item, (int, float, str)):
+            invalid(f"open_stream.options.{key} must be an integer, number or string, got {type_name(item)}")
+        if isinstance(item, int):
+            check_int(item, f"open_stream.options.{key}", lo=-INT64_MAX, hi=INT64_MAX)
+        if isinstance(item, str):
+            check_str(item, f"open_stream.options.{key}", max_nbytes=limits.max_id_len, allow_empty=True)
+    return dict(options)
 
 
 def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any]) -> Chunk:
@@ -106,10 +129,12 @@ def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any
         codes = TensorDesc.from_wire(chunk["codes"], limits, len(frames))
     except ProtocolError as exc:
         raise ProtocolError(exc.code, f"{what}.codes: {exc.message}") from None
-    if codes.dtype not in INTEGER_DTYPES:
-        invalid(f"{what}.codes must have an integer dtype (int16, int32, int64), got {codes.dtype}")
+    if codes.dtype not in INTEGER_DTYPES and codes.dtype not in LATENT_DTYPES:
+        invalid(f"{what}.codes must have an integer dtype (int16, int32, int64) for codes or float32/bfloat16 "
+                f"for latents, got {codes.dtype}")
     if len(codes.shape) != 2:
-        invalid(f"{what}.codes must have rank 2 [num_quantizers, num_frames], got shape {list(codes.shape)}")
+        invalid(f"{what}.codes must have rank 2 [num_quantizers, num_frames] (codes) or [latent_dim, num_frames] "
+                f"(latents), got shape {list(codes.shape)}")
     num_quantizers, num_frames = codes.shape
     if num_quantizers < 1:
         invalid(f"{what}.codes has 0 quantizers")

@@ -77,7 +77,8 @@ class Hello:
 
 @dataclass(frozen=True)
 class OpenStream:
-    """Open a stream; ``model=None`` means the server's default model."""
+    """Open a stream; ``model=None`` means the server's default model. ``options``: per-stream model options
+    with scalar values, fixed for the stream's life (e.g. ``{"sr_cond": 16000}`` for VoxCPM2; empty: none)."""
 
     TYPE: ClassVar[str] = "open_stream"
     request_id: int
@@ -85,9 +86,10 @@ class OpenStream:
     model: str | None = None
     mode: str = "exact"
     left_context_frames: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "type": self.TYPE,
             "request_id": self.request_id,
             "stream_id": self.stream_id,
@@ -95,11 +97,15 @@ class OpenStream:
             "mode": self.mode,
             "left_context_frames": self.left_context_frames,
         }
+        if self.options:  # absent when empty: servers without options support still accept the message
+            wire["options"] = dict(self.options)
+        return wire
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """``codes`` is an integer tensor ``[Q, n]``; its first ``context_frames`` frames give no audio.
+    """``codes`` is an integer tensor ``[Q, n]`` (or, for a latents model, float32/bfloat16 latents ``[D, n]``);
+    its first ``context_frames`` frames give no audio.
 
     CUDA IPC (see ``ipc.py``): ``codes_event`` names the event of the codes' region recorded after the
     codes were written (required for ``cuda_ipc`` codes, absent otherwise); ``audio_out`` asks the server

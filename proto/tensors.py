@@ -22,6 +22,7 @@ from .limits import Limits
 __all__ = [
     "WIRE_DTYPE_ITEMSIZES",
     "INTEGER_DTYPES",
+    "LATENT_DTYPES",
     "InlineLoc",
     "CudaIpcLoc",
     "TensorLoc",
@@ -40,6 +41,8 @@ WIRE_DTYPE_ITEMSIZES: dict[str, int] = {
 """Dtypes allowed on the wire, with their item sizes in bytes."""
 
 INTEGER_DTYPES: frozenset[str] = frozenset({"int16", "int32", "int64"})
+LATENT_DTYPES: frozenset[str] = frozenset({"float32", "bfloat16"})
+"""Dtypes of float decoder inputs (latents ``[D, n]``, e.g. VoxCPM2's AudioVAE); codes use ``INTEGER_DTYPES``."""
 
 _INLINE_KEYS = frozenset({"dtype", "shape", "loc", "frame"})
 _CUDA_IPC_KEYS = frozenset({"dtype", "shape", "loc", "region", "offset", "nbytes"})

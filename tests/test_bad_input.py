@@ -96,7 +96,7 @@ CASES = [
     ("negative code", [msgpack.packb(decode(23, chunk())), np.full((Q, 5), -1, "<i8").tobytes()],
      E.INVALID_ARGUMENT, "chunk"),
     ("float codes", [msgpack.packb(decode(24, chunk(codes=codes_desc([Q, 5], dtype="float32")))),
-                     np.zeros((Q, 5), "<f4").tobytes()], E.INVALID_ARGUMENT, "msg"),
+                     np.zeros((Q, 5), "<f4").tobytes()], E.INVALID_ARGUMENT, "chunk"),  # latents to a codes model
     ("unknown stream", [msgpack.packb(decode(25, chunk(stream_id="ghost"))), GOOD_BYTES], E.NOT_FOUND, "chunk"),
     ("seq gap", [msgpack.packb(decode(26, chunk(seq=7))), GOOD_BYTES], E.OUT_OF_ORDER, "chunk"),
     ("cuda ipc region not offered", [msgpack.packb(decode(27, chunk(codes={"dtype": "int64", "shape": [Q, 5],
