@@ -217,3 +217,51 @@ def test_finite_history_window_equals_exact(model, cases):
     assert (window[:, :, context * spf:] - full[:, :, start * spf:]).abs().max().item() <= TOL
     short = model(latents[:, :, start - context + 4:])  # 4 frames too little context: not exact any more
     assert (short[:, :, (context - 4) * spf:] - full[:, :, start * spf:]).abs().max().item() > TOL
+
+
+@torch.no_grad()
+def test_row_without_new_frames_keeps_its_state(model, cases):
+    """``num_frames`` 0 for a row (the engine's slicing can give it) leaves that row's state as it was."""
+    state = model.zero_state(2)
+    _, state = model.forward_stream(cases["latents"][:, :, :9], None, state)
+    _, after = model.forward_stream(cases["latents"][:, :, 9:13], torch.tensor([4, 0]), state)
+    assert all(torch.equal(after[k][1], state[k][1]) for k in state)
+    assert not torch.equal(after["model.0"][0], state["model.0"][0])
+
+
+@pytest.mark.cuda
+def test_cuda_eager_and_graph_match_cpu_golden(cases):
+    """GPU fp32 (TF32 off): eager streaming within 1e-5 of the golden, and a captured CUDA graph of
+    ``forward_stream`` (static latents, lengths, state, buckets) equal to eager within 1e-5."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    module, _ = load_folder(GOLDEN)
+    module = module.cuda()
+    latents = cases["latents"].cuda()  # [2, D, 57]
+    with torch.no_grad():
+        eager = stream(module, latents, [1, 16, 40]).cpu()
+        assert (eager - cases["full"]).abs().max().item() <= TOL
+        n = 8
+        static_x = torch.zeros(2, latents.shape[1], n, device="cuda")
+        static_len = torch.full((2,), n, dtype=torch.long, device="cuda")
+        static_bucket = torch.full((2,), module.cfg.default_sr_bucket, dtype=torch.long, device="cuda")
+        static_state = module.zero_state(2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside capture
+                module.forward_stream(static_x, static_len, static_state, None, static_bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_wav, static_new = module.forward_stream(static_x, static_len, static_state, None, static_bucket)
+        pieces = []
+        for k in range(0, 56, n):  # 7 chunks of 8 frames through the graph, state carried by copy
+            static_x.copy_(latents[:, :, k:k + n])
+            graph.replay()
+            pieces.append(static_wav.clone())
+            for name in static_state:
+                static_state[name].copy_(static_new[name])
+        graphed = torch.cat(pieces, dim=1)[:, None].cpu()  # [2, 1, 56 * U]
+    spf = module.samples_per_frame
+    assert (graphed - eager[:, :, :56 * spf]).abs().max().item() <= TOL
