@@ -78,7 +78,8 @@ def read_config(folder: Path) -> AudioVAEConfig:
 
 
 def read_weights(folder: Path) -> tuple[dict[str, Tensor], Path]:
-    """The file's flat ``{name: tensor}`` (all of it, encoder included) and the file read."""
+    """The file's flat ``{name: tensor}`` and the file read. ``encoder.*`` tensors are not read from a safetensors
+    file; a ``.pth`` is memory-mapped, so its encoder tensors are never paged in."""
     for name in WEIGHT_FILES:
         path = folder / name
         if path.is_file():
@@ -88,9 +89,14 @@ def read_weights(folder: Path) -> tuple[dict[str, Tensor], Path]:
                               f"model folder)")
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}, path
+            return {key: f.get_tensor(key) for key in f.keys() if not key.startswith(SKIPPED_PREFIXES)}, path
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy (non-zip) file format
     except Exception as exc:  # weights_only refuses anything but tensors and plain containers
         raise CheckpointError(f"{path}: cannot read it as a tensors-only torch file ({exc})") from exc
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
