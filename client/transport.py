@@ -94,11 +94,12 @@ def as_wire_inputs(inputs: CodesLike) -> np.ndarray:
 
 
 def cuda_wire_inputs(inputs: torch.Tensor) -> torch.Tensor:
-    """CUDA codes (see ``cuda_wire_codes``) or CUDA latents: a contiguous float32/bfloat16 device tensor
-    ``[D, n]`` (other float dtypes become float32). The server checks finiteness after reading them."""
+    """CUDA codes (see ``cuda_wire_codes``) or CUDA latents: a contiguous float32 device tensor ``[D, n]`` (other
+    float dtypes are converted on the device: the inline fallback goes through numpy, which has no bfloat16, and
+    the VAE decodes float32 latents anyway). The server checks finiteness after reading them."""
     if not inputs.is_floating_point():
         return cuda_wire_codes(inputs)
-    if inputs.dtype not in (torch.float32, torch.bfloat16):
+    if inputs.dtype != torch.float32:
         inputs = inputs.to(torch.float32)
     if inputs.dim() != 2:
         raise InvalidArgument(f"latents must have shape [latent_dim, num_frames], got {list(inputs.shape)}")

@@ -70,8 +70,8 @@ def test_client_converts_latents():
         as_wire_inputs(np.full((D, 2), np.inf, dtype=np.float32))
     with pytest.raises(InvalidArgument, match=r"\[latent_dim, num_frames\]"):
         as_wire_inputs(np.zeros((1, D, 2), dtype=np.float32))
-    kept = cuda_wire_inputs(torch.zeros(D, 3, dtype=torch.bfloat16))  # the CUDA path keeps bf16 (CPU tensor here)
-    assert kept.dtype == torch.bfloat16
+    widened = cuda_wire_inputs(torch.ones(D, 3, dtype=torch.bfloat16))  # device latents go as float32 (CPU here)
+    assert widened.dtype == torch.float32 and widened.is_contiguous() and float(widened.sum()) == D * 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
