@@ -30,6 +30,7 @@ CONFIG_KEY = "audio_vae_config"
 WEIGHT_FILES = ("audiovae.safetensors", "audiovae.pth")  # in order of preference (upstream's order)
 DECODER_PREFIX = "decoder."
 SKIPPED_PREFIXES = ("encoder.",)
+RANDOM_OUTPUT_GAIN = 0.1  # random weights: scale of the last conv, for a speech-like level
 DEFAULT_SPEC = "voxcpm2-default"  # --model spec for the shipped architecture with seeded random weights
 _NORM_PAIRS = (("weight_g", "weight_v"), ("parametrizations.weight.original0", "parametrizations.weight.original1"))
 
@@ -209,5 +210,3 @@ def random_model(cfg: AudioVAEConfig = SHIPPED, seed: int = 0) -> VoxCPM2AudioVA
                 "for real audio.", seed)
     return model.eval()
 
-
-RANDOM_OUTPUT_GAIN = 0.1
