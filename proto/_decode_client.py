@@ -9,6 +9,7 @@ VERSION_MISMATCH before anything else is checked.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from ._check import (
@@ -111,6 +112,8 @@ def _parse_open_options(value: object, limits: Limits) -> dict[str, Any]:
             invalid(f"open_stream.options.{key} must be an integer, number or string, got {type_name(item)}")
         if isinstance(item, int):
             check_int(item, f"open_stream.options.{key}", lo=-INT64_MAX, hi=INT64_MAX)
+        if isinstance(item, float) and not math.isfinite(item):
+            invalid(f"open_stream.options.{key} must be finite, got {item!r}")
         if isinstance(item, str):
             check_str(item, f"open_stream.options.{key}", max_nbytes=limits.max_id_len, allow_empty=True)
     return dict(options)

@@ -35,6 +35,7 @@ def test_open_stream_options_round_trip():
 @pytest.mark.parametrize(("options", "fragment"), [
     ({"sr_cond": True}, "open_stream.options.sr_cond must be an integer, number or string, got bool"),
     ({"sr_cond": [16000]}, "got list"),
+    ({"sr_cond": float("nan")}, "open_stream.options.sr_cond must be finite, got nan"),
     ({"k%d" % i: i for i in range(17)}, "17 entries; the limit is 16"),
     ("sr_cond=16000", "open_stream.options must be a map, got str"),
 ])
