@@ -30,13 +30,16 @@ class InputContract:
 
     @classmethod
     def of(cls, model: Any) -> "InputContract":
-        """From a model description (a welcome's ``ModelInfo``, a ``LoadedModel`` or a decoder module): an
-        ``input_kind`` of ``"latents"`` or a ``latent_dim`` without quantizers means latents, else codes."""
+        """From a model description: the sidecar's ``ModelInfo`` (its ``input`` spec), a welcome's ``ModelInfo``
+        (``input_kind``, ``channels``) or a latents decoder module (``latent_dim``)."""
+        spec = getattr(model, "input", None)
+        if spec is not None and hasattr(spec, "kind"):  # code2wav.sidecar.models.ModelInfo
+            return cls(spec.kind, int(spec.channels), int(spec.high) if spec.kind == "codes" else None)
         kind = getattr(model, "input_kind", None)
-        latent_dim = getattr(model, "latent_dim", None)
-        if kind == "latents" or (kind is None and latent_dim is not None and not hasattr(model, "num_quantizers")):
-            channels = latent_dim if latent_dim is not None else getattr(model, "input_channels")
-            return cls("latents", int(channels))
+        if kind is not None:  # code2wav.proto.ModelInfo (welcome)
+            return cls(kind, int(model.channels), int(model.codebook_size) if kind == "codes" else None)
+        if getattr(model, "latent_dim", None) is not None:  # a latents decoder module
+            return cls("latents", int(model.latent_dim))
         return cls("codes", int(model.num_quantizers), int(model.codebook_size))
 
 
