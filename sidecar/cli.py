@@ -261,8 +261,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     engine = Engine(model, StateArena(model.state_layout(), 1, model.dtype, model.device))
     t0 = time.perf_counter()
-    wav = decode_offline(engine, codes_t, args.mode, args.chunk_frames, args.left_context_frames,
-                         options)  # [B, 1, T * U]
+    wav = decode_offline(engine, codes_t, args.mode, args.chunk_frames, args.left_context_frames, options)  # [B,1,T*U]
     elapsed_s = time.perf_counter() - t0
     written = save_audio(output, wav, model.sample_rate_hz)
     audio_s = wav.shape[0] * wav.shape[2] / model.sample_rate_hz

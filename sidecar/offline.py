@@ -128,7 +128,8 @@ def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context
 
 def _rows_options(options: dict[str, int] | None, batch: int, device: torch.device) -> dict[str, Tensor]:
     """Checked stream options (``Contract.check_options``), the same for every row: name -> ``[B]``."""
-    return {name: torch.full((batch,), value, dtype=torch.long, device=device) for name, value in (options or {}).items()}
+    return {name: torch.full((batch,), value, dtype=torch.long, device=device)
+            for name, value in (options or {}).items()}
 
 
 def decode_offline(engine: Engine, inputs: Tensor, mode: str, chunk_frames: int, left_context_frames: int,

@@ -86,8 +86,10 @@ def test_two_streams_with_different_sr_cond_share_forwards(voxcpm2_sidecar, case
     for row in range(2):
         assert np.abs(torch.cat(outs[row]).numpy() - full_sr[row]).max() <= TOL, row
     after = voxcpm2_sidecar.scrape()
-    forwards = _metric(after, "code2wav_sidecar_batch_size_count") - _metric(before, "code2wav_sidecar_batch_size_count")
-    chunks = _metric(after, "code2wav_sidecar_batch_size_sum") - _metric(before, "code2wav_sidecar_batch_size_sum")
+    def delta(name: str) -> float:
+        return _metric(after, name) - _metric(before, name)
+
+    forwards, chunks = delta("code2wav_sidecar_batch_size_count"), delta("code2wav_sidecar_batch_size_sum")
     assert chunks == 2 * len(CHUNKS) and forwards < chunks  # rows of different sr_cond shared a forward
 
 
