@@ -108,8 +108,7 @@ def _decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode a codes .npy offline (no server)", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="speech_tokenizer/ folder, or 'default' (random weights)")
     p.add_argument("--input", required=True, help="integer codes .npy, shape [B, Q, T] (Q = the model's "
-                   "quantizers, 16 for Qwen3-TTS), values in [0, codebook size); or float latents [B, D, T] / [D, T] "
-                   "for a latents model")
+                   "quantizers), values in [0, codebook size); or float latents [B, D, T] / [D, T] for a latents model")
     p.add_argument("--output", required=True, help="out.npy (float32 [B, 1, T*U]) or out.wav (one file per row)")
     p.add_argument("--mode", choices=["exact", "window"], default="exact",
                    help="exact: one forward over all frames; window: vLLM-Omni's chunked decode")
