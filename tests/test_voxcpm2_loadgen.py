@@ -37,6 +37,15 @@ def test_latents_contract_decodes():
     assert torch.isfinite(audio).all() and 0.05 < audio.pow(2).mean().sqrt().item() < 0.9
 
 
+def test_contract_of_a_loaded_model_and_a_latents_welcome():
+    from code2wav.sidecar.models import load_model
+
+    assert InputContract.of(load_model(str(GOLDEN), torch.device("cpu"))) == InputContract("latents", 16)
+    info = ModelInfo("voxcpm2-audiovae", 16, 0, 240, 48000, ("exact", "window"), "float32", "cpu",
+                     input_kind="latents", input_dtypes=("float32",), input_channels=16)
+    assert InputContract.of(info) == InputContract("latents", 16)
+
+
 def test_contract_errors():
     with pytest.raises(ValueError, match="codebook_size"):
         InputContract("codes", 16)
