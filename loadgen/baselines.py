@@ -20,7 +20,7 @@ from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.state_store import StateArena
 
-from .traffic import synthetic_codes
+from .inputs import InputContract, synthetic_inputs
 
 
 @dataclass
@@ -65,7 +65,7 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
     slots_needed = max(batch_sizes)
     arena = StateArena(model.module.state_layout(), slots_needed, model.dtype, model.device)
     engine = Engine(model, arena, max_forward_frames=max(256, new_frames + left_context_frames))
-    codes = synthetic_codes(model.num_quantizers, new_frames + left_context_frames, model.codebook_size, seed=1)
+    codes = synthetic_inputs(InputContract.of(model), new_frames + left_context_frames, seed=1)  # [C, T]
     results = []
 
     window = [DecodeItem(codes=codes, slot=None, skip_frames=left_context_frames)]
@@ -123,7 +123,7 @@ def profile_kernels(model: LoadedModel, batch: int, new_frames: int, row_limit: 
 
     arena = StateArena(model.module.state_layout(), batch, model.dtype, model.device)
     engine = Engine(model, arena)
-    codes = synthetic_codes(model.num_quantizers, new_frames, model.codebook_size, seed=2)
+    codes = synthetic_inputs(InputContract.of(model), new_frames, seed=2)  # [C, T]
     items = [DecodeItem(codes=codes, slot=arena.allocate(), skip_frames=0) for _ in range(batch)]
     for _ in range(2):
         engine.decode(items)

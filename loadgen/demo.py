@@ -17,7 +17,8 @@ from code2wav.sidecar.offline import write_wav
 
 from .options import add_server_key_option
 from .spawn import spawn_sidecar
-from .traffic import chunk_sizes, synthetic_codes
+from .inputs import InputContract, synthetic_inputs
+from .traffic import chunk_sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with SidecarClient(address, timeout_s=60, curve_server_key=args.server_key) as client:
             info = client.models[0]
-            codes = synthetic_codes(info.num_quantizers, args.frames, info.codebook_size, args.seed)
+            codes = synthetic_inputs(InputContract.of(info), args.frames, args.seed)  # [Q, T] codes or [D, T] latents
             stream = client.open_stream("demo-0", mode=args.mode)
             sizes = chunk_sizes(args.frames, args.first_chunk_frames, args.chunk_frames)
             pieces, start = [], 0

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from code2wav.client import SidecarClient
 from code2wav.client.errors import Busy, SidecarError
 
-from .traffic import chunk_sizes, synthetic_codes
+from .inputs import InputContract, synthetic_inputs
+from .traffic import chunk_sizes
 
 FRAME_S = 0.08  # 12.5 frames per second
 REALTIME_STAGGER_S = 2.0  # open loop: streams start at random within this long
@@ -151,7 +152,7 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         start_at_s = t0 + rng.random() * stagger_s
         if stream is None:
             continue
-        codes = synthetic_codes(info.num_quantizers, num_frames, info.codebook_size, seed=i)
+        codes = synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
         tasks.append(_one_stream(stream, mode, codes, sizes, arrival, start_at_s, info.sample_rate, result))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0

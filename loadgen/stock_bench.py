@@ -43,6 +43,11 @@ def run_stock_phase(args: argparse.Namespace, model, codes: torch.Tensor | None 
 
     if getattr(args, "baseline", "auto") == "none" or getattr(args, "no_baselines", False):
         return {"skipped": "not asked for"}
+    if not model.input.is_integer:
+        reason = (f"model {model.name} decodes {model.input.kind}; vLLM-Omni's stock Code2Wav decodes codes only, "
+                  "so the vllm-omni-stock baseline is skipped")
+        print(f"\n{NAME}: SKIPPED: {reason}", flush=True)
+        return {"skipped": reason}
     if not vllm_omni_installed():
         reason = "vllm-omni is not importable (pip install vllm-omni==0.30.0); the vllm-omni-stock baseline is skipped"
         print(f"\n{NAME}: SKIPPED: {reason}", flush=True)

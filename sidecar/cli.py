@@ -108,7 +108,7 @@ def _decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode a codes .npy offline (no server)", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="speech_tokenizer/ folder, or 'default' (random weights)")
     p.add_argument("--input", required=True, help="integer codes .npy, shape [B, Q, T] (Q = the model's "
-                   "quantizers, as the welcome advertises), values in [0, codebook size)")
+                   "quantizers), values in [0, codebook size); or float latents [B, D, T] / [D, T] for a latents model")
     p.add_argument("--output", required=True, help="out.npy (float32 [B, 1, T*U]) or out.wav (one file per row)")
     p.add_argument("--mode", choices=["exact", "window"], default="exact",
                    help="exact: one forward over all frames; window: vLLM-Omni's chunked decode")
@@ -117,6 +117,8 @@ def _decode_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
     p.add_argument("--time", action="store_true", help="print the decode time")
+    p.add_argument("--sr-cond", type=int, help="stream option sr_cond: sample-rate condition in Hz, for models "
+                   "that take it (welcome's stream_options; default: the model's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,10 +185,12 @@ def _serve_config(args: argparse.Namespace):
 def _check_serve_inputs(cfg) -> str | None:
     """What can be checked before the model loads (seconds): the model folder, the metrics port, the ipc://
     socket (refused when a live sidecar holds it, removed when stale). An error line, or None."""
+    from .models import default_specs
     from .transport import AddressInUse, InsecureBind, check_bind_security, prepare_ipc_path
 
-    if cfg.model != "default" and not Path(cfg.model).is_dir():
-        return (f"--model {cfg.model}: no such folder (give a decoder model folder, e.g. a TTS checkpoint's speech_tokenizer/, "
+    if cfg.model not in default_specs() and not Path(cfg.model).is_dir():
+        return (f"--model {cfg.model}: no such folder (give a decoder model folder, e.g. a TTS checkpoint's "
+                "speech_tokenizer/, "
                 "or 'default' for random weights)")
     taken = _port_in_use(cfg.metrics_host, cfg.metrics_port)
     if taken is not None:
@@ -233,38 +237,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from .offline import InputError, check_codes, check_output_path, load_codes_npy
+    from .offline import InputError, check_inputs, check_output_path, load_inputs_npy
 
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     try:  # everything that needs no model first: a wrong path fails in a second, not after the model loads
         output = check_output_path(Path(args.output))
-        codes = load_codes_npy(Path(args.input))
+        codes = load_inputs_npy(Path(args.input))
     except InputError as exc:
         return _fail(str(exc))
-    if args.model != "default" and not Path(args.model).is_dir():
-        return _fail(f"--model {args.model}: no such folder (give a speech_tokenizer/ folder or 'default')")
-
-    import numpy as np
-    import torch
-
     from .engine import Engine
-    from .models import load_model, resolve_device
+    from .models import default_specs, load_model, resolve_device
     from .offline import decode_offline, save_audio
     from .state_store import StateArena
 
+    if args.model not in default_specs() and not Path(args.model).is_dir():
+        return _fail(f"--model {args.model}: no such folder (give a model folder or one of {sorted(default_specs())})")
+
     try:
         model = load_model(args.model, resolve_device(args.device), args.dtype)
-        check_codes(codes, args.input, model.num_channels, model.codebook_size)
-    except (InputError, ValueError, RuntimeError) as exc:  # codes vs model, a bad checkpoint or device
+        codes_t = check_inputs(codes, args.input, model.input)  # [B, C, T] int64 codes or float32 latents
+        options = model.contract.check_options({} if args.sr_cond is None else {"sr_cond": args.sr_cond})
+    except (InputError, ValueError, RuntimeError) as exc:  # inputs or options vs model, a bad checkpoint or device
         return _fail(str(exc))
     engine = Engine(model, StateArena(model.state_layout(), 1, model.dtype, model.device))
-    codes_t = torch.from_numpy(codes.astype(np.int64))  # [B, Q, T]
     t0 = time.perf_counter()
-    wav = decode_offline(engine, codes_t, args.mode, args.chunk_frames, args.left_context_frames)  # [B, 1, T * U]
+    wav = decode_offline(engine, codes_t, args.mode, args.chunk_frames, args.left_context_frames, options)  # [B,1,T*U]
     elapsed_s = time.perf_counter() - t0
     written = save_audio(output, wav, model.sample_rate_hz)
     audio_s = wav.shape[0] * wav.shape[2] / model.sample_rate_hz
-    print(f"decoded {tuple(codes.shape)} -> {tuple(wav.shape)} ({audio_s:.2f} s of audio, mode={args.mode}) "
+    shown = "".join(f", {name}={value}" for name, value in options.items())
+    print(f"decoded {tuple(codes.shape)} -> {tuple(wav.shape)} ({audio_s:.2f} s of audio, mode={args.mode}{shown}) "
           f"into {', '.join(map(str, written))}")
     if args.time:
         print(f"decode time: {elapsed_s * 1e3:.1f} ms ({audio_s / elapsed_s:.1f}x real time)")

@@ -12,10 +12,12 @@ import torch
 from torch import Tensor
 
 from .engine import Engine
+from .models import InputSpec
 
 
 OUTPUT_SUFFIXES = (".npy", ".wav")
 CODES_SHAPE = "[B, Q, T] (batch, quantizers, frames)"
+LATENTS_SHAPE = "[B, D, T] or [D, T] (batch, latent channels, frames)"
 
 
 class InputError(ValueError):
@@ -36,24 +38,47 @@ def check_output_path(path: Path) -> Path:
     return path
 
 
-def load_codes_npy(path: Path) -> np.ndarray:
-    """The codes array of a ``.npy`` file (never unpickled); integer dtype and 3 dimensions checked."""
-    expected = f"expected integer codes {CODES_SHAPE} in a .npy file"
+def load_inputs_npy(path: Path) -> np.ndarray:
+    """The inputs array of a ``.npy`` file (never unpickled): integer codes ``[B, Q, T]``, or float latents
+    ``[B, D, T]`` / ``[D, T]`` (one stream, returned as ``[1, D, T]``). Which kind the model takes: ``check_inputs``."""
+    expected = f"expected integer codes {CODES_SHAPE} or float latents {LATENTS_SHAPE} in a .npy file"
     if not path.is_file():
         raise InputError(f"--input {path}: no such file ({expected})")
     try:
-        codes = np.load(path, allow_pickle=False)
+        inputs = np.load(path, allow_pickle=False)
     except PermissionError:
         raise InputError(f"--input {path}: not readable (permission denied)") from None
     except (OSError, ValueError, EOFError) as exc:  # not .npy, truncated, or an object array (pickle)
         raise InputError(f"--input {path}: not a readable .npy array ({exc}); {expected}") from None
-    if not isinstance(codes, np.ndarray):
-        raise InputError(f"--input {path}: holds {type(codes).__name__}, not an array; {expected}")
-    if codes.dtype.kind not in "iu":
-        raise InputError(f"--input {path}: dtype {codes.dtype}; {expected} (int16, int32 or int64)")
-    if codes.ndim != 3:
-        raise InputError(f"--input {path}: shape {list(codes.shape)}; {expected}")
-    return codes
+    if not isinstance(inputs, np.ndarray):
+        raise InputError(f"--input {path}: holds {type(inputs).__name__}, not an array; {expected}")
+    if inputs.dtype.kind not in "iuf":
+        raise InputError(f"--input {path}: dtype {inputs.dtype}; {expected}")
+    if inputs.dtype.kind == "f" and inputs.ndim == 2:
+        inputs = inputs[None]  # [1, D, T]
+    if inputs.ndim != 3:
+        raise InputError(f"--input {path}: shape {list(inputs.shape)}; {expected}")
+    return inputs
+
+
+def check_inputs(inputs: np.ndarray, source: str, spec: InputSpec) -> Tensor:
+    """``inputs`` against the model's input spec (kind, channels, values); returns them as a host tensor
+    ``[B, C, T]`` (int64 codes or float32 latents)."""
+    if spec.is_integer != (inputs.dtype.kind in "iu"):
+        what = f"integer codes {CODES_SHAPE}" if spec.is_integer else f"float latents {LATENTS_SHAPE}"
+        raise InputError(f"--input {source}: dtype {inputs.dtype}; expected {what} for this model")
+    if spec.is_integer:
+        check_codes(inputs, source, spec.channels, spec.high)
+        return torch.from_numpy(inputs.astype(np.int64))  # [B, Q, T]
+    batch, channels, num_frames = inputs.shape
+    if channels != spec.channels or batch < 1 or num_frames < 1:
+        raise InputError(f"--input {source}: shape {list(inputs.shape)}; expected latents [B, {spec.channels}, T] "
+                         f"or [{spec.channels}, T] (channels first, frames last) with B, T >= 1")
+    latents = torch.from_numpy(inputs.astype(np.float32))  # [B, D, T]
+    problem = spec.problem(latents)
+    if problem is not None:
+        raise InputError(f"--input {source}: {problem}")
+    return latents
 
 
 def check_codes(codes: np.ndarray, source: str, num_quantizers: int, codebook_size: int) -> None:
@@ -69,23 +94,26 @@ def check_codes(codes: np.ndarray, source: str, num_quantizers: int, codebook_si
 
 
 @torch.inference_mode()
-def decode_exact(engine: Engine, codes: Tensor) -> Tensor:
+def decode_exact(engine: Engine, codes: Tensor, options: dict[str, int] | None = None) -> Tensor:
     """``codes`` ``[B, Q, T]`` -> ``[B, 1, T * U]``: the one-shot decode (exact slices of ``max_forward_frames``)."""
     batch, _, num_frames = codes.shape
     device = engine.device
     lengths = torch.full((batch,), num_frames, dtype=torch.long, device=device)
     positions = torch.zeros(batch, dtype=torch.long, device=device)
-    wav, _, _ = engine.run(codes.to(device), lengths, engine.model.zero_state(batch), positions)
+    rows = _rows_options(options, batch, device)
+    wav, _, _ = engine.run(codes.to(device), lengths, engine.model.zero_state(batch), positions, rows)
     return wav.cpu()[:, None]
 
 
 @torch.inference_mode()
-def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context_frames: int) -> Tensor:
+def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context_frames: int,
+                  options: dict[str, int] | None = None) -> Tensor:
     """Stateless chunked decode: frames ``[s, e)`` come from decoding ``codes[s - c : e]`` with
     ``c = min(left_context_frames, s)`` and dropping the first ``c * U`` samples."""
     batch, _, num_frames = codes.shape
     spf = engine.model.samples_per_frame
     device = engine.device
+    rows = _rows_options(options, batch, device)
     pieces = []
     for start in range(0, num_frames, chunk_frames):
         end = min(start + chunk_frames, num_frames)
@@ -93,15 +121,23 @@ def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context
         window = codes[:, :, start - ctx: end].to(device)  # [B, Q, c + n]
         lengths = torch.full((batch,), end - start + ctx, dtype=torch.long, device=device)
         positions = torch.zeros(batch, dtype=torch.long, device=device)
-        wav, _, _ = engine.run(window, lengths, engine.model.zero_state(batch), positions)  # [B, (c + n) * U]
+        wav, _, _ = engine.run(window, lengths, engine.model.zero_state(batch), positions, rows)  # [B, (c + n) * U]
         pieces.append(wav[:, ctx * spf:].cpu())
     return torch.cat(pieces, dim=1)[:, None]  # [B, 1, T * U]
 
 
-def decode_offline(engine: Engine, inputs: Tensor, mode: str, chunk_frames: int, left_context_frames: int) -> Tensor:
-    """The ``decode`` command's one call: ``exact`` (one-shot) or ``window`` (chunked) by name."""
-    decoders = {"exact": lambda: decode_exact(engine, inputs),
-                "window": lambda: decode_window(engine, inputs, chunk_frames, left_context_frames)}
+def _rows_options(options: dict[str, int] | None, batch: int, device: torch.device) -> dict[str, Tensor]:
+    """Checked stream options (``Contract.check_options``), the same for every row: name -> ``[B]``."""
+    return {name: torch.full((batch,), value, dtype=torch.long, device=device)
+            for name, value in (options or {}).items()}
+
+
+def decode_offline(engine: Engine, inputs: Tensor, mode: str, chunk_frames: int, left_context_frames: int,
+                   options: dict[str, int] | None = None) -> Tensor:
+    """The ``decode`` command's one call: ``exact`` (one-shot) or ``window`` (chunked) by name; ``options``: the
+    model's stream options (every row the same)."""
+    decoders = {"exact": lambda: decode_exact(engine, inputs, options),
+                "window": lambda: decode_window(engine, inputs, chunk_frames, left_context_frames, options)}
     if mode not in decoders:
         raise ValueError(f"offline mode must be one of {sorted(decoders)}, got {mode!r}")
     return decoders[mode]()

@@ -152,7 +152,7 @@ def serve(tmp_path: Path, folder: Path, device: str, **extra) -> InProcessServer
 
 def test_registry_detects_the_toy_folder_and_refuses_an_unknown_one(toy_folder, tmp_path):
     assert detect_family(toy_folder, TEST_FAMILIES) is TOY
-    with pytest.raises(FamilyError, match="is no known decoder family; known: \\['qwen3_tts'\\]"):
+    with pytest.raises(FamilyError, match="is no known decoder family; known: \\['qwen3_tts', 'voxcpm2_audiovae'\\]"):
         detect_family(toy_folder)  # the built-in list does not know it: nothing was registered globally
     other = tmp_path / "other"
     other.mkdir()

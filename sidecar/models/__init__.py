@@ -10,12 +10,13 @@ import torch
 
 from .family import (Contract, DecoderFamily, FamilyError, InputSpec, ModelInfo, StateSpec, StreamBatch,
                      StreamOption)
-from .registry import DTYPES, FAMILIES, detect_family, load_model, register_family
+from .registry import DTYPES, FAMILIES, default_specs, detect_family, load_model, register_family
 
 LoadedModel = ModelInfo  # the name loadgen and older tests import
 
 __all__ = ["Contract", "DecoderFamily", "FamilyError", "InputSpec", "ModelInfo", "LoadedModel", "StateSpec",
-           "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "detect_family", "load_model", "register_family",
+           "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "default_specs", "detect_family", "load_model",
+           "register_family",
            "configure_cuda", "resolve_device"]
 
 

@@ -83,7 +83,8 @@ class InputSpec:
                 return f"code {bad} out of range [0, {self.high})"
             return None
         if not bool(torch.isfinite(values).all()):
-            return "latents hold a non-finite value (NaN or inf)"
+            return (f"latents hold a non-finite value (NaN or inf); expected finite floats of shape "
+                    f"[{self.channels}, n] per chunk")
         return None
 
 

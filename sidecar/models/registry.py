@@ -15,8 +15,9 @@ import torch
 
 from .family import DecoderFamily, FamilyError, ModelInfo
 from .qwen3_tts.family import QWEN3_TTS
+from .voxcpm2_audiovae.family import VOXCPM2_AUDIOVAE
 
-FAMILIES: tuple[DecoderFamily, ...] = (QWEN3_TTS,)
+FAMILIES: tuple[DecoderFamily, ...] = (QWEN3_TTS, VOXCPM2_AUDIOVAE)
 """The built-in families; the first one also serves ``--model default``."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,6 +28,14 @@ def register_family(families: Sequence[DecoderFamily], family: DecoderFamily) ->
     if any(f.name == family.name for f in families):
         raise ValueError(f"a decoder family named {family.name!r} is already registered")
     return (family, *families)
+
+
+def default_specs(families: Sequence[DecoderFamily] = FAMILIES) -> dict[str, DecoderFamily]:
+    """``--model`` names of random-weights models: ``default`` (the first family) and each family's optional
+    ``default_spec`` (e.g. ``voxcpm2-default``)."""
+    specs = {getattr(f, "default_spec", None): f for f in reversed(families)}
+    specs.pop(None, None)
+    return {**specs, "default": families[0]} if families else specs
 
 
 def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) -> DecoderFamily:
@@ -51,19 +60,21 @@ def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) ->
 
 def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None, seed: int = 0,
                families: Sequence[DecoderFamily] = FAMILIES) -> ModelInfo:
-    """``spec``: ``default`` (the first family's shipped architecture, seeded random weights) or a model folder."""
+    """``spec``: ``default`` (the first family's shipped architecture, seeded random weights), a family's
+    ``default_spec`` (that family's, e.g. ``voxcpm2-default``) or a model folder."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     if not families:
         raise ValueError("no decoder families registered")
-    if spec == "default":
-        family = families[0]
+    defaults = default_specs(families)
+    if spec in defaults:
+        family = defaults[spec]
         module, contract = family.default(seed)
         source = "random-weights"
     else:
         folder = Path(spec)
         if not folder.is_dir():
-            raise FamilyError(f"--model {spec}: not a folder (give a model folder or 'default')")
+            raise FamilyError(f"--model {spec}: not a folder (give a model folder or one of {sorted(defaults)})")
         family = detect_family(folder, families)
         module, contract = family.load(folder)
         source = str(folder.resolve())

@@ -1,0 +1,169 @@
+"""Building blocks of the VoxCPM2 AudioVAE decoder, written for exact streaming.
+
+Every block's ``forward(x, lengths, ctx)`` takes ``x`` ``[B, C, T]`` and per-row valid lengths ``[B]`` (columns
+past a row's length are right padding) and returns ``(y, lengths_out)``. Stateful blocks read their entry of
+``ctx.state_in`` (the block's input tail from the previous call), run over ``[tail, x]`` without padding and
+write the tail that ends at each row's last *valid* column to ``ctx.state_out``, so padding never reaches the
+state. A zero state is the one-shot left zero padding. Weights are plain, already folded tensors (weight norm
+is folded at load time); parameter names match the checkpoint's after folding (``model.0.weight``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class StreamCtx:
+    """State in and out of one batched call; keys are the stateful blocks' ``state_key``s."""
+
+    state_in: dict[str, Tensor]
+    state_out: dict[str, Tensor] = field(default_factory=dict)
+    sr_bucket: Tensor | None = None  # [B] long, the sample-rate bucket of each row
+
+
+def gather_tail(x_cat: Tensor, lengths: Tensor, num_cols: int) -> Tensor:
+    """Columns ``[len_b, len_b + num_cols)`` of each row of ``x_cat`` ``[B, C, P + T]`` (``P == num_cols`` state
+    columns in front): the last ``num_cols`` columns ending at the row's last valid input."""
+    batch, channels, _ = x_cat.shape
+    offsets = torch.arange(num_cols, device=x_cat.device)  # [P]
+    index = lengths.to(x_cat.device)[:, None] + offsets[None, :]  # [B, P]
+    return torch.gather(x_cat, 2, index[:, None, :].expand(batch, channels, num_cols))  # [B, C, P]
+
+
+class StatefulBlock(nn.Module):
+    """A block that carries ``state_shape()`` per row between calls; ``state_key`` is set by the model."""
+
+    state_key: str = ""
+
+    def state_shape(self) -> tuple[int, ...] | None:
+        return None
+
+
+class Snake(nn.Module):
+    """``x + sin(alpha * x)**2 / (alpha + 1e-9)`` with ``alpha`` ``[1, C, 1]`` used as stored (no exp, no beta)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        inv_alpha = 1.0 / (self.alpha + 1e-9)  # [1, C, 1]
+        out = torch.mul(self.alpha, x)  # [B, C, T]
+        return out.sin_().square_().mul_(inv_alpha).add_(x), lengths
+
+
+class CausalConv(StatefulBlock):
+    """Stride-1 ``Conv1d`` padded ``(k-1)*d`` on the left only; that many input columns are its state."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
+                 groups: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_channels, in_channels // groups, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+        self.in_channels = in_channels
+        self.dilation = dilation
+        self.groups = groups
+        self.num_state_cols = (kernel_size - 1) * dilation
+
+    def state_shape(self) -> tuple[int, ...] | None:
+        return (self.in_channels, self.num_state_cols) if self.num_state_cols else None
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        if self.num_state_cols:
+            x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
+            ctx.state_out[self.state_key] = gather_tail(x, lengths, self.num_state_cols)  # [B, C, P]
+        y = F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)  # [B, C_out, T]
+        return y, lengths
+
+
+class CausalTransConv(StatefulBlock):
+    """``ConvTranspose1d`` kernel ``2s`` stride ``s`` keeping the first ``L*s`` of its ``(L+1)*s`` samples.
+
+    Output frame ``t`` depends on input frames ``t`` and ``t-1``: the last input frame is the state. A chunk
+    transpose-convolves ``x`` alone, adds the previous frame's share (``prev @ W[:, :, s:]``, no second bias) into
+    its first ``s`` samples and drops its last ``s`` (the spec's "add" form: half the extra work of running on
+    ``[prev, x]``, and with a zero state it is bit for bit the one-shot computation).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(in_channels, out_channels, 2 * stride))  # [Cin, Cout, 2s]
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+        self.in_channels = in_channels
+        self.stride = stride
+
+    def state_shape(self) -> tuple[int, ...] | None:
+        return (self.in_channels, 1)
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        s = self.stride
+        num_in = x.shape[2]
+        prev = ctx.state_in[self.state_key].to(x.dtype)  # [B, Cin, 1]
+        ctx.state_out[self.state_key] = gather_tail(torch.cat([prev, x], dim=2), lengths, 1)  # [B, Cin, 1]
+        y = F.conv_transpose1d(x, self.weight, self.bias, stride=s)[:, :, :num_in * s]  # [B, Cout, L * s]
+        carry = torch.einsum("bc,cok->bok", prev[:, :, 0], self.weight[:, :, s:])  # [B, Cout, s]
+        head = y[:, :, :s] + carry  # [B, Cout, s]
+        return torch.cat([head, y[:, :, s:]], dim=2), lengths * s  # [B, Cout, L * s]
+
+
+class ScaleBias(nn.Module):
+    """Sample-rate conditioning: ``x * scale_embed[b] + bias_embed[b]`` per row ``b``'s bucket, per channel."""
+
+    def __init__(self, num_buckets: int, channels: int) -> None:
+        super().__init__()
+        self.scale_embed = nn.Embedding(num_buckets, channels)
+        self.bias_embed = nn.Embedding(num_buckets, channels)
+
+    def forward(self, x: Tensor, sr_bucket: Tensor) -> Tensor:
+        scale = self.scale_embed(sr_bucket)[:, :, None]  # [B, C, 1]
+        bias = self.bias_embed(sr_bucket)[:, :, None]  # [B, C, 1]
+        return x * scale + bias  # [B, C, T]
+
+
+class Sequence(nn.ModuleList):
+    """Runs its blocks in order threading ``(x, lengths)``; children are named ``0``, ``1``, ... like upstream."""
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        for module in self:
+            x, lengths = module(x, lengths, ctx)
+        return x, lengths
+
+
+class ResidualUnit(nn.Module):
+    """``x + conv2(snake2(conv1(snake1(x))))``: ``block.0`` Snake, ``block.1`` depthwise causal k7 dilation ``d``,
+    ``block.2`` Snake, ``block.3`` full 1x1 conv."""
+
+    def __init__(self, channels: int, dilation: int) -> None:
+        super().__init__()
+        self.block = Sequence([
+            Snake(channels),
+            CausalConv(channels, channels, 7, dilation=dilation, groups=channels),
+            Snake(channels),
+            CausalConv(channels, channels, 1),
+        ])
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        h, _ = self.block(x, lengths, ctx)  # [B, C, T]
+        return h.add_(x), lengths
+
+
+class DecoderBlock(nn.Module):
+    """``block = [Snake(Cin), CausalTransConv(Cin -> Cout, s), ResidualUnit d=1, d=3, d=9]``."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.block = Sequence([
+            Snake(in_channels),
+            CausalTransConv(in_channels, out_channels, stride),
+            ResidualUnit(out_channels, 1),
+            ResidualUnit(out_channels, 3),
+            ResidualUnit(out_channels, 9),
+        ])
+
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+        return self.block(x, lengths, ctx)  # [B, Cout, T * s]

@@ -1,0 +1,64 @@
+"""VoxCPM2's AudioVAE decoder as a ``DecoderFamily``: float latents ``[B, D, T]`` at 25 Hz -> 48 kHz audio.
+
+One stream option, ``sr_cond`` (Hz, default the config's ``out_sample_rate``): the sample-rate condition the
+decoder's scale/bias layers take. The forward maps each row's Hz to its bucket on the device
+(``torch.bucketize`` against the checkpoint's boundaries), so a CUDA graph replays any mix of rates.
+``--model voxcpm2-default`` serves the shipped architecture with seeded random weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import Tensor
+
+from ..family import Contract, InputSpec, StateSpec, StreamBatch, StreamOption
+from .config import SHIPPED
+from .loader import CONFIG_KEY, DEFAULT_SPEC, load_folder, random_model
+from .model import VoxCPM2AudioVAEDecoder
+
+SR_COND = "sr_cond"
+SR_COND_RANGE_HZ = (1, 192000)
+
+
+def contract_of(module: VoxCPM2AudioVAEDecoder) -> Contract:
+    cfg = module.cfg
+    sr_cond = StreamOption(SR_COND, SR_COND_RANGE_HZ[0], SR_COND_RANGE_HZ[1], cfg.out_sample_rate,
+                           doc="sample-rate condition in Hz (bucketed by the checkpoint's sr_bin_boundaries)")
+    return Contract(input=InputSpec("latents", cfg.latent_channels), sample_rate_hz=cfg.out_sample_rate,
+                    samples_per_frame=cfg.samples_per_frame,
+                    state={name: StateSpec(shape) for name, shape in module.state_layout().items()},
+                    stream_options=(sr_cond,))
+
+
+class VoxCPM2AudioVAEFamily:
+    name = "voxcpm2_audiovae"
+    default_model_name = "voxcpm2-audiovae"
+    default_spec = DEFAULT_SPEC  # ``--model voxcpm2-default``: this family's random-weights model
+
+    def recognises(self, config: Mapping[str, Any]) -> bool:
+        """A VoxCPM2 model folder's ``config.json``: an ``audio_vae_config`` object (checked at load), or
+        ``architecture: voxcpm2`` (the decoder config then takes its shipped defaults)."""
+        return isinstance(config.get(CONFIG_KEY), dict) or config.get("architecture") == "voxcpm2"
+
+    def load(self, folder: Path) -> tuple[VoxCPM2AudioVAEDecoder, Contract]:
+        module, _ = load_folder(folder)
+        return module, contract_of(module)
+
+    def default(self, seed: int) -> tuple[VoxCPM2AudioVAEDecoder, Contract]:
+        module = random_model(SHIPPED, seed=seed)
+        return module, contract_of(module)
+
+    def forward_stream(self, module: VoxCPM2AudioVAEDecoder, batch: StreamBatch,
+                       state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        batch_size = batch.inputs.shape[0]
+        hz = batch.options.get(SR_COND)  # [B] int64 on the device; absent: every row at the default
+        buckets = module.sr_bucket(hz, batch_size)  # [B] long, torch.bucketize on the device
+        return module.forward_stream(batch.inputs, batch.num_frames, state, batch.positions, buckets)  # [B, T * U]
+
+    def forward(self, module: VoxCPM2AudioVAEDecoder, inputs: Tensor) -> Tensor:
+        return module(inputs)  # [B, 1, T * U], sr_cond at its default
+
+
+VOXCPM2_AUDIOVAE = VoxCPM2AudioVAEFamily()
