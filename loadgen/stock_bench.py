@@ -43,7 +43,7 @@ def run_stock_phase(args: argparse.Namespace, model, codes: torch.Tensor | None 
 
     if getattr(args, "baseline", "auto") == "none" or getattr(args, "no_baselines", False):
         return {"skipped": "not asked for"}
-    if not model.input.is_integer:
+    if model is not None and not model.input.is_integer:
         reason = (f"model {model.name} decodes {model.input.kind}; vLLM-Omni's stock Code2Wav decodes codes only, "
                   "so the vllm-omni-stock baseline is skipped")
         print(f"\n{NAME}: SKIPPED: {reason}", flush=True)
