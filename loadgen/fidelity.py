@@ -81,7 +81,7 @@ def _sidecar_stream(client, mode: str, codes: torch.Tensor, sizes: list[int], co
 
 
 def run(args: argparse.Namespace) -> dict:
-    from code2wav.sidecar.models import load_model, resolve_device
+    from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
     paths = [p for p in args.paths.split(",") if p]
     unknown = sorted(set(paths) - set(PATHS[1:]))
@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.frames < 1 or args.streams < 1 or args.context_frames < 0:
         raise SystemExit("--frames and --streams must be >= 1 and --context-frames >= 0")
     device = resolve_device(args.device)
+    if device.type == "cuda":
+        configure_cuda()  # the sidecar's math (TF32 off): the one-shot reference and stock run as the server does
     model = load_model(args.model, device, args.dtype)
     window = model.module.cfg.sliding_window
     if args.context_frames > window and "stock" in paths:

@@ -30,7 +30,7 @@ BENCH_DIR = ROOT / "deploy" / "k8s" / "bench"
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "deploy" / "k8s" / "SCALING.md"])
 ALL_MARKDOWN = sorted({*DOCS, ROOT / "proto" / "README.md", ROOT / "tests" / "data" / "README.md",
                        ROOT / "loadgen" / "probes" / "README.md"})
-SUBCOMMANDS = ("serve", "decode", "keygen", "demo", "bench")
+SUBCOMMANDS = ("serve", "decode", "keygen", "demo", "bench", "fidelity")
 SERVE_COMMAND = "pip install torch==2.13.0 -e . && code2wav-sidecar serve --model default"
 TEST_COMMAND = "pip install torch==2.13.0 -e '.[test,bench]' && bash .ci/install-deploy-tools && python -m pytest -q"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
