@@ -26,6 +26,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def no_tf32():
+    """TF32 off for the test (float32 tolerances against the goldens need it), restored after."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
 @pytest.fixture(scope="session")
 def golden_cases() -> dict[str, torch.Tensor]:
     return load_file(str(TINY / "cases.safetensors"))

@@ -28,12 +28,8 @@ ROUTINE_BATCH, ROUTINE_FRAMES = 64, 25
 
 
 @pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+def _tf32_off(no_tf32):
+    """float32 tolerances hold only with TF32 off (conftest.no_tf32)."""
 
 
 def _setup(model_spec: str, dtype: str, key: BucketKey, compile_: bool):

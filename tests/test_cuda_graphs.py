@@ -20,12 +20,8 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+def _tf32_off(no_tf32):
+    """float32 tolerances hold only with TF32 off (conftest.no_tf32)."""
 
 
 def _setup(model_spec: str, buckets, num_slots: int = 40, mode: str = "startup", max_lazy: int = 8,
