@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from chunking import splits_of
 from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.models.qwen3_tts import DecoderConfig, random_model
@@ -20,23 +20,6 @@ NUM_FRAMES = 40
 def make_engine(model: LoadedModel, num_slots: int = 8, max_forward_frames: int = 256) -> Engine:
     arena = StateArena(model.module.state_layout(), num_slots, model.dtype, model.device)
     return Engine(model, arena, max_forward_frames=max_forward_frames)
-
-
-def splits_of(total: int):
-    """Chunk-size lists summing to ``total``."""
-    return st.lists(st.integers(1, total), min_size=1, max_size=total).map(lambda xs: _clip(xs, total))
-
-
-def _clip(sizes: list[int], total: int) -> list[int]:
-    out, left = [], total
-    for s in sizes:
-        if left == 0:
-            break
-        out.append(min(s, left))
-        left -= out[-1]
-    if left:
-        out.append(left)
-    return out
 
 
 def stream_interleaved(engine: Engine, codes: torch.Tensor, plans: list[list[int]],

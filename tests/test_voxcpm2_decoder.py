@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from chunking import clip_sizes
 from code2wav.sidecar.models.voxcpm2_audiovae import SHIPPED, AudioVAEConfig, VoxCPM2AudioVAEDecoder, load_folder
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "voxcpm2_tiny_a"
@@ -85,23 +86,11 @@ def test_streaming_with_sr_cond(model, cases):
     assert (streamed - cases["full_sr_cond"]).abs().max().item() <= TOL
 
 
-def _clip(sizes: list[int], total: int) -> list[int]:
-    out, left = [], total
-    for s in sizes:
-        if left == 0:
-            break
-        out.append(min(s, left))
-        left -= out[-1]
-    if left:
-        out.append(left)
-    return out
-
-
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(1, 57), min_size=1, max_size=20))
 def test_streaming_any_chunking(model, cases, sizes):
     with torch.no_grad():
-        streamed = stream(model, cases["latents"], _clip(sizes, 57))
+        streamed = stream(model, cases["latents"], clip_sizes(sizes, 57))
     assert (streamed - cases["full"]).abs().max().item() <= TOL
 
 

@@ -17,7 +17,7 @@ import logging
 
 from .model import ARCH_NAME
 
-__all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register"]
+__all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register", "register_arch"]
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +26,19 @@ MODEL_CLASS_REF = "code2wav.client.vllm_omni.model:Qwen3TTSCode2WavSidecar"
 
 def register() -> None:
     """Add ``ARCH_NAME`` to vLLM-Omni's ``OmniModelRegistry``; a no-op when it is there or vLLM-Omni is absent."""
+    register_arch(ARCH_NAME, MODEL_CLASS_REF)
+
+
+def register_arch(arch_name: str, class_ref: str) -> None:
+    """Add ``arch_name`` -> ``class_ref`` (``module:Class``, imported lazily) to vLLM-Omni's ``OmniModelRegistry``;
+    idempotent, and a no-op when vLLM-Omni is absent. Every plugin entry point of this package uses it."""
     try:
         from vllm_omni.model_executor.models.registry import OmniModelRegistry
     except ImportError as exc:  # the plugin is installed with the client, vLLM-Omni may not be
         log.debug("code2wav-sidecar: vLLM-Omni not importable (%s); nothing to register", exc)
         return
-    existing = OmniModelRegistry.models.get(ARCH_NAME)
-    if existing is not None and getattr(existing, "module_name", None) == MODEL_CLASS_REF.split(":")[0]:
+    existing = OmniModelRegistry.models.get(arch_name)
+    if existing is not None and getattr(existing, "module_name", None) == class_ref.split(":")[0]:
         return
-    OmniModelRegistry.register_model(ARCH_NAME, MODEL_CLASS_REF)
-    log.debug("code2wav-sidecar: registered %s -> %s in OmniModelRegistry", ARCH_NAME, MODEL_CLASS_REF)
+    OmniModelRegistry.register_model(arch_name, class_ref)
+    log.debug("code2wav-sidecar: registered %s -> %s in OmniModelRegistry", arch_name, class_ref)

@@ -12,11 +12,9 @@ file opts in with ``model_arch: VoxCPM2TalkerSidecar`` on stage 0 (docs/voxcpm2.
 
 from __future__ import annotations
 
-import logging
+from ..vllm_omni import register_arch
 
 __all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register"]
-
-log = logging.getLogger(__name__)
 
 ARCH_NAME = "VoxCPM2TalkerSidecar"
 MODEL_CLASS_REF = "code2wav.client.vllm_omni_voxcpm2.model:VoxCPM2TalkerSidecar"
@@ -24,12 +22,4 @@ MODEL_CLASS_REF = "code2wav.client.vllm_omni_voxcpm2.model:VoxCPM2TalkerSidecar"
 
 def register() -> None:
     """Add ``ARCH_NAME`` to vLLM-Omni's ``OmniModelRegistry``; a no-op when it is there or vLLM-Omni is absent."""
-    try:
-        from vllm_omni.model_executor.models.registry import OmniModelRegistry
-    except ImportError as exc:
-        log.debug("code2wav-sidecar: vLLM-Omni not importable (%s); nothing to register", exc)
-        return
-    existing = OmniModelRegistry.models.get(ARCH_NAME)
-    if existing is not None and getattr(existing, "module_name", None) == MODEL_CLASS_REF.split(":")[0]:
-        return
-    OmniModelRegistry.register_model(ARCH_NAME, MODEL_CLASS_REF)
+    register_arch(ARCH_NAME, MODEL_CLASS_REF)
