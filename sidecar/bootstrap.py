@@ -53,6 +53,15 @@ def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES
     return model
 
 
+def with_family_buckets(cfg: ServerConfig, model: ModelInfo) -> ServerConfig:
+    """``cfg`` with the graph bucket lists it leaves unset taken from the model family's defaults (logged)."""
+    gcfg = cfg.graphs.for_family(model.family.graph_buckets)
+    log.info("graph buckets (%s): exact batches %s x frames %s, window batches %s x frames %s", model.family_name,
+             list(gcfg.exact_batch_sizes), list(gcfg.exact_frames), list(gcfg.window_batch_sizes),
+             list(gcfg.window_frames))
+    return cfg.model_copy(update={"graphs": gcfg})
+
+
 def build_arena(cfg: ServerConfig, model: ModelInfo, metrics: Metrics) -> StateArena:
     layout = model.state_layout()
     plan = plan_arena_for(cfg, StateArena.stream_nbytes(layout, model.dtype), model.device)
@@ -127,6 +136,7 @@ def build_engine_side(cfg: ServerConfig, device, scheduler: Scheduler, metrics: 
                       families: Sequence[DecoderFamily] = FAMILIES) -> Parts:
     """Model, arena, graphs, engine: the slow part of start-up (run it on the engine thread)."""
     model = load(cfg, device, families)
+    cfg = with_family_buckets(cfg, model)
     arena = build_arena(cfg, model, metrics)
     graphs = None
     if device.type == "cuda" and cfg.graphs.enabled:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from code2wav.proto.address import default_address as proto_default_address
 
-from .graphs import plan
+if TYPE_CHECKING:
+    from .models.family import GraphBuckets
 
 
 def default_address() -> str:
@@ -51,13 +52,18 @@ class EngineConfig(_Section):
     max_forward_frames: int = Field(256, ge=1, description="longer chunks are decoded in exact slices")
 
 
+_Sizes = tuple[Annotated[int, Field(ge=1)], ...]
+
+
 class GraphsConfig(_Section):
     enabled: bool = Field(True, description="capture CUDA graphs (ignored on CPU: eager)")
     mode: Literal["startup", "startup_lazy", "lazy"] = "startup"
-    exact_batch_sizes: tuple[int, ...] = plan.DEFAULT_BATCH_SIZES
-    exact_frames: tuple[int, ...] = plan.DEFAULT_EXACT_FRAMES
-    window_batch_sizes: tuple[int, ...] = plan.DEFAULT_WINDOW_BATCH_SIZES
-    window_frames: tuple[int, ...] = plan.DEFAULT_WINDOW_FRAMES
+    # bucket sizes; unset: the model family's defaults (the chunk shapes its clients send, e.g. Qwen3-TTS batches
+    # 1..32 x frames 1, 25; VoxCPM2 batches 1..64 x frames 4, 25), see GraphsConfig.for_family
+    exact_batch_sizes: _Sizes | None = None
+    exact_frames: _Sizes | None = None
+    window_batch_sizes: _Sizes | None = None
+    window_frames: _Sizes | None = None
     max_lazy_captures: int = Field(8, ge=0)
     max_graph_memory_bytes: int | None = Field(2 << 30, ge=0, description="buckets past it run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
@@ -71,6 +77,11 @@ class GraphsConfig(_Section):
                                           "keep it on a volume for fast restarts; null = torch's default")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time conv algorithms for each captured bucket "
                                   "(bf16: faster replays, slower capture; fp32: measured slower)")
+
+    def for_family(self, defaults: GraphBuckets) -> "GraphsConfig":
+        """This section with every unset bucket list taken from the model family's defaults."""
+        fields = ("exact_batch_sizes", "exact_frames", "window_batch_sizes", "window_frames")
+        return self.model_copy(update={f: getattr(defaults, f) for f in fields if getattr(self, f) is None})
 
 
 class LimitsConfig(_Section):

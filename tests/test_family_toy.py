@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
 from code2wav.sidecar.config import load_config
-from code2wav.sidecar.models import (FAMILIES, Contract, FamilyError, InputSpec, StateSpec, StreamBatch, StreamOption,
-                                     detect_family, load_model, register_family)
+from code2wav.sidecar.models import (FAMILIES, Contract, FamilyError, GraphBuckets, InputSpec, StateSpec, StreamBatch,
+                                     StreamOption, detect_family, load_model, register_family)
 from code2wav.sidecar.server import Server
 
 LATENT_DIM = 6
@@ -43,6 +43,8 @@ class ToyDecoder(nn.Module):
 class ToyFamily:
     name = "toy_latents"
     default_model_name = "toy"
+    graph_buckets = GraphBuckets(exact_batch_sizes=(1, 2), exact_frames=(1, 8), window_batch_sizes=(1,),
+                                 window_frames=(8,))
 
     def recognises(self, config: Mapping[str, Any]) -> bool:
         return isinstance(config.get("toy_decoder"), dict)
@@ -214,9 +216,7 @@ def test_toy_family_serves_exact_streams_end_to_end_on_cpu(toy_folder, tmp_path)
 
 @pytest.mark.cuda
 def test_toy_family_serves_exact_streams_with_cuda_graphs(toy_folder, tmp_path):
-    graphs = {"exact_batch_sizes": [1, 2], "exact_frames": [1, 8], "window_batch_sizes": [1],
-              "window_frames": [8]}
-    server = _serve_streams(tmp_path, toy_folder, "cuda", graphs=graphs)
+    server = _serve_streams(tmp_path, toy_folder, "cuda")  # the family's own buckets: b1, b2 x 1, 8 frames
     summary = server.engine.graphs.manager.summary()
     assert all(s["status"] == "captured" for s in summary), summary
     replays = server.metrics.graph_replays.labels(component="exact", bucket="b1xt8")._value.get()

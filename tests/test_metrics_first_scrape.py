@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from code2wav.proto import REGION_ACCESS, STREAM_MODES, ErrorCode
 from code2wav.sidecar.config import ServerConfig
 from code2wav.sidecar.graphs.plan import build_buckets
+from code2wav.sidecar.models.qwen3_tts.family import QWEN3_TTS
 from conftest import ROOT, start_sidecar
 
 PREFIX = "code2wav_sidecar_"
@@ -197,7 +198,7 @@ def test_labelled_series_start_at_zero_for_every_label_value(first_scrape):
                  "chunk_latency_seconds_count", "batch_size_count", "engine_step_seconds_count"):
         assert _values(first_scrape, PREFIX + name, "mode") == {m: 0.0 for m in STREAM_MODES}, name
     # graph hits per configured bucket (the server's default config), misses per component, on a CPU server too
-    gcfg = ServerConfig().graphs
+    gcfg = ServerConfig().graphs.for_family(QWEN3_TTS.graph_buckets)  # the default model's family
     buckets = build_buckets("exact", gcfg.exact_batch_sizes, gcfg.exact_frames) + build_buckets(
         "window", gcfg.window_batch_sizes, gcfg.window_frames)
     replays = {(labels["component"], labels["bucket"]): v

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .family import (Contract, DecoderFamily, FamilyError, InputSpec, ModelInfo, StateSpec, StreamBatch,
-                     StreamOption)
+from .family import (Contract, DecoderFamily, FamilyError, GraphBuckets, InputSpec, ModelInfo, StateSpec,
+                     StreamBatch, StreamOption)
 from .registry import DTYPES, FAMILIES, default_specs, detect_family, load_model, register_family
 
 LoadedModel = ModelInfo  # the name loadgen and older tests import
 
-__all__ = ["Contract", "DecoderFamily", "FamilyError", "InputSpec", "ModelInfo", "LoadedModel", "StateSpec",
+__all__ = ["Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec", "ModelInfo", "LoadedModel", "StateSpec",
            "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "default_specs", "detect_family", "load_model",
            "register_family",
            "configure_cuda", "resolve_device"]

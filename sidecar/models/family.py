@@ -112,6 +112,17 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class GraphBuckets:
+    """A family's default CUDA-graph buckets: the chunk shapes its clients send (``graphs.*`` in the config
+    overrides each field). Exact mode: ``(batch, new_frames)``; window mode: ``(batch, context + new frames)``."""
+
+    exact_batch_sizes: tuple[int, ...]
+    exact_frames: tuple[int, ...]
+    window_batch_sizes: tuple[int, ...]
+    window_frames: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Contract:
     """Everything about a model that code outside its family folder may use."""
 
@@ -146,6 +157,7 @@ class DecoderFamily(Protocol):
 
     name: str  # e.g. "qwen3_tts": advertised in the welcome message
     default_model_name: str  # the served model name when the config gives none
+    graph_buckets: GraphBuckets  # default graph buckets: the chunk shapes this family's clients send
 
     def recognises(self, config: Mapping[str, Any]) -> bool:
         """Whether a folder's parsed ``config.json`` is one of this family's (by its keys)."""

@@ -7,10 +7,16 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from ..family import Contract, InputSpec, StateSpec, StreamBatch
+from ..family import Contract, GraphBuckets, InputSpec, StateSpec, StreamBatch
 from .config import SAMPLE_RATE_HZ, SHIPPED
 from .decoder import Qwen3TTSDecoder
 from .loader import load_folder, random_model
+
+
+# vLLM-Omni's Code2Wav stage sends a 1-frame first chunk, then 25-frame chunks (its shipped deploy file); window
+# mode sees 25 new frames with 25 of left context.
+GRAPH_BUCKETS = GraphBuckets(exact_batch_sizes=(1, 2, 4, 8, 16, 32), exact_frames=(1, 25),
+                             window_batch_sizes=(1, 2, 4, 8), window_frames=(50,))
 
 
 def contract_of(module: Qwen3TTSDecoder, sample_rate_hz: int) -> Contract:
@@ -23,6 +29,7 @@ def contract_of(module: Qwen3TTSDecoder, sample_rate_hz: int) -> Contract:
 class Qwen3TTSFamily:
     name = "qwen3_tts"
     default_model_name = "qwen3-tts-12hz"
+    graph_buckets = GRAPH_BUCKETS
 
     def recognises(self, config: Mapping[str, Any]) -> bool:
         """A ``speech_tokenizer/config.json``: a ``decoder_config`` object (its fields are checked at load)."""

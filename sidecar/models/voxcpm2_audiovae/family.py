@@ -13,13 +13,19 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from ..family import Contract, InputSpec, StateSpec, StreamBatch, StreamOption
+from ..family import Contract, GraphBuckets, InputSpec, StateSpec, StreamBatch, StreamOption
 from .config import SHIPPED
 from .loader import CONFIG_KEY, DEFAULT_SPEC, load_folder, random_model
 from .model import VoxCPM2AudioVAEDecoder
 
 SR_COND = "sr_cond"
 SR_COND_RANGE_HZ = (1, 192000)
+# VoxCPM2's talker emits one 4-frame latent patch per step (160 ms of audio); vLLM-Omni may gather a few patches
+# per decode, and offline or resumed streams send longer chunks (25 frames = 1 s). Batches of 4-frame patches go
+# to 64 rows (0.65 MB of state each); the 25-frame buckets past the graph memory budget are skipped (eager). Window
+# mode: a patch with the decoder's 20 frames of history.
+GRAPH_BUCKETS = GraphBuckets(exact_batch_sizes=(1, 2, 4, 8, 16, 32, 64), exact_frames=(4, 25),
+                             window_batch_sizes=(1, 2, 4, 8), window_frames=(24,))
 
 
 def contract_of(module: VoxCPM2AudioVAEDecoder) -> Contract:
@@ -35,6 +41,7 @@ def contract_of(module: VoxCPM2AudioVAEDecoder) -> Contract:
 class VoxCPM2AudioVAEFamily:
     name = "voxcpm2_audiovae"
     default_model_name = "voxcpm2-audiovae"
+    graph_buckets = GRAPH_BUCKETS
     default_spec = DEFAULT_SPEC  # ``--model voxcpm2-default``: this family's random-weights model
 
     def recognises(self, config: Mapping[str, Any]) -> bool:
