@@ -108,16 +108,17 @@ def copy_decoder_weights(vae: torch.nn.Module, ours: dict[str, Tensor]) -> None:
     target = {k: v for k, v in vae.state_dict().items() if k.startswith("decoder.")}
     missing, mismatched, used = [], [], set()
     for key, dest in target.items():
-        source_key = key[:-len("_v")] if key.endswith("weight_v") else key[:-len("_g")] if key.endswith(
-            "weight_g") else key
+        is_norm = key.endswith(("weight_g", "weight_v"))
+        source_key = key[:-2] if is_norm else key  # "...weight_v" / "...weight_g" -> our folded "...weight"
         source = ours.get(source_key)
         if source is None:
             missing.append(key)
             continue
         used.add(source_key)
         source = source.detach().to(torch.float32)
-        value = _norm_except_dim0(source).reshape(dest.shape) if key.endswith("weight_g") and \
-            source.shape[0] == dest.shape[0] else source
+        value = source
+        if key.endswith("weight_g") and source.shape[0] == dest.shape[0]:
+            value = _norm_except_dim0(source).reshape(dest.shape)  # [N, 1, 1]: g * v / ||v|| == our weight
         if value.shape != dest.shape:
             mismatched.append(f"{key}: upstream {tuple(dest.shape)} vs ours {source_key} {tuple(source.shape)}")
             continue
