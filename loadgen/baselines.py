@@ -6,6 +6,9 @@ also a ratio against them:
 - ``exact-eager-b1``: the sidecar's exact mode without the wire: 25 new frames against carried state.
 - ``exact-eager-bN``: the same at batch N (throughput class of cross-request batching).
 - ``exact-graph-bN`` (CUDA only): the same through a captured CUDA graph.
+
+``frames`` (the bench's ``--baseline-frames``) adds the exact rows at other chunk sizes; a row at F frames other
+than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the default names stay as above.
 """
 
 from __future__ import annotations
@@ -60,12 +63,20 @@ def _result(name: str, batch: int, new_frames: int, times_s: list[float], model:
     return BaselineResult(name, batch, new_frames, p50 * 1e3, p95 * 1e3, audio_s / p50, len(times_s))
 
 
+def _suffix(frames: int, new_frames: int) -> str:
+    return "" if frames == new_frames else f"-t{frames}"
+
+
 def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames: int = 25, iters: int = 20,
-                  warmup: int = 3, batch_sizes: tuple[int, ...] = (1,)) -> list[BaselineResult]:
+                  warmup: int = 3, batch_sizes: tuple[int, ...] = (1,),
+                  frames: tuple[int, ...] | None = None) -> list[BaselineResult]:
+    """``frames``: chunk sizes of the exact rows (None: ``new_frames`` only)."""
+    frames = tuple(dict.fromkeys(frames or (new_frames,)))
     slots_needed = max(batch_sizes)
     arena = StateArena(model.module.state_layout(), slots_needed, model.dtype, model.device)
-    engine = Engine(model, arena, max_forward_frames=max(256, new_frames + left_context_frames))
-    codes = synthetic_inputs(InputContract.of(model), new_frames + left_context_frames, seed=1)  # [C, T]
+    engine = Engine(model, arena, max_forward_frames=max(256, new_frames + left_context_frames, *frames))
+    total_frames = max(new_frames + left_context_frames, *frames)
+    codes = synthetic_inputs(InputContract.of(model), total_frames, seed=1)  # [C, T]
     results = []
 
     window = [DecodeItem(codes=codes, slot=None, skip_frames=left_context_frames)]
@@ -77,20 +88,24 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
     results.append(_result("exact-eager-b1-t1", 1, 1, times, model))
     arena.release(first[0].slot)
 
-    for batch in batch_sizes:
-        slots = [arena.allocate() for _ in range(batch)]
-        items = [DecodeItem(codes=codes[:, :new_frames], slot=s, skip_frames=0) for s in slots]
-        times = _time_calls(lambda: engine.decode(items), model.device, iters, warmup)
-        results.append(_result(f"exact-eager-b{batch}", batch, new_frames, times, model))
-        for s in slots:
-            arena.release(s)
+    for num_frames in frames:
+        for batch in batch_sizes:
+            name = f"exact-eager-b{batch}" + _suffix(num_frames, new_frames)
+            if any(r.name == name for r in results):
+                continue  # 1 frame at batch 1 is the first-chunk row above
+            slots = [arena.allocate() for _ in range(batch)]
+            items = [DecodeItem(codes=codes[:, :num_frames], slot=s, skip_frames=0) for s in slots]
+            times = _time_calls(lambda: engine.decode(items), model.device, iters, warmup)
+            results.append(_result(name, batch, num_frames, times, model))
+            for s in slots:
+                arena.release(s)
     if model.device.type == "cuda":
-        results += _graph_baselines(model, arena, codes[:, :new_frames], new_frames, iters, warmup, batch_sizes)
+        results += _graph_baselines(model, arena, codes, new_frames, iters, warmup, batch_sizes, frames)
     return results
 
 
 def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: int, iters: int, warmup: int,
-                     batch_sizes: tuple[int, ...]) -> list[BaselineResult]:
+                     batch_sizes: tuple[int, ...], frames: tuple[int, ...] = ()) -> list[BaselineResult]:
     from prometheus_client import CollectorRegistry
 
     from code2wav.sidecar.graphs.manager import GraphManager
@@ -98,8 +113,10 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
     from code2wav.sidecar.metrics import Metrics
     from code2wav.sidecar.graphs.routine import StreamRoutine
 
-    buckets = tuple(BucketKey("exact", b, new_frames) for b in batch_sizes) + (BucketKey("exact", 1, 1),)
-    routine = StreamRoutine(model, arena, max(batch_sizes), new_frames)
+    frames = frames or (new_frames,)
+    buckets = tuple(dict.fromkeys([BucketKey("exact", b, f) for f in frames for b in batch_sizes]
+                                  + [BucketKey("exact", 1, 1)]))
+    routine = StreamRoutine(model, arena, max(batch_sizes), max(frames))
     manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()),
                            max_graph_memory_bytes=None)  # baselines measure every batch size asked for
     manager.capture_startup()
@@ -110,7 +127,7 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
         slots = [arena.allocate() for _ in range(key.batch)]
         items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
         times = _time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
-        name = f"exact-graph-b{key.batch}" + ("-t1" if key.frames == 1 else "")
+        name = f"exact-graph-b{key.batch}" + ("-t1" if key.frames == 1 else _suffix(key.frames, new_frames))
         results.append(_result(name, key.batch, key.frames, times, model))
         for s in slots:
             arena.release(s)

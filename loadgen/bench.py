@@ -22,6 +22,7 @@ from code2wav.sidecar.cli import DefaultsHelpFormatter
 
 from .options import add_server_key_option
 from .stock_bench import add_stock_args
+from .voxcpm2_upstream import add_upstream_args
 
 EXIT_INTERRUPTED = 130
 
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=4, help="client connections the streams are spread over")
     p.add_argument("--baseline-iters", type=int, default=20, help="timed iterations per in-process baseline")
     p.add_argument("--baseline-batch", default="1", help="comma-separated batch sizes for exact-eager baselines")
+    p.add_argument("--baseline-frames", default="",
+                   help="comma-separated chunk sizes (frames) of the exact baselines (default: --chunk-frames); "
+                        "rows at other sizes than --chunk-frames are named -tN")
     p.add_argument("--no-baselines", action="store_true", help="skip the in-process baselines")
     p.add_argument("--profile-batch", type=int, default=0,
                    help="also print torch.profiler's top operators for one eager exact step at this batch size")
@@ -58,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport-batch", type=int, default=16, help="--transport: the sidecar's max batch size")
     p.add_argument("--transport-chunks", type=int, default=1000, help="--transport: chunks per level and transport")
     add_stock_args(p)
+    add_upstream_args(p)
     return p
 
 

@@ -121,14 +121,18 @@ class BaselinesPhase(Phase):
     def __init__(self, args, device: torch.device) -> None:
         self.args, self.device = args, device
         self.batches = tuple(int(x) for x in args.baseline_batch.split(",") if x)
+        self.frames = tuple(int(x) for x in (args.baseline_frames or str(args.chunk_frames)).split(",") if x)
         self.model = None
 
     def plan(self) -> list[Step]:
+        frames = "" if self.frames == (self.args.chunk_frames,) else f" x {','.join(map(str, self.frames))} frames"
         steps = [Step("load model", weight=0),  # not like the others: no rate for the time-left estimate
-                 Step(f"baselines (window b1, exact b{','.join(map(str, self.batches))}, "
-                      f"{self.args.baseline_iters} iterations each)", weight=2 + len(self.batches))]
+                 Step(f"baselines (window b1, exact b{','.join(map(str, self.batches))}{frames}, "
+                      f"{self.args.baseline_iters} iterations each)", weight=2 + len(self.batches) * len(self.frames))]
         steps.append(Step("vllm-omni-stock: vLLM-Omni 0.30's own Code2Wav (same weights, codes, dtype, device)",
                           weight=2))
+        steps.append(Step("voxcpm2-upstream: VoxCPM2's own AudioVAE V2 (latents models; same weights, dtype, "
+                          "device)" + (", then torch.compile" if self.args.upstream_compile else ""), weight=2))
         if self.args.profile_batch:
             steps.append(Step(f"profile an eager exact step at batch {self.args.profile_batch}"))
         return steps
@@ -144,9 +148,16 @@ class BaselinesPhase(Phase):
             from .baselines import run_baselines
 
             found = run_baselines(self.model, new_frames=args.chunk_frames, iters=args.baseline_iters,
-                                  batch_sizes=self.batches)
+                                  batch_sizes=self.batches, frames=self.frames)
             report.baselines = [_rounded_baseline(asdict(b)) for b in found]
             return ", ".join(f"{b['name']} p50 {b['latency_ms_p50']:.2f} ms" for b in report.baselines[:3])
+        if index == 3:
+            from .voxcpm2_upstream import run_upstream_step
+
+            upstream = run_upstream_step(args, self.model, report.baselines)
+            report.baselines += [_rounded_baseline(r) for r in upstream.pop("rows", [])]
+            report.voxcpm2_upstream = upstream
+            return upstream.get("skipped", "") or "; ".join(f"{k} {v}x" for k, v in upstream["ratios"].items())
         if index == 2:
             from .stock_bench import run_stock_phase
 

@@ -32,10 +32,13 @@ class BenchReport:
     results: list[dict] = field(default_factory=list)
     interrupted: str | None = None  # what was running when Ctrl-C came; None for a complete run
     vllm_omni_stock: dict = field(default_factory=dict)  # the stock baseline's start-up, graphs, shim (stock_bench)
+    voxcpm2_upstream: dict = field(default_factory=dict)  # upstream VoxCPM2 AudioVAE: cross-check, ratios (latents)
 
     def as_json(self) -> dict:
         out = {"environment": self.environment, "baselines": self.baselines, "results": self.results,
                "settings": self.settings, "vllm_omni_stock": self.vllm_omni_stock}
+        if self.voxcpm2_upstream:
+            out["voxcpm2_upstream"] = self.voxcpm2_upstream
         if self.interrupted is not None:
             out["interrupted"] = self.interrupted
         return out
@@ -45,8 +48,9 @@ class BenchReport:
 
     def reference(self) -> dict | None:
         """The baseline every sidecar figure is a ratio to: what vLLM-Omni 0.30 does per chunk today, its own
-        Code2Wav at batch 1 (``vllm-omni-stock-b1``); the stateless window decode only where stock is absent."""
-        for name in ("vllm-omni-stock-b1", "window-eager-b1"):
+        Code2Wav at batch 1 (``vllm-omni-stock-b1``); for a latents model (VoxCPM2), upstream's own streaming decode
+        of one 4-frame patch (``voxcpm2-upstream-stream-b1-t4``); the stateless window decode where neither is."""
+        for name in ("vllm-omni-stock-b1", "voxcpm2-upstream-stream-b1-t4", "window-eager-b1"):
             found = next((b for b in self.baselines if b["name"] == name), None)
             if found is not None:
                 return found
@@ -68,9 +72,10 @@ def print_table(report: BenchReport) -> None:
     baselines, rows, ref = report.baselines, report.results, report.reference()
     if baselines:
         print("\nin-process baselines (same device, model, dtype)")
-        print(f"{'baseline':<18} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10}")
+        width = max(18, *(len(b["name"]) for b in baselines))
+        print(f"{'baseline':<{width}} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10}")
         for b in baselines:
-            print(f"{b['name']:<18} {b['batch']:>5} {b['new_frames']:>6} {b['latency_ms_p50']:>8.2f} "
+            print(f"{b['name']:<{width}} {b['batch']:>5} {b['new_frames']:>6} {b['latency_ms_p50']:>8.2f} "
                   f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g}")
     if not rows:
         print("\nno sidecar level finished")
@@ -145,4 +150,4 @@ def load(path: str) -> BenchReport:
     with open(path) as f:
         raw = json.load(f)
     return BenchReport(raw["environment"], raw["settings"], raw["baselines"], raw["results"], raw.get("interrupted"),
-                       raw.get("vllm_omni_stock", {}))
+                       raw.get("vllm_omni_stock", {}), raw.get("voxcpm2_upstream", {}))
