@@ -4,8 +4,9 @@
 bfloat16 latents decode like the same values sent as float32 (``x.bfloat16().float()``), inline from the
 client and as raw bits from a hand-driven peer; bfloat16 NaN/inf are refused per chunk and the stream goes on;
 float16 is refused by the server naming the dtypes and the shape, and by the client before sending; the
-welcome lists both dtypes. The client's wire forms are checked without a server. The CUDA test sends bfloat16
-CUDA latents by CUDA IPC against the float32 path (and against an inline send) on a GPU sidecar.
+welcome lists both dtypes. The client's wire forms are checked without a server, the server's CUDA IPC read on
+host memory standing in for a region. The CUDA test sends bfloat16 CUDA latents by CUDA IPC against the float32
+path (and against an inline send) on a GPU sidecar.
 """
 
 from __future__ import annotations
@@ -178,6 +179,40 @@ def test_client_wire_forms_of_latents():
         as_wire_codes(values.half(), latents=True, latent_dtypes=both)
     with pytest.raises(cerr.InvalidArgument, match=r"shape \[channels, num_frames\], got \[80\]"):
         as_wire_codes(values.reshape(-1), latents=True, latent_dtypes=both)
+
+
+def test_ipc_bf16_regions_are_viewed_as_bf16_widened_exactly_and_checked():
+    """The server's CUDA IPC read of bfloat16 latents, on host memory standing in for a mapped region (the
+    device side is the CUDA test below): the view is bfloat16; one batch mixing bfloat16 and float32 chunks
+    loads both exactly as float32; bfloat16 NaN/inf chunks are refused per chunk, naming the shape."""
+    from types import SimpleNamespace
+
+    from code2wav.sidecar.ipc.io import load_codes
+    from code2wav.sidecar.models import InputSpec
+    from test_ipc_cpu import _service_with_region, _StandInEvent
+
+    service, region, _ = _service_with_region()
+    region.opened.events = [_StandInEvent(True)]
+    values = torch.randn(2, 3).bfloat16()  # [D=2, 3]
+    nan, inf = values.clone(), values.clone()
+    nan[1, 0], inf[0, 2] = float("nan"), float("-inf")
+    data = region.opened.data  # [1024] uint8
+    for offset, tensor in ((0, values), (256, nan), (512, inf)):
+        data[offset:offset + 12] = tensor.reshape(-1).view(torch.uint8)
+    data[768:768 + 24] = values.float().reshape(-1).view(torch.uint8)
+
+    def job(dtype: str, offset: int):
+        desc = proto.TensorDesc(dtype, (2, 3), proto.CudaIpcLoc(7, offset, 6 * proto.WIRE_DTYPE_ITEMSIZES[dtype]))
+        return SimpleNamespace(ipc_codes=(region, service.view(region, desc, "codes"), 0), arrived_s=0.0, codes=None)
+
+    jobs = [job("bfloat16", 0), job("bfloat16", 256), job("bfloat16", 512), job("float32", 768)]
+    assert jobs[0].ipc_codes[1].dtype == torch.bfloat16 and jobs[3].ipc_codes[1].dtype == torch.float32
+    refused, deferred = load_codes(jobs, InputSpec("latents", 2), now_s=0.0, codes_event_timeout_s=5.0, incomplete=[])
+    assert deferred == [] and [j for j, _, _ in refused] == jobs[1:3]
+    assert all(code == proto.ErrorCode.INVALID_ARGUMENT and "non-finite" in message and "shape [2, n]" in message
+               for _, code, message in refused)
+    for loaded in (jobs[0], jobs[3]):
+        assert loaded.codes.dtype == torch.float32 and torch.equal(loaded.codes, values.float())
 
 
 @pytest.mark.cuda
