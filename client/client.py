@@ -187,7 +187,9 @@ class SidecarClient:
             if not isinstance(msg, Opened) or msg.stream_id != stream_id:
                 raise Internal(f"expected opened for {stream_id!r}, got {msg!r}")
             info = self.server_info.model(msg.model)
-            return Stream(self._sender, msg, self._conn.generation, info.input_kind if info else "codes")
+            if info is None:
+                return Stream(self._sender, msg, self._conn.generation)
+            return Stream(self._sender, msg, self._conn.generation, info.input_kind, info.input_dtypes)
 
         self._sender.call(frames, request_id, timeout_s, on_reply, future)
         return future

@@ -26,7 +26,7 @@ from .cuda_ipc.link import IpcLink
 from .errors import DeadlineExceeded, Internal, InvalidArgument, LimitExceeded, SidecarError
 from .ledger import SentChunk, StreamLedger
 from .results import Settle, settle_reply
-from .transport import CodesLike, TensorTransport
+from .transport import CodesLike, TensorTransport, host_wire
 
 __all__ = ["Sender", "StreamLike", "set_result", "set_exception"]
 
@@ -174,8 +174,7 @@ class Sender:
                 chunks.append(Chunk(stream.stream_id, chunk.seq, ipc.codes, chunk.final, chunk.context_frames,
                                     codes_event=ipc.codes_event, audio_out=ipc.audio_out))
                 continue
-            codes = chunk.codes.cpu().numpy() if isinstance(chunk.codes, torch.Tensor) else chunk.codes
-            desc, frames = self.transport.pack(codes, first_frame=1 + len(buffers))
+            desc, frames = self.transport.pack(host_wire(chunk.codes), first_frame=1 + len(buffers))
             buffers.extend(frames)
             chunks.append(Chunk(stream.stream_id, chunk.seq, desc, chunk.final, chunk.context_frames))
         future: Future[Any] = Future()

@@ -34,7 +34,8 @@ class Stream:
     ``concurrent.futures.Future``. asyncio: ``await asyncio.wrap_future(stream.submit(codes))``.
     """
 
-    def __init__(self, sender: Sender, opened: Opened, generation: int, input_kind: str = "codes") -> None:
+    def __init__(self, sender: Sender, opened: Opened, generation: int, input_kind: str = "codes",
+                 input_dtypes: tuple[str, ...] = ("float32",)) -> None:
         self.sender = sender
         self.generation = generation  # the server generation the stream was opened in
         self.stream_id: str = opened.stream_id
@@ -44,6 +45,7 @@ class Stream:
         self.samples_per_frame: int = opened.samples_per_frame
         self.num_quantizers: int = opened.num_quantizers  # the inputs' first dimension (Q codes, D latents)
         self.input_kind: str = input_kind  # welcome's contract: "codes" or "latents"
+        self.input_dtypes: tuple[str, ...] = input_dtypes  # welcome's: the wire dtypes latents may travel in
         self.ledger = StreamLedger(self.stream_id, lambda: self.lost)
 
     # ------------------------------------------------------------------ public
@@ -65,7 +67,9 @@ class Stream:
     def submit(
         self, codes: CodesLike, final: bool = False, context_frames: int = 0, *, timeout_s: float | None = None
     ) -> Future[torch.Tensor]:
-        """Send one chunk ``[Q, n]``; the future gives float32 audio ``[(n - context_frames) * U]``.
+        """Send one chunk ``[Q, n]`` (codes) or ``[D, n]`` (latents); the future gives float32 audio
+        ``[(n - context_frames) * U]``. Latents travel in their own dtype (float32, or bfloat16 when welcome's
+        ``input_dtypes`` lists it; float64 as float32); one the model does not take is ``InvalidArgument`` here.
 
         Host codes give host audio; their memory is sent without a copy, so do not modify it until the future
         is done. CUDA codes give CUDA audio on the same device: by CUDA IPC when the sidecar shares the host and
@@ -139,9 +143,9 @@ class Stream:
         self.check_usable()
         latents = self.input_kind == "latents"
         if isinstance(codes, torch.Tensor) and codes.is_cuda:
-            array: Any = cuda_wire_codes(codes, latents)
+            array: Any = cuda_wire_codes(codes, latents, self.input_dtypes)
         else:
-            array = as_wire_codes(codes, latents)
+            array = as_wire_codes(codes, latents, self.input_dtypes)
         num_quantizers, num_frames = (int(d) for d in array.shape)
         if num_quantizers != self.num_quantizers:
             raise InvalidArgument(

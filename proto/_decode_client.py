@@ -41,7 +41,7 @@ from .messages import (
     Ping,
 )
 from .ipc import MAX_REGION_EVENTS
-from .tensors import INTEGER_DTYPES, CudaIpcLoc, InlineLoc, TensorDesc, inline_view
+from .tensors import CudaIpcLoc, InlineLoc, TensorDesc, inline_view
 
 _HELLO_KEYS = frozenset({"type", "request_id", "version", "client_id", "capabilities", "session_secret"})
 _OPEN_KEYS = frozenset({"type", "request_id", "stream_id", "model", "mode", "left_context_frames", "options"})
@@ -124,9 +124,7 @@ def _parse_chunk(value: object, index: int, limits: Limits, frames: Sequence[Any
         codes = TensorDesc.from_wire(chunk["codes"], limits, len(frames))
     except ProtocolError as exc:
         raise ProtocolError(exc.code, f"{what}.codes: {exc.message}") from None
-    if codes.dtype not in INTEGER_DTYPES and codes.dtype != "float32":  # float32: a latents family's inputs
-        invalid(f"{what}.codes must have an integer dtype (int16, int32, int64) or float32 (latents), "
-                f"got {codes.dtype}")
+    # Any wire dtype: the model's contract (welcome: ``input_dtypes``) decides, per chunk, naming its shape.
     if len(codes.shape) != 2:
         invalid(f"{what}.codes must have rank 2 [num_quantizers, num_frames], got shape {list(codes.shape)}")
     num_quantizers, num_frames = codes.shape

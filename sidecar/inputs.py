@@ -29,8 +29,8 @@ def read_chunk_inputs(model: ModelInfo, regions: RegionService, identity: bytes,
     spec = model.input
     desc = chunk.codes
     if desc.dtype not in spec.wire_dtypes:
-        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"{spec.kind} must be {'/'.join(spec.wire_dtypes)} for "
-                            f"model '{model.name}', got {desc.dtype}")
+        raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"{spec.kind} must be {'/'.join(spec.wire_dtypes)} of "
+                            f"shape [{spec.channels}, n] for model '{model.name}', got {desc.dtype}")
     num_channels, num_frames = desc.shape
     if num_channels != spec.channels:
         what = "quantizers" if spec.is_integer else "latent channels"
@@ -70,9 +70,13 @@ def _inline_inputs(model: ModelInfo, desc: proto.TensorDesc, frames: list) -> Te
         view = proto.inline_view(desc, frames)
     except ProtocolError as exc:
         raise ChunkRejected(exc.code, exc.message) from None
-    array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
-    host = np.dtype(np.int64) if model.input.is_integer else np.dtype(np.float32)
-    array = array.reshape(num_channels, num_frames).astype(host)  # [C, n] (copy: chunks are small)
+    if desc.dtype == "bfloat16":  # numpy has no bfloat16: a bfloat16 is the top half of a float32, widened exactly
+        bits = np.frombuffer(view, dtype="<u2").astype(np.uint32) << 16  # [C * n] (a copy)
+        array = bits.view(np.float32).reshape(num_channels, num_frames)  # [C, n] float32 (latents only)
+    else:
+        array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
+        host = np.dtype(np.int64) if model.input.is_integer else np.dtype(np.float32)
+        array = array.reshape(num_channels, num_frames).astype(host)  # [C, n] (copy: chunks are small)
     values = torch.from_numpy(array)
     problem = model.input.problem(values)
     if problem is not None:

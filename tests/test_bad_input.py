@@ -95,11 +95,13 @@ CASES = [
      E.INVALID_ARGUMENT, "chunk"),
     ("negative code", [msgpack.packb(decode(23, chunk())), np.full((Q, 5), -1, "<i8").tobytes()],
      E.INVALID_ARGUMENT, "chunk"),
-    # float32 is a wire dtype for latents families: a codes model refuses it per chunk; float16 never passes
+    # float dtypes are wire dtypes (latents families take float32/bfloat16): a codes model refuses them per chunk
     ("float codes", [msgpack.packb(decode(24, chunk(codes=codes_desc([Q, 5], dtype="float32")))),
                      np.zeros((Q, 5), "<f4").tobytes()], E.INVALID_ARGUMENT, "chunk"),
     ("float16 codes", [msgpack.packb(decode(24, chunk(codes=codes_desc([Q, 5], dtype="float16")))),
-                       np.zeros((Q, 5), "<f2").tobytes()], E.INVALID_ARGUMENT, "msg"),
+                       np.zeros((Q, 5), "<f2").tobytes()], E.INVALID_ARGUMENT, "chunk"),
+    ("bfloat16 codes", [msgpack.packb(decode(24, chunk(codes=codes_desc([Q, 5], dtype="bfloat16")))),
+                        np.zeros((Q, 5), "<u2").tobytes()], E.INVALID_ARGUMENT, "chunk"),
     ("unknown stream", [msgpack.packb(decode(25, chunk(stream_id="ghost"))), GOOD_BYTES], E.NOT_FOUND, "chunk"),
     ("seq gap", [msgpack.packb(decode(26, chunk(seq=7))), GOOD_BYTES], E.OUT_OF_ORDER, "chunk"),
     ("cuda ipc region not offered", [msgpack.packb(decode(27, chunk(codes={"dtype": "int64", "shape": [Q, 5],

@@ -191,7 +191,7 @@ def _serve_streams(tmp_path: Path, toy_folder: Path, device: str, **extra) -> Se
         with SidecarClient(running.server.address, timeout_s=30) as client:
             info = client.models[0]
             assert (info.family, info.input_kind, info.input_dtypes, info.channels, info.valid_range) == (
-                "toy_latents", "latents", ("float32",), LATENT_DIM, None)
+                "toy_latents", "latents", ("float32", "bfloat16"), LATENT_DIM, None)
             assert (info.sample_rate, info.samples_per_frame) == (16000, SAMPLES_PER_FRAME)
             assert [(o.name, o.low, o.high, o.default) for o in info.stream_options] == [("gain", 1, 4, 1)]
             _stream_and_check(client, weights, [1, 5, 3, 7], gain=1, stream_id="a")

@@ -14,6 +14,7 @@ from code2wav import proto
 from code2wav.proto import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
+    WIRE_DTYPE_ITEMSIZES,
     Abort,
     Aborted,
     Bye,
@@ -348,7 +349,7 @@ def test_too_many_chunks() -> None:
         (lambda c: c["codes"].update(shape=[1, 1, 1, 1, 1]), "rank 5 exceeds the limit of 4"),
         (lambda c: c["codes"].update(shape=[2**40, 2**40]), "elements; the limit is 67108864"),
         (lambda c: c["codes"].update(shape="16x25"), "shape must be an array of integers, got str"),
-        (lambda c: c["codes"].update(dtype="float16"), "must have an integer dtype"),
+        (lambda c: c["codes"].update(dtype="float16"), "holds 3200 bytes but dtype float16"),  # the model decides
         (lambda c: c["codes"].update(dtype="uint8"), "dtype must be one of"),
         (lambda c: c["codes"].update(frame=2), "tensor frame must be in [1, 1], got 2"),
         (lambda c: c["codes"].update(frame=0), "tensor frame must be in [1, 1], got 0"),
@@ -377,6 +378,16 @@ def test_chunk_frame_limit() -> None:
     limits = Limits(max_chunk_frames=24)
     msg, frames = decode_msg(n=25)
     expect_error(frames, ErrorCode.INVALID_ARGUMENT, "has 25 frames; the limit is 24", limits=limits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int16"])
+def test_chunk_inputs_may_have_any_wire_dtype(dtype: str) -> None:
+    """The protocol carries every wire dtype; the model's contract (welcome ``input_dtypes``) decides per chunk."""
+    desc = TensorDesc(dtype, (16, 5), InlineLoc(1))
+    frames = encode(Decode(1, (Chunk("s", 0, desc),)), [bytes(desc.nbytes)])
+    decoded = decode_client_message(frames)
+    assert isinstance(decoded, Decode) and decoded.chunks[0].codes == desc
+    assert len(inline_view(desc, frames)) == 16 * 5 * WIRE_DTYPE_ITEMSIZES[dtype]
 
 
 def test_empty_final_chunk_is_allowed() -> None:

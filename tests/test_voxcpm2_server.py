@@ -51,7 +51,7 @@ def test_welcome_describes_the_latents_contract(voxcpm2_sidecar):
     with SidecarClient(voxcpm2_sidecar.address, timeout_s=30) as client:
         info = client.models[0]
     assert (info.family, info.input_kind, info.input_dtypes, info.channels, info.valid_range) == (
-        "voxcpm2_audiovae", "latents", ("float32",), D, None)
+        "voxcpm2_audiovae", "latents", ("float32", "bfloat16"), D, None)
     assert (info.sample_rate, info.samples_per_frame) == (48000, 240)
     assert [(o.name, o.low, o.high, o.default) for o in info.stream_options] == [("sr_cond", 1, 192000, 48000)]
 
@@ -115,7 +115,7 @@ def test_bad_latents_and_options_are_typed_errors_and_the_server_keeps_serving(v
                    "left_context_frames": 0})
         assert isinstance(peer.recv(), proto.Opened)
         for rid, shape, dtype, fragment in ((3, [D - 1, 2], "<f4", f"needs {D} (shape [{D}, n])"),
-                                            (4, [D, 2], "<i8", "latents must be float32")):
+                                            (4, [D, 2], "<i8", f"latents must be float32/bfloat16 of shape [{D}, n]")):
             desc = {"dtype": "float32" if dtype == "<f4" else "int64", "shape": shape, "loc": "inline", "frame": 1}
             chunk = {"stream_id": "raw", "seq": 0, "final": False, "context_frames": 0, "codes": desc}
             peer.send(msgpack.packb({"type": "decode", "request_id": rid, "chunks": [chunk]}),

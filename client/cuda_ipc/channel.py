@@ -39,7 +39,8 @@ log = logging.getLogger("code2wav.client")
 
 NUM_CODES_EVENTS = 64
 """The most a region may register (``proto.MAX_REGION_EVENTS``): one per message in flight."""
-_WIRE_DTYPES = {torch.int16: "int16", torch.int32: "int32", torch.int64: "int64", torch.float32: "float32"}
+_WIRE_DTYPES = {torch.int16: "int16", torch.int32: "int32", torch.int64: "int64", torch.float32: "float32",
+                torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class IpcUnavailable(Exception):

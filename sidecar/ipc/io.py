@@ -69,7 +69,7 @@ def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s:
             deferred.append(job)
     if ready:
         views = [job.ipc_codes[1].reshape(-1) for job in ready]
-        flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (one dtype per region use)
+        flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (mixed dtypes promote)
         host = flat.to("cpu", spec.host_dtype())  # the step's one read of all IPC inputs (synchronizes)
         all_valid = spec.problem(host) is None  # the usual case: one check for the whole batch
         start = 0

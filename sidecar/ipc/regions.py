@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["check_span", "Region", "DeviceOp", "RegionService", "TORCH_DTYPES"]
 
-TORCH_DTYPES = {"int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "float32": torch.float32}
+TORCH_DTYPES = {"int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "float32": torch.float32,
+                "bfloat16": torch.bfloat16}
 
 
 def check_span(region_nbytes: int, offset: int, nbytes: int, itemsize: int) -> str | None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 INPUT_KINDS = ("codes", "latents")
 _INTEGER_WIRE_DTYPES = ("int16", "int32", "int64")
-_FLOAT_WIRE_DTYPES = ("float32",)
+_FLOAT_WIRE_DTYPES = ("float32", "bfloat16")  # staged in the model's dtype either way
 
 
 class FamilyError(ValueError):
