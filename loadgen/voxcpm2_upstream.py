@@ -17,7 +17,7 @@ Rows (same fields as ``baselines.BaselineResult``):
 - ``voxcpm2-upstream-compiled-oneshot-b64-t25`` (``--upstream-compile``): the same through ``torch.compile``.
 
 Plus a cross-check: upstream one-shot and streaming against our ``forward`` on the same latents (max abs diff, SNR).
-(A little over 300 lines: loading, weight copy, timing and the bench step of one baseline, read together.)
+Over 300 lines: loading, weight copy, timing and the bench step of one baseline, read together.
 """
 
 from __future__ import annotations

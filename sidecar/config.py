@@ -58,8 +58,8 @@ _Sizes = tuple[Annotated[int, Field(ge=1)], ...]
 class GraphsConfig(_Section):
     enabled: bool = Field(True, description="capture CUDA graphs (ignored on CPU: eager)")
     mode: Literal["startup", "startup_lazy", "lazy"] = "startup"
-    # bucket sizes; unset: the model family's defaults (the chunk shapes its clients send, e.g. Qwen3-TTS batches
-    # 1..32 x frames 1, 25; VoxCPM2 batches 1..64 x frames 4, 25), see GraphsConfig.for_family
+    # bucket sizes; unset: the model family's defaults (``graph_buckets`` in its family.py: the chunk shapes its
+    # clients send), see GraphsConfig.for_family
     exact_batch_sizes: _Sizes | None = None
     exact_frames: _Sizes | None = None
     window_batch_sizes: _Sizes | None = None
