@@ -216,7 +216,17 @@ class SidecarPhase(Phase):
                         for _ in range(max(1, a.clients))]
         if hasattr(asyncio, "Runner"):  # Python 3.11+; 3.10 runs each level in its own asyncio.run
             self.runner = asyncio.Runner()
+        self._warm_up()
         return self
+
+    def _warm_up(self) -> None:
+        """One untimed closed-loop stream per client connection, of the levels' shape, before the first level: a
+        server's first requests pay one-time costs (allocator growth, first replay of each bucket, lazy imports on
+        both sides) that a serving sidecar paid long ago; without this, c=1's single first chunk measured them."""
+        a = self.args
+        run = self.runner.run if self.runner is not None else asyncio.run
+        run(run_level(self.clients, len(self.clients), a.mode, a.frames, a.first_chunk_frames, a.chunk_frames,
+                      "closed", None, tag="warmup"))
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
         a = self.args

@@ -26,11 +26,12 @@ class StreamCtx:
     sr_bucket: Tensor | None = None  # [B] long, the sample-rate bucket of each row
 
 
-def gather_tail(x_cat: Tensor, lengths: Tensor, num_cols: int) -> Tensor:
-    """Columns ``[len_b, len_b + num_cols)`` of each row of ``x_cat`` ``[B, C, P + T]`` (``P == num_cols`` state
-    columns in front): the last ``num_cols`` columns ending at the row's last valid input."""
+def gather_tail(x_cat: Tensor, lengths: Tensor, offsets: Tensor) -> Tensor:
+    """Columns ``[len_b, len_b + P)`` of each row of ``x_cat`` ``[B, C, P + T]`` (``P == len(offsets)`` state
+    columns in front; ``offsets`` is ``arange(P)``, a buffer of the block): the last ``P`` columns ending at the
+    row's last valid input."""
     batch, channels, _ = x_cat.shape
-    offsets = torch.arange(num_cols, device=x_cat.device)  # [P]
+    num_cols = offsets.shape[0]
     index = lengths.to(x_cat.device)[:, None] + offsets[None, :]  # [B, P]
     return torch.gather(x_cat, 2, index[:, None, :].expand(batch, channels, num_cols))  # [B, C, P]
 
@@ -52,9 +53,10 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        inv_alpha = 1.0 / (self.alpha + 1e-9)  # [1, C, 1]
-        out = torch.mul(self.alpha, x)  # [B, C, T]
-        return out.sin_().square_().mul_(inv_alpha).add_(x), lengths
+        # 5 kernels, one temporary: the divide and the residual add fused (addcdiv, written over the temporary);
+        # at batch 1 a step is launch-bound (~460 kernels), so each kernel saved here counts 43 times
+        out = torch.mul(self.alpha, x).sin_().square_()  # [B, C, T]
+        return torch.addcdiv(x, out, self.alpha + 1e-9, out=out), lengths  # x + sin^2(alpha x) / (alpha + 1e-9)
 
 
 class CausalConv(StatefulBlock):
@@ -69,6 +71,7 @@ class CausalConv(StatefulBlock):
         self.dilation = dilation
         self.groups = groups
         self.num_state_cols = (kernel_size - 1) * dilation
+        self.register_buffer("tail_offsets", torch.arange(self.num_state_cols), persistent=False)  # [P]
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, self.num_state_cols) if self.num_state_cols else None
@@ -76,7 +79,7 @@ class CausalConv(StatefulBlock):
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
         if self.num_state_cols:
             x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
-            ctx.state_out[self.state_key] = gather_tail(x, lengths, self.num_state_cols)  # [B, C, P]
+            ctx.state_out[self.state_key] = gather_tail(x, lengths, self.tail_offsets)  # [B, C, P]
         y = F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)  # [B, C_out, T]
         return y, lengths
 
@@ -96,6 +99,7 @@ class CausalTransConv(StatefulBlock):
         self.bias = nn.Parameter(torch.zeros(out_channels))
         self.in_channels = in_channels
         self.stride = stride
+        self.register_buffer("tail_offsets", torch.arange(1), persistent=False)  # [1]
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, 1)
@@ -104,7 +108,8 @@ class CausalTransConv(StatefulBlock):
         s = self.stride
         num_in = x.shape[2]
         prev = ctx.state_in[self.state_key].to(x.dtype)  # [B, Cin, 1]
-        ctx.state_out[self.state_key] = gather_tail(torch.cat([prev, x], dim=2), lengths, 1)  # [B, Cin, 1]
+        x_cat = torch.cat([prev, x], dim=2)  # [B, Cin, 1 + L]
+        ctx.state_out[self.state_key] = gather_tail(x_cat, lengths, self.tail_offsets)  # [B, Cin, 1]
         y = F.conv_transpose1d(x, self.weight, self.bias, stride=s)[:, :, :num_in * s]  # [B, Cout, L * s]
         carry = torch.einsum("bc,cok->bok", prev[:, :, 0], self.weight[:, :, s:])  # [B, Cout, s]
         head = y[:, :, :s] + carry  # [B, Cout, s]
@@ -122,7 +127,7 @@ class ScaleBias(nn.Module):
     def forward(self, x: Tensor, sr_bucket: Tensor) -> Tensor:
         scale = self.scale_embed(sr_bucket)[:, :, None]  # [B, C, 1]
         bias = self.bias_embed(sr_bucket)[:, :, None]  # [B, C, 1]
-        return x * scale + bias  # [B, C, T]
+        return torch.addcmul(bias, x, scale)  # [B, C, T]: x * scale + bias in one kernel
 
 
 class Sequence(nn.ModuleList):
