@@ -6,7 +6,7 @@ client processes are SIGKILLed and restarted and the sidecar is SIGTERMed and re
         --restart-sidecar-at-s 300 --out soak.json
 
 Each stream sends a chunk of ``--chunk-frames`` random codes every ``chunk_frames / frame_rate`` seconds on a
-fixed schedule (open loop: not waiting for replies) until ``--stream-frames``, then a final chunk and a new
+fixed schedule (open loop: not waiting for replies) for 0.5-1.5x ``--stream-frames``, then a final chunk and a new
 stream. A chunk's outcome is decoded (audio of the right length), failed with a typed error (counted by code:
 expected around the faults), or lost: no outcome at all from a client process that lived to the end. ``lost``
 must be 0. The report (JSON): counts, p99 latency per 10 s window, the sidecar's RSS and GPU memory over time,
@@ -193,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="real-time streams the sidecar sustains (measured before, e.g. by the bench)")
     p.add_argument("--fraction", type=float, default=0.8, help="of --capacity-streams")
     p.add_argument("--chunk-frames", type=int, default=25)
-    p.add_argument("--stream-frames", type=int, default=250, help="frames per stream before its final chunk")
+    p.add_argument("--stream-frames", type=int, default=250, help="mean frames per stream (each 0.5x to 1.5x)")
     p.add_argument("--frame-rate-hz", type=float, default=None, help="default: the model's (e.g. 12.5)")
     p.add_argument("--timeout-s", type=float, default=10.0, help="the clients' request timeout")
     p.add_argument("--kill-every-s", type=float, default=30.0, help="SIGKILL one client process this often (0: never)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import signal
 import sys
 import threading
@@ -78,8 +79,9 @@ def client_main(args: argparse.Namespace) -> int:
     info = client.models[0]
     frame_rate_hz = args.frame_rate_hz or info.sample_rate / info.samples_per_frame
     period_s = args.chunk_frames / frame_rate_hz
-    slots: list[dict] = [{"stream": None, "pos": 0, "due": time.monotonic() + i * period_s / args.streams}
-                         for i in range(args.streams)]
+    rng = random.Random(args.seed)
+    slots: list[dict] = [{"stream": None, "pos": 0, "len": args.stream_frames,
+                          "due": time.monotonic() + i * period_s / args.streams} for i in range(args.streams)]
     futures = []
     last_flush = time.monotonic()
     opened = 0
@@ -89,8 +91,9 @@ def client_main(args: argparse.Namespace) -> int:
             if now < slot["due"]:
                 continue
             slot["due"] += period_s  # open loop: the schedule does not wait for replies
-            if slot["due"] < now:  # fell behind (e.g. the sidecar was down): skip, do not burst
-                slot["due"] = now + period_s
+            if slot["due"] < now:  # fell behind (e.g. the sidecar was down): skip, do not burst, and take a
+                # random phase, or every stream that waited for the restart would send in step from then on
+                slot["due"] = now + period_s * (1.0 + rng.random())
             stream = slot["stream"]
             if stream is None or stream.closed or stream.lost:
                 try:
@@ -99,8 +102,11 @@ def client_main(args: argparse.Namespace) -> int:
                     rec.unsent(exc)
                     continue
                 opened += 1
-                slot["stream"], slot["pos"] = stream, 0
-            final = slot["pos"] + args.chunk_frames >= args.stream_frames
+                # utterance lengths vary (0.5x to 1.5x --stream-frames, whole chunks): streams that started
+                # together (after a restart) do not keep ending and reopening together
+                num_chunks = max(1, round(args.stream_frames * (0.5 + rng.random()) / args.chunk_frames))
+                slot["stream"], slot["pos"], slot["len"] = stream, 0, num_chunks * args.chunk_frames
+            final = slot["pos"] + args.chunk_frames >= slot["len"]
             codes = torch.randint(0, info.codebook_size, (info.num_quantizers, args.chunk_frames), generator=gen)
             try:
                 future = stream.submit(codes, final=final)  # [Q, n] -> [n * U]
@@ -144,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--duration-s", type=float, required=True)
     c.add_argument("--streams", type=int, required=True)
     c.add_argument("--chunk-frames", type=int, default=25)
-    c.add_argument("--stream-frames", type=int, default=250)
+    c.add_argument("--stream-frames", type=int, default=250, help="mean frames per stream (each 0.5x to 1.5x)")
     c.add_argument("--frame-rate-hz", type=float, default=None)
     c.add_argument("--timeout-s", type=float, default=10.0)
     c.add_argument("--seed", type=int, default=0)
