@@ -29,11 +29,19 @@ def rows_state(model: ModelInfo, arena: StateArena | None, slots: Tensor | None,
 
 def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int) -> list[Tensor]:
     """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: copied to the host, or for
-    ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it)."""
+    ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it).
+
+    A host row owns its memory, exactly its own samples: its stream keeps it for an idempotent resend, up to the
+    TTL when the client vanished, and a view would keep the whole padded batch ``[B, T * U]`` alive with it."""
     spf = samples_per_frame
     host = None if all(it.out_device for it in items) else wav[: len(items)].cpu()  # [rows, T * U]; synchronous
-    return [(wav if it.out_device else host)[b, it.skip_frames * spf: it.codes.shape[1] * spf]
-            for b, it in enumerate(items)]
+    return [wav[b, it.skip_frames * spf: it.codes.shape[1] * spf] if it.out_device
+            else _owned(host[b, it.skip_frames * spf: it.codes.shape[1] * spf]) for b, it in enumerate(items)]
+
+
+def _owned(row: Tensor) -> Tensor:
+    """``row`` itself when it spans its whole storage, else a compact copy (a memcpy of the row only)."""
+    return row if row.untyped_storage().nbytes() == row.nbytes else row.clone()
 
 
 def rows_options(model: ModelInfo, items: list[DecodeItem], device: torch.device) -> dict[str, Tensor]:
