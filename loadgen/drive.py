@@ -16,7 +16,7 @@ from code2wav.client.errors import Busy, SidecarError
 from .inputs import InputContract, synthetic_inputs
 from .traffic import chunk_sizes
 
-FRAME_S = 0.08  # 12.5 frames per second
+FRAME_S = 0.08  # 12.5 frames per second (Qwen3-TTS); open-loop levels use the served model's frame period
 REALTIME_STAGGER_S = 2.0  # open loop: streams start at random within this long
 
 
@@ -104,7 +104,7 @@ async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelR
 
 
 async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
-                      start_at_s: float, sample_rate_hz: int, result: LevelResult) -> None:
+                      start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float = FRAME_S) -> None:
     now = time.perf_counter()
     if start_at_s > now:
         await asyncio.sleep(start_at_s - now)
@@ -113,9 +113,10 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
     for i, n in enumerate(sizes):
         t0 = time.perf_counter()
         if arrival == "realtime":
-            # Open loop: the talker emits a frame every 80 ms, so a chunk exists once its last frame does.
-            # Latency counts from that moment, also when the previous reply came late (overload shows up).
-            t0 = t_start + (frames_done + n) * FRAME_S
+            # Open loop: the talker emits a frame every ``frame_s`` (the model's frame period: 80 ms at 12.5 Hz,
+            # 40 ms at 25 Hz), so a chunk exists once its last frame does. Latency counts from that moment, also
+            # when the previous reply came late (overload shows up).
+            t0 = t_start + (frames_done + n) * frame_s
             delay = t0 - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -153,7 +154,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         if stream is None:
             continue
         codes = synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
-        tasks.append(_one_stream(stream, mode, codes, sizes, arrival, start_at_s, info.sample_rate, result))
+        frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
+        tasks.append(_one_stream(stream, mode, codes, sizes, arrival, start_at_s, info.sample_rate, result, frame_s))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
     after = _scrape(metrics_url)
