@@ -14,6 +14,8 @@ and prints, for the bf16 default model:
 - bf16 SNR of the audio against float32 for the plain graph and the compiled graph (``SNR=0`` skips).
 ``STARTUP=b1xt1,b1xt25,...`` instead times the compile + capture of that bucket set in this process and exits
 (run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` for cold and warm).
+``MODEL`` (default ``default``) and ``FRAMES`` (default 25) pick another model and chunk size, e.g.
+``MODEL=voxcpm2-default FRAMES=4`` for VoxCPM2's 4-frame patches.
 Run from the repository root: ``python loadgen/probes/compile_profile.py``.
 """
 
@@ -29,12 +31,15 @@ from code2wav.sidecar.graphs.compiled import CompiledRoutine, configure_compile_
 from code2wav.sidecar.graphs.manager import GraphManager
 from code2wav.sidecar.graphs.plan import BucketKey
 from code2wav.sidecar.metrics import Metrics
-from code2wav.sidecar.models import configure_cuda, load_model
-from code2wav.sidecar.models.routine import StreamRoutine
+from code2wav.sidecar.models import StreamBatch, configure_cuda, load_model
+from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 from code2wav.sidecar.work import DecodeItem
 
-FRAMES = 25
+from code2wav.loadgen.inputs import InputContract, synthetic_batch, synthetic_inputs
+
+FRAMES = int(os.environ.get("FRAMES", "25"))  # new frames per chunk (VoxCPM2's LM patch: 4)
+MODEL = os.environ.get("MODEL", "default")  # a --model spec, e.g. voxcpm2-default
 PEAK_FLOPS = float(os.environ.get("PEAK_FLOPS", "790e12"))
 NUM_SLOTS = 160
 
@@ -56,13 +61,12 @@ def device_ms(fn, iters: int = 20) -> float:
 
 
 def make_items(model, batch: int, frames: int, seed: int) -> list[DecodeItem]:
-    g = torch.Generator().manual_seed(seed)
-    return [DecodeItem(torch.randint(0, model.codebook_size, (model.num_quantizers, frames), generator=g), b, 0)
-            for b in range(batch)]
+    contract = InputContract.of(model)
+    return [DecodeItem(synthetic_inputs(contract, frames, seed=seed * 1000 + b), b, 0) for b in range(batch)]
 
 
 def build(dtype: str, batches: list[int], compile_: bool, frames: int = FRAMES):
-    model = load_model("default", torch.device("cuda"), dtype)
+    model = load_model(MODEL, torch.device("cuda"), dtype)
     arena = StateArena(model.module.state_layout(), NUM_SLOTS, model.dtype, model.device)
     plain = StreamRoutine(model, arena, max(batches), frames)
     buckets = tuple(BucketKey("exact", b, frames) for b in batches)
@@ -76,11 +80,12 @@ def flops_per_audio_s(model) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     batch = 4
-    codes = torch.randint(0, model.codebook_size, (batch, model.num_quantizers, FRAMES), device=model.device)
+    inputs = synthetic_batch(InputContract.of(model), batch, FRAMES, seed=0).to(model.device)  # [B, C, T]
     num_frames = torch.full((batch,), FRAMES, device=model.device)
+    positions = torch.zeros(batch, dtype=torch.long, device=model.device)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        model.module.forward_stream(codes, num_frames, model.module.zero_state(batch),
-                                    torch.zeros(batch, dtype=torch.long, device=model.device))
+        model.forward_stream(StreamBatch(inputs.to(model.input.staged_dtype(model.dtype)), num_frames, positions,
+                                         model.zero_options(batch)), model.module.zero_state(batch))
     audio_s = batch * FRAMES * model.samples_per_frame / model.sample_rate_hz
     return counter.get_total_flops() / audio_s
 
@@ -155,7 +160,7 @@ def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
 
 
 def audio_of(dtype: str, compile_: bool, batch: int, chunks: int = 3) -> torch.Tensor:
-    """Three 25-frame chunks of ``batch`` streams through the captured graph: ``[B, chunks * T * U]``."""
+    """Three ``FRAMES``-frame chunks of ``batch`` streams through the captured graph: ``[B, chunks * T * U]``."""
     model, arena, plain, manager = build(dtype, [batch], compile_)
     manager.capture_startup()
     key = BucketKey("exact", batch, FRAMES)
@@ -173,7 +178,7 @@ def startup(spec: str) -> None:
         keys.append(BucketKey("exact", int(b), int(t)))
     configure_cuda(False)
     t0 = time.perf_counter()
-    model = load_model("default", torch.device("cuda"), "bfloat16")
+    model = load_model(MODEL, torch.device("cuda"), "bfloat16")
     arena = StateArena(model.module.state_layout(), NUM_SLOTS, model.dtype, model.device)
     plain = StreamRoutine(model, arena, max(k.batch for k in keys), max(k.frames for k in keys))
     manager = GraphManager({"exact": plain}, tuple(keys), model.device, Metrics(), max_graph_memory_bytes=None,
@@ -214,7 +219,7 @@ def main() -> None:
     print("\n-- compiled graphs (bf16); compile s per shape:",
           {f"b{b}xt{t}": round(s, 1) for (b, t), s in compiled.compile_s.items()})
     compiled_rows = step_table(model, plain, manager, batches, flops)
-    print("\n-- step device time, ratios in this run (bf16, 25 frames):")
+    print(f"\n-- step device time, ratios in this run (bf16, {FRAMES} frames):")
     for b in batches:
         (p_ms, e_ms, *_), (c_ms, *_) = plain_rows[b], compiled_rows[b]
         print(f"  b{b:<3d} compiled/plain graph {c_ms / p_ms:.3f}  compiled/eager {c_ms / e_ms:.3f}  "

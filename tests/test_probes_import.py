@@ -1,0 +1,44 @@
+"""Every ``code2wav`` import of the probes under loadgen/probes/ resolves against the current code. The probes are
+scripts that no other test runs (most do their work at import), so a moved module broke them silently:
+compile_profile imported ``sidecar.models.routine`` after the routine moved to ``sidecar/graphs/``. Checked from
+their source (AST), without running them."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+
+import pytest
+
+from conftest import ROOT
+
+PROBES = ROOT / "loadgen" / "probes"
+
+
+def _code2wav_imports(source: str) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` of every ``import code2wav...`` / ``from code2wav... import names`` in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("code2wav"):
+            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("code2wav")]
+    return found
+
+
+def test_the_check_sees_a_moved_module():
+    assert _code2wav_imports("from code2wav.sidecar.models.routine import StreamRoutine\nimport code2wav.client") == [
+        ("code2wav.sidecar.models.routine", ["StreamRoutine"]), ("code2wav.client", [])]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("code2wav.sidecar.models.routine")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PROBES.glob("*.py")))
+def test_probe_imports_resolve(name):
+    imports = _code2wav_imports((PROBES / f"{name}.py").read_text())
+    for module_name, names in imports:
+        module = importlib.import_module(module_name)
+        missing = [n for n in names if not hasattr(module, n)
+                   and importlib.util.find_spec(f"{module_name}.{n}") is None]
+        assert not missing, f"{name}.py: {module_name} has no {missing}"
