@@ -14,16 +14,14 @@ than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the defa
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
-
-import torch
 
 from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.state_store import StateArena
 
 from .inputs import InputContract, synthetic_inputs
+from .timing import sync_device, time_calls
 
 
 @dataclass
@@ -35,24 +33,6 @@ class BaselineResult:
     latency_ms_p95: float
     audio_s_per_s: float
     iters: int
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _result(name: str, batch: int, new_frames: int, times_s: list[float], model: LoadedModel) -> BaselineResult:
@@ -80,11 +60,11 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
     results = []
 
     window = [DecodeItem(codes=codes, slot=None, skip_frames=left_context_frames)]
-    times = _time_calls(lambda: engine.decode(window), model.device, iters, warmup)
+    times = time_calls(lambda: engine.decode(window), model.device, iters, warmup)
     results.append(_result("window-eager-b1", 1, new_frames, times, model))
 
     first = [DecodeItem(codes=codes[:, :1], slot=arena.allocate(), skip_frames=0)]  # a vLLM-Omni first chunk
-    times = _time_calls(lambda: engine.decode(first), model.device, iters, warmup)
+    times = time_calls(lambda: engine.decode(first), model.device, iters, warmup)
     results.append(_result("exact-eager-b1-t1", 1, 1, times, model))
     arena.release(first[0].slot)
 
@@ -95,7 +75,7 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
                 continue  # 1 frame at batch 1 is the first-chunk row above
             slots = [arena.allocate() for _ in range(batch)]
             items = [DecodeItem(codes=codes[:, :num_frames], slot=s, skip_frames=0) for s in slots]
-            times = _time_calls(lambda: engine.decode(items), model.device, iters, warmup)
+            times = time_calls(lambda: engine.decode(items), model.device, iters, warmup)
             results.append(_result(name, batch, num_frames, times, model))
             for s in slots:
                 arena.release(s)
@@ -126,7 +106,7 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
             continue
         slots = [arena.allocate() for _ in range(key.batch)]
         items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
-        times = _time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
+        times = time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
         name = f"exact-graph-b{key.batch}" + ("-t1" if key.frames == 1 else _suffix(key.frames, new_frames))
         results.append(_result(name, key.batch, key.frames, times, model))
         for s in slots:
@@ -147,6 +127,6 @@ def profile_kernels(model: LoadedModel, batch: int, new_frames: int, row_limit: 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         engine.decode(items)
-        _sync(model.device)
+        sync_device(model.device)
     sort_by = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)

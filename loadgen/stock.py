@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import stock_shim
+from .timing import sync_device
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,12 @@ def build_stock(model, *, enforce_eager: bool | None = None, graph_batch_sizes: 
                                        stage_connector_config={"name": "SharedMemoryConnector", "extra": extra})
         vllm_config = SimpleNamespace(model_config=model_config, load_config=LoadConfig(),
                                       device_config=SimpleNamespace(device=device))
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         module = Qwen3TTSCode2Wav(vllm_config=vllm_config).to(device=device, dtype=model.dtype).eval()
         timing = _CaptureTimer(module.decoder, device)
         loaded = module.load_weights(iter(()))  # its own loader: reads root/speech_tokenizer, then configures
-        _sync(device)
+        sync_device(device)
         startup_s = time.perf_counter() - t0
     expected = {"decoder." + k for k in module.decoder.state_dict()} - {n for n, _ in module.named_buffers()}
     missing = expected - set(loaded)
@@ -188,21 +189,16 @@ class _CaptureTimer:
         inner = decoder.enable_cudagraph
 
         def timed(*args, **kwargs):
-            _sync(device)
+            sync_device(device)
             torch.cuda.empty_cache()  # the capture may empty the cache itself: start from an empty one
             before = torch.cuda.memory_reserved(device)
             allocated_before = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
             result = inner(*args, **kwargs)
-            _sync(device)
+            sync_device(device)
             self.seconds = time.perf_counter() - t0
             self.memory_bytes = torch.cuda.memory_reserved(device) - before
             self.allocated_bytes = torch.cuda.memory_allocated(device) - allocated_before
             return result
 
         decoder.enable_cudagraph = timed
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

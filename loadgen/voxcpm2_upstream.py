@@ -35,6 +35,7 @@ from types import ModuleType
 
 import torch
 from torch import Tensor
+from .timing import sync_device, time_calls
 
 NAME = "voxcpm2-upstream"
 DISTRIBUTION = "voxcpm"
@@ -150,11 +151,6 @@ def build_upstream(our_module: torch.nn.Module, device: torch.device, dtype: tor
     return vae.to(device=device, dtype=dtype).eval()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _latents(batch: int, channels: int, num_frames: int, device: torch.device, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn((batch, channels, num_frames), generator=gen).to(device=device, dtype=dtype)  # [B, D, T]
@@ -177,22 +173,9 @@ def stream_decode(vae, latents: Tensor, patch_frames: int, device: torch.device)
         for start in range(0, latents.shape[2], patch_frames):
             t0 = time.perf_counter()
             outs.append(dec.decode_chunk(latents[:, :, start:start + patch_frames]))  # [B, 1, n * U]
-            _sync(device)
+            sync_device(device)
             times.append(time.perf_counter() - t0)
     return torch.cat(outs, dim=2), times  # [B, 1, T * U]
-
-
-def _time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _compare(ours: Tensor, theirs: Tensor) -> dict:
@@ -237,7 +220,7 @@ def run_upstream(model, iters: int, compile_oneshot: bool = False, say=print) ->
                           "first_patch_ms_p50": round(statistics.median(first_times) * 1e3, 3),
                           "first_patch_ms_max": round(max(first_times) * 1e3, 3)}
         z = _latents(ONESHOT_BATCH, channels, ONESHOT_FRAMES, device, dtype, 13)  # [64, D, 25]
-        times = _time_calls(lambda: vae.decode(z), device, iters, WARMUP)
+        times = time_calls(lambda: vae.decode(z), device, iters, WARMUP)
         rows.append(_row(f"{NAME}-oneshot-b{ONESHOT_BATCH}-t{ONESHOT_FRAMES}", ONESHOT_BATCH, ONESHOT_FRAMES, times,
                          audio_s_per_frame))
         if compile_oneshot:
@@ -245,9 +228,9 @@ def run_upstream(model, iters: int, compile_oneshot: bool = False, say=print) ->
             compiled = torch.compile(vae.decode)
             t0 = time.perf_counter()
             compiled(z)
-            _sync(device)
+            sync_device(device)
             info["compile_s"] = round(time.perf_counter() - t0, 2)
-            times = _time_calls(lambda: compiled(z), device, iters, WARMUP)
+            times = time_calls(lambda: compiled(z), device, iters, WARMUP)
             rows.append(_row(f"{NAME}-compiled-oneshot-b{ONESHOT_BATCH}-t{ONESHOT_FRAMES}", ONESHOT_BATCH,
                              ONESHOT_FRAMES, times, audio_s_per_frame))
     return {"rows": rows, **info}
