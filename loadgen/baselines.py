@@ -13,7 +13,6 @@ than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the defa
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 from code2wav.sidecar.engine import DecodeItem, Engine
@@ -21,7 +20,7 @@ from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.state_store import StateArena
 
 from .inputs import InputContract, synthetic_inputs
-from .timing import sync_device, time_calls
+from .timing import baseline_row, sync_device, time_calls
 
 
 @dataclass
@@ -36,11 +35,7 @@ class BaselineResult:
 
 
 def _result(name: str, batch: int, new_frames: int, times_s: list[float], model: LoadedModel) -> BaselineResult:
-    times_s = sorted(times_s)
-    p50 = statistics.median(times_s)
-    p95 = times_s[min(len(times_s) - 1, int(0.95 * len(times_s)))]
-    audio_s = batch * new_frames * model.samples_per_frame / model.sample_rate_hz
-    return BaselineResult(name, batch, new_frames, p50 * 1e3, p95 * 1e3, audio_s / p50, len(times_s))
+    return BaselineResult(**baseline_row(name, batch, new_frames, times_s, model))
 
 
 def _suffix(frames: int, new_frames: int) -> str:

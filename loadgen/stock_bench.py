@@ -15,11 +15,11 @@ memory its capture left reserved, and whether the vLLM import shim was used (``v
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from .timing import baseline_row, print_row
 from .traffic import synthetic_codes
 
 NAME = "vllm-omni-stock"
@@ -78,8 +78,7 @@ def run_stock_phase(args: argparse.Namespace, model, codes: torch.Tensor | None 
     for batch in (int(x) for x in args.stock_batch.split(",") if x):
         rows.append(_steady_row(stock, codes, batch, first, chunk, model, iters, warmup))
     for r in rows:
-        print(f"{r['name']:<24} batch {r['batch']:>2} x {r['new_frames']:>2} frames: p50 {r['latency_ms_p50']:8.2f} ms "
-              f"p95 {r['latency_ms_p95']:8.2f} ms  {r['audio_s_per_s']:8.1f} audio-s/s", flush=True)
+        print_row(r)
     print(f"vllm_shim: {str(stock.vllm_shim).lower()}", flush=True)
     del stock
     if model.device.type == "cuda":
@@ -104,7 +103,7 @@ def _first_chunk_row(stock, codes: torch.Tensor, model, iters: int, warmup: int)
             stock.finish([rid])
             if i >= warmup:
                 times.append(elapsed)
-    return _row(f"{NAME}-b1-t1", 1, codes.shape[1], times, model)
+    return baseline_row(f"{NAME}-b1-t1", 1, codes.shape[1], times, model)
 
 
 def _steady_row(stock, codes: torch.Tensor, batch: int, first: int, chunk: int, model, iters: int,
@@ -121,13 +120,4 @@ def _steady_row(stock, codes: torch.Tensor, batch: int, first: int, chunk: int, 
                 times.append(elapsed)
             start += chunk
     stock.finish(rids)
-    return _row(f"{NAME}-b{batch}", batch, chunk, times, model)
-
-
-def _row(name: str, batch: int, new_frames: int, times_s: list[float], model) -> dict:
-    times_s = sorted(times_s)
-    p50 = statistics.median(times_s)
-    p95 = times_s[min(len(times_s) - 1, int(0.95 * len(times_s)))]
-    audio_s = batch * new_frames * model.samples_per_frame / model.sample_rate_hz
-    return {"name": name, "batch": batch, "new_frames": new_frames, "latency_ms_p50": p50 * 1e3,
-            "latency_ms_p95": p95 * 1e3, "audio_s_per_s": audio_s / p50, "iters": len(times_s)}
+    return baseline_row(f"{NAME}-b{batch}", batch, chunk, times, model)

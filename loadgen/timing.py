@@ -1,8 +1,9 @@
-"""Timing in-process calls on a device: what every in-process baseline (ours, vLLM-Omni stock, upstream VoxCPM2)
-times with, so their figures are taken the same way."""
+"""Timing in-process calls on a device, and the row they make: what every in-process baseline (ours, vLLM-Omni
+stock, upstream VoxCPM2) times and reports with, so their figures are taken the same way."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -26,3 +27,21 @@ def time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]
         sync_device(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def baseline_row(name: str, batch: int, new_frames: int, times_s: list[float], model) -> dict:
+    """One in-process baseline's row (the report's ``baselines`` schema): p50/p95 of ``times_s`` in ms and
+    audio-s/s at p50, for ``batch`` chunks of ``new_frames`` frames of ``model`` (its frame size and rate)."""
+    ordered = sorted(times_s)
+    p50 = statistics.median(ordered)
+    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+    audio_s = batch * new_frames * model.samples_per_frame / model.sample_rate_hz
+    return {"name": name, "batch": batch, "new_frames": new_frames, "latency_ms_p50": p50 * 1e3,
+            "latency_ms_p95": p95 * 1e3, "audio_s_per_s": audio_s / p50, "iters": len(ordered)}
+
+
+def print_row(row: dict, name_width: int = 24) -> None:
+    """A baseline row as the bench prints it while it runs."""
+    print(f"{row['name']:<{name_width}} batch {row['batch']:>2} x {row['new_frames']:>2} frames: p50 "
+          f"{row['latency_ms_p50']:8.2f} ms p95 {row['latency_ms_p95']:8.2f} ms  {row['audio_s_per_s']:8.1f} "
+          f"audio-s/s", flush=True)

@@ -35,7 +35,8 @@ from types import ModuleType
 
 import torch
 from torch import Tensor
-from .timing import sync_device, time_calls
+
+from .timing import baseline_row, print_row, sync_device, time_calls
 
 NAME = "voxcpm2-upstream"
 DISTRIBUTION = "voxcpm"
@@ -156,15 +157,6 @@ def _latents(batch: int, channels: int, num_frames: int, device: torch.device, d
     return torch.randn((batch, channels, num_frames), generator=gen).to(device=device, dtype=dtype)  # [B, D, T]
 
 
-def _row(name: str, batch: int, new_frames: int, times_s: list[float], audio_s_per_frame: float) -> dict:
-    times_s = sorted(times_s)
-    p50 = statistics.median(times_s)
-    p95 = times_s[min(len(times_s) - 1, int(0.95 * len(times_s)))]
-    return {"name": name, "batch": batch, "new_frames": new_frames, "latency_ms_p50": p50 * 1e3,
-            "latency_ms_p95": p95 * 1e3, "audio_s_per_s": batch * new_frames * audio_s_per_frame / p50,
-            "iters": len(times_s)}
-
-
 def stream_decode(vae, latents: Tensor, patch_frames: int, device: torch.device) -> tuple[Tensor, list[float]]:
     """One fresh upstream stream over ``latents`` ``[B, D, T]`` in ``patch_frames`` patches: audio ``[B, 1, T*U]``
     and each patch's seconds (synchronized)."""
@@ -203,7 +195,6 @@ def run_upstream(model, iters: int, compile_oneshot: bool = False, say=print) ->
     info = {"voxcpm": importlib.metadata.version(DISTRIBUTION), "module": MODULE_FILE, "dtype": str(dtype),
             "build_s": round(time.perf_counter() - t0, 3)}
     channels = model.num_channels
-    audio_s_per_frame = model.samples_per_frame / model.sample_rate_hz
     rows = []
     with torch.no_grad():
         info["cross_check"] = cross_check(vae, model, _latents(2, channels, 2 * ONESHOT_FRAMES, device, dtype, 11))
@@ -215,14 +206,14 @@ def run_upstream(model, iters: int, compile_oneshot: bool = False, say=print) ->
             _, times = stream_decode(vae, latents, STREAM_FRAMES, device)
             all_times += times
             first_times.append(times[0])
-        rows.append(_row(f"{NAME}-stream-b1-t{STREAM_FRAMES}", 1, STREAM_FRAMES, all_times, audio_s_per_frame))
+        rows.append(baseline_row(f"{NAME}-stream-b1-t{STREAM_FRAMES}", 1, STREAM_FRAMES, all_times, model))
         info["stream"] = {"streams": streams, "patches_per_stream": STREAM_PATCHES,
                           "first_patch_ms_p50": round(statistics.median(first_times) * 1e3, 3),
                           "first_patch_ms_max": round(max(first_times) * 1e3, 3)}
         z = _latents(ONESHOT_BATCH, channels, ONESHOT_FRAMES, device, dtype, 13)  # [64, D, 25]
         times = time_calls(lambda: vae.decode(z), device, iters, WARMUP)
-        rows.append(_row(f"{NAME}-oneshot-b{ONESHOT_BATCH}-t{ONESHOT_FRAMES}", ONESHOT_BATCH, ONESHOT_FRAMES, times,
-                         audio_s_per_frame))
+        rows.append(baseline_row(f"{NAME}-oneshot-b{ONESHOT_BATCH}-t{ONESHOT_FRAMES}", ONESHOT_BATCH, ONESHOT_FRAMES,
+                                 times, model))
         if compile_oneshot:
             say(f"{NAME}: torch.compile of upstream's one-shot decode (default mode); the warm-up compiles ...")
             compiled = torch.compile(vae.decode)
@@ -231,8 +222,8 @@ def run_upstream(model, iters: int, compile_oneshot: bool = False, say=print) ->
             sync_device(device)
             info["compile_s"] = round(time.perf_counter() - t0, 2)
             times = time_calls(lambda: compiled(z), device, iters, WARMUP)
-            rows.append(_row(f"{NAME}-compiled-oneshot-b{ONESHOT_BATCH}-t{ONESHOT_FRAMES}", ONESHOT_BATCH,
-                             ONESHOT_FRAMES, times, audio_s_per_frame))
+            rows.append(baseline_row(f"{NAME}-compiled-oneshot-b{ONESHOT_BATCH}-t{ONESHOT_FRAMES}", ONESHOT_BATCH,
+                                     ONESHOT_FRAMES, times, model))
     return {"rows": rows, **info}
 
 
@@ -288,8 +279,7 @@ def run_upstream_step(args: argparse.Namespace, model, ours_rows: list[dict]) ->
           f"frames): one-shot max |diff| {check['oneshot']['max_abs_diff']:.3g} SNR {check['oneshot']['snr_db']} dB, "
           f"4-frame streaming max |diff| {check['stream_t4']['max_abs_diff']:.3g}", flush=True)
     for r in result["rows"]:
-        print(f"{r['name']:<42} batch {r['batch']:>2} x {r['new_frames']:>2} frames: p50 {r['latency_ms_p50']:8.2f} ms"
-              f" p95 {r['latency_ms_p95']:8.2f} ms  {r['audio_s_per_s']:8.1f} audio-s/s", flush=True)
+        print_row(r, name_width=42)
     print(f"{NAME}: first patch of a stream p50 {result['stream']['first_patch_ms_p50']:.2f} ms", flush=True)
     for label, value in result["ratios"].items():
         print(f"ours vs upstream: {label} = {value:.2f}x", flush=True)
