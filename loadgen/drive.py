@@ -146,6 +146,7 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
                                      for i in range(concurrency)))
     before = _scrape(metrics_url)
     rng = random.Random(concurrency)
+    frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
     t0 = time.perf_counter()
     stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
     tasks = []
@@ -154,7 +155,6 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         if stream is None:
             continue
         codes = synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
-        frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
         tasks.append(_one_stream(stream, mode, codes, sizes, arrival, start_at_s, info.sample_rate, result, frame_s))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0

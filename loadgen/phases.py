@@ -151,13 +151,6 @@ class BaselinesPhase(Phase):
                                   batch_sizes=self.batches, frames=self.frames)
             report.baselines = [_rounded_baseline(asdict(b)) for b in found]
             return ", ".join(f"{b['name']} p50 {b['latency_ms_p50']:.2f} ms" for b in report.baselines[:3])
-        if index == 3:
-            from .voxcpm2_upstream import run_upstream_step
-
-            upstream = run_upstream_step(args, self.model, report.baselines)
-            report.baselines += [_rounded_baseline(r) for r in upstream.pop("rows", [])]
-            report.voxcpm2_upstream = upstream
-            return upstream.get("skipped", "") or "; ".join(f"{k} {v}x" for k, v in upstream["ratios"].items())
         if index == 2:
             from .stock_bench import run_stock_phase
 
@@ -165,6 +158,13 @@ class BaselinesPhase(Phase):
             report.baselines += [_rounded_baseline(r) for r in stock.pop("rows", [])]
             report.vllm_omni_stock = stock
             return stock.get("skipped", "") or f"vllm_shim={str(stock.get('vllm_shim')).lower()}"
+        if index == 3:
+            from .voxcpm2_upstream import run_upstream_step
+
+            upstream = run_upstream_step(args, self.model, report.baselines)
+            report.baselines += [_rounded_baseline(r) for r in upstream.pop("rows", [])]
+            report.voxcpm2_upstream = upstream
+            return upstream.get("skipped", "") or "; ".join(f"{k} {v}x" for k, v in upstream["ratios"].items())
         from .baselines import profile_kernels
 
         print(f"\nprofile: one eager exact step, batch {args.profile_batch} x {args.chunk_frames} frames")
