@@ -5,6 +5,7 @@ Sources, later wins: defaults < ``--config FILE`` (YAML) < command-line flags.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from pathlib import Path
@@ -80,8 +81,8 @@ class GraphsConfig(_Section):
 
     def for_family(self, defaults: GraphBuckets) -> "GraphsConfig":
         """This section with every unset bucket list taken from the model family's defaults."""
-        fields = ("exact_batch_sizes", "exact_frames", "window_batch_sizes", "window_frames")
-        return self.model_copy(update={f: getattr(defaults, f) for f in fields if getattr(self, f) is None})
+        names = [f.name for f in dataclasses.fields(defaults)]  # the bucket lists, named alike here
+        return self.model_copy(update={n: getattr(defaults, n) for n in names if getattr(self, n) is None})
 
 
 class LimitsConfig(_Section):

@@ -8,7 +8,8 @@ import torch
 
 from code2wav.sidecar.engine import DecodeItem, Engine, GraphChoice
 from code2wav.sidecar.graphs.manager import GraphManager
-from code2wav.sidecar.graphs.plan import DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets
+from code2wav.sidecar.graphs.plan import BucketKey, build_buckets
+from code2wav.sidecar.models.qwen3_tts.family import GRAPH_BUCKETS as QWEN3  # the default model's buckets
 from code2wav.sidecar.metrics import Metrics
 from code2wav.sidecar.models import load_model
 from code2wav.sidecar.graphs.routine import StreamRoutine
@@ -57,7 +58,7 @@ def _codes(model, n: int, seed: int) -> torch.Tensor:
 
 
 def test_graph_equals_eager_for_every_default_bucket():
-    buckets = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)
+    buckets = build_buckets("exact", QWEN3.exact_batch_sizes, QWEN3.exact_frames)
     model, arena, manager, engine, eager, metrics = _setup("default", buckets)
     assert all(s.status == "captured" for s in manager.buckets.values()), manager.summary()
     slots = [arena.allocate() for _ in range(max(k.batch for k in buckets))]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from code2wav.sidecar.graphs.plan import (DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, PaddingTable,
-                                          build_buckets)
+from code2wav.sidecar.graphs.plan import BucketKey, PaddingTable, build_buckets
+from code2wav.sidecar.models.qwen3_tts.family import GRAPH_BUCKETS as QWEN3  # the default model's buckets
 
-EXACT = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)
-WINDOW = build_buckets("window", (1, 2, 4, 8), (50,))
+EXACT = build_buckets("exact", QWEN3.exact_batch_sizes, QWEN3.exact_frames)
+WINDOW = build_buckets("window", QWEN3.window_batch_sizes, QWEN3.window_frames)
 
 
 @pytest.mark.parametrize("rows,frames,expected,pad_rows,pad_frames", [

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from code2wav.sidecar.engine import DecodeItem, Engine
-from code2wav.sidecar.graphs.plan import (DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES, BucketKey, build_buckets, dispatch,
-                                 extra_bucket)
+from code2wav.sidecar.graphs.plan import BucketKey, build_buckets, dispatch, extra_bucket
+from code2wav.sidecar.models.qwen3_tts.family import GRAPH_BUCKETS as QWEN3  # the default model's buckets
 from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 
-EXACT = build_buckets("exact", DEFAULT_BATCH_SIZES, DEFAULT_EXACT_FRAMES)
+EXACT = build_buckets("exact", QWEN3.exact_batch_sizes, QWEN3.exact_frames)
 
 
 def test_buckets_are_largest_first_and_unique():
     assert EXACT[0] == BucketKey("exact", 32, 25)
     assert [k.cost for k in EXACT] == sorted((k.cost for k in EXACT), reverse=True)
-    assert len(set(EXACT)) == len(EXACT) == len(DEFAULT_BATCH_SIZES) * len(DEFAULT_EXACT_FRAMES)
+    assert len(set(EXACT)) == len(EXACT) == len(QWEN3.exact_batch_sizes) * len(QWEN3.exact_frames)
     with pytest.raises(ValueError):
         build_buckets("exact", (0,), (1,))
 

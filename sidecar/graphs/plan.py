@@ -2,10 +2,10 @@
 
 Pure functions, computed once, tested on CPU. The mechanism (``manager.py``) trusts the key it is handed.
 
-- exact mode: buckets over ``(batch, new_frames)``. vLLM-Omni sends a 1-frame first chunk, then 25-frame
-  chunks, so the defaults are ``frames in {1, 25}`` for every batch size up to the largest.
-- window mode: buckets over ``(batch, window_frames)``: 25 new + 25 left context = 50, and the offline
-  ``chunked_decode`` shape 300 + 25 = 325.
+- exact mode: buckets over ``(batch, new_frames)``; window mode: buckets over ``(batch, window_frames)`` (left
+  context + new frames). Which sizes exist is each decoder family's ``graph_buckets`` (the chunk shapes its
+  clients send, e.g. a 1-frame first chunk then 25-frame chunks under vLLM-Omni), unless the config
+  names them; the bucket set is every batch size times every frame count.
 A batch maps to the smallest bucket with ``batch >= rows`` and ``frames >= longest chunk``; the difference
 is padding (rows that use the scratch slot, frames past each row's length). No bucket: a reason, eager.
 """
@@ -14,10 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-DEFAULT_EXACT_FRAMES = (1, 25)
-DEFAULT_WINDOW_BATCH_SIZES = (1, 2, 4, 8)
-DEFAULT_WINDOW_FRAMES = (50,)
 MODES = ("exact", "window")
 
 
