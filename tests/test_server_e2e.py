@@ -152,6 +152,14 @@ class RawPeer:
         assert isinstance(welcome, proto.Welcome)
         return welcome
 
+    def open_stream(self, request_id: int, stream_id: str) -> proto.Opened:
+        """An exact stream of the default model, opened after ``hello``."""
+        self.send({"type": "open_stream", "request_id": request_id, "stream_id": stream_id, "model": None,
+                   "mode": "exact", "left_context_frames": 0})
+        opened = self.recv()
+        assert isinstance(opened, proto.Opened), opened
+        return opened
+
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()
@@ -228,9 +236,7 @@ def test_bad_inputs_get_typed_errors_while_a_healthy_stream_is_unharmed(sidecar,
             before_hello = peer.recv()
             assert isinstance(before_hello, proto.Error) and before_hello.code == proto.ErrorCode.INVALID_ARGUMENT
             peer.hello()
-            peer.send({"type": "open_stream", "request_id": 3, "stream_id": "x", "model": None, "mode": "exact",
-                       "left_context_frames": 0})
-            assert isinstance(peer.recv(), proto.Opened)
+            peer.open_stream(3, "x")
             good = codes[:, :5].numpy().astype("<i8")
             cases = {
                 "wrong Q": (_chunk_header(10, "x", 0, "int64", [3, 5]), codes[:3, :5].numpy().astype("<i8").tobytes()),

@@ -107,9 +107,7 @@ def test_float16_is_refused_by_the_client_before_sending_and_by_the_server(voxcp
     peer = RawPeer(voxcpm2_sidecar.address)  # what the client refuses to send: the server's own check
     try:
         peer.hello()
-        peer.send({"type": "open_stream", "request_id": 2, "stream_id": "raw", "model": None, "mode": "exact",
-                   "left_context_frames": 0})
-        assert isinstance(peer.recv(), proto.Opened)
+        peer.open_stream(2, "raw")
         desc = {"dtype": "float16", "shape": [D, 3], "loc": "inline", "frame": 1}
         chunk = {"stream_id": "raw", "seq": 0, "final": False, "context_frames": 0, "codes": desc}
         peer.send(msgpack.packb({"type": "decode", "request_id": 3, "chunks": [chunk]}),
@@ -135,9 +133,7 @@ def test_raw_bf16_bits_are_widened_exactly_and_checked(voxcpm2_sidecar, latents)
     try:
         peer.hello()
         for rid, stream_id in ((2, "raw-nan"), (3, "raw")):
-            peer.send({"type": "open_stream", "request_id": rid, "stream_id": stream_id, "model": None,
-                       "mode": "exact", "left_context_frames": 0})
-            assert isinstance(peer.recv(), proto.Opened)
+            peer.open_stream(rid, stream_id)
         chunks = [{"stream_id": "raw-nan", "seq": 0, "final": False, "context_frames": 0,
                    "codes": {"dtype": "bfloat16", "shape": [D, 2], "loc": "inline", "frame": 1}},
                   {"stream_id": "raw", "seq": 0, "final": False, "context_frames": 0,

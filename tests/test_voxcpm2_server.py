@@ -111,9 +111,7 @@ def test_bad_latents_and_options_are_typed_errors_and_the_server_keeps_serving(v
     peer = RawPeer(voxcpm2_sidecar.address)  # what the client refuses to send: the server's own checks
     try:
         peer.hello()
-        peer.send({"type": "open_stream", "request_id": 2, "stream_id": "raw", "model": None, "mode": "exact",
-                   "left_context_frames": 0})
-        assert isinstance(peer.recv(), proto.Opened)
+        peer.open_stream(2, "raw")
         for rid, shape, dtype, fragment in ((3, [D - 1, 2], "<f4", f"needs {D} (shape [{D}, n])"),
                                             (4, [D, 2], "<i8", f"latents must be float32/bfloat16 of shape [{D}, n]")):
             desc = {"dtype": "float32" if dtype == "<f4" else "int64", "shape": shape, "loc": "inline", "frame": 1}
