@@ -86,8 +86,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--address", help=f"ZeroMQ address to bind, ipc:///path or tcp://host:port (default: "
                    f"{default_address()}: $CODE2WAV_SIDECAR_ADDRESS, else a 0700 folder under $XDG_RUNTIME_DIR "
                    "or /tmp; clients use the same default)")
-    p.add_argument("--model", help="a decoder model folder (its config.json names the family; see docs/ARCHITECTURE.md), or 'default' (shipped "
-                   f"architecture, random weights; {cfg_default('model')})")
+    p.add_argument("--model", help="a decoder model folder (its config.json names the family; see "
+                   "docs/ARCHITECTURE.md), or 'default' (shipped architecture, random weights; "
+                   f"{cfg_default('model')})")
     p.add_argument("--device", help=f"auto | cpu | cuda | cuda:N ({cfg_default('device')})")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} ({cfg_default('dtype')})")
     p.add_argument("--metrics-host", help=f"host for /metrics, /healthz, /readyz ({cfg_default('metrics_host')})")
@@ -190,8 +191,7 @@ def _check_serve_inputs(cfg) -> str | None:
 
     if cfg.model not in default_specs() and not Path(cfg.model).is_dir():
         return (f"--model {cfg.model}: no such folder (give a decoder model folder, e.g. a TTS checkpoint's "
-                "speech_tokenizer/, "
-                "or 'default' for random weights)")
+                "speech_tokenizer/, or 'default' for random weights)")
     taken = _port_in_use(cfg.metrics_host, cfg.metrics_port)
     if taken is not None:
         return (f"metrics port {cfg.metrics_port} on {cfg.metrics_host} is not available ({taken.strerror or taken}); "

@@ -14,10 +14,9 @@ from .registry import DTYPES, FAMILIES, default_specs, detect_family, load_model
 
 LoadedModel = ModelInfo  # the name loadgen and older tests import
 
-__all__ = ["Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec", "ModelInfo", "LoadedModel", "StateSpec",
-           "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "default_specs", "detect_family", "load_model",
-           "register_family",
-           "configure_cuda", "resolve_device"]
+__all__ = ["Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec", "ModelInfo", "LoadedModel",
+           "StateSpec", "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "default_specs", "detect_family",
+           "load_model", "register_family", "configure_cuda", "resolve_device"]
 
 
 def configure_cuda(allow_tf32: bool = False) -> None:
