@@ -6,6 +6,9 @@ also a ratio against them:
 - ``exact-eager-b1``: the sidecar's exact mode without the wire: 25 new frames against carried state.
 - ``exact-eager-bN``: the same at batch N (throughput class of cross-request batching).
 - ``exact-graph-bN`` (CUDA only): the same through a captured CUDA graph.
+- ``exact-compiled-bN-tF`` (CUDA only, the bench's ``--baseline-compile BxF,...``): the step compiled
+  (``graphs.compile``'s ``CompiledRoutine``, one static compile per shape) and captured, as the sidecar runs it
+  with ``graphs.compile: true``.
 
 ``frames`` (the bench's ``--baseline-frames``) adds the exact rows at other chunk sizes; a row at F frames other
 than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the default names stay as above.
@@ -44,8 +47,10 @@ def _suffix(frames: int, new_frames: int) -> str:
 
 def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames: int = 25, iters: int = 20,
                   warmup: int = 3, batch_sizes: tuple[int, ...] = (1,),
-                  frames: tuple[int, ...] | None = None) -> list[BaselineResult]:
-    """``frames``: chunk sizes of the exact rows (None: ``new_frames`` only)."""
+                  frames: tuple[int, ...] | None = None,
+                  compiled: tuple[tuple[int, int], ...] = ()) -> list[BaselineResult]:
+    """``frames``: chunk sizes of the exact rows (None: ``new_frames`` only). ``compiled``: ``(batch, frames)``
+    shapes of the compiled rows (CUDA only; tens of seconds of compile each)."""
     frames = tuple(dict.fromkeys(frames or (new_frames,)))
     slots_needed = max(batch_sizes)
     arena = StateArena(model.module.state_layout(), slots_needed, model.dtype, model.device)
@@ -76,6 +81,8 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
                 arena.release(s)
     if model.device.type == "cuda":
         results += _graph_baselines(model, arena, codes, new_frames, iters, warmup, batch_sizes, frames)
+        if compiled:
+            results += _compiled_baselines(model, arena, codes, iters, warmup, compiled)
     return results
 
 
@@ -104,6 +111,37 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
         times = time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
         name = f"exact-graph-b{key.batch}" + ("-t1" if key.frames == 1 else _suffix(key.frames, new_frames))
         results.append(_result(name, key.batch, key.frames, times, model))
+        for s in slots:
+            arena.release(s)
+    return results
+
+
+def _compiled_baselines(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
+                        shapes: tuple[tuple[int, int], ...]) -> list[BaselineResult]:
+    from prometheus_client import CollectorRegistry
+
+    from code2wav.sidecar.graphs.compiled import CompiledRoutine
+    from code2wav.sidecar.graphs.manager import GraphManager
+    from code2wav.sidecar.graphs.plan import BucketKey
+    from code2wav.sidecar.graphs.routine import StreamRoutine
+    from code2wav.sidecar.metrics import Metrics
+
+    buckets = tuple(BucketKey("exact", b, f) for b, f in sorted(set(shapes), reverse=True))
+    routine = StreamRoutine(model, arena, max(k.batch for k in buckets), max(k.frames for k in buckets))
+    compiled = CompiledRoutine(routine, "exact", len(buckets))
+    manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()),
+                           max_graph_memory_bytes=None, compiled={"exact": compiled})
+    manager.capture_startup()  # compiles each shape (logged), then captures it
+    results = []
+    for key in buckets:
+        if not manager.ready(key) or key in manager.compile_fallbacks:
+            print(f"exact-compiled-b{key.batch}-t{key.frames}: not compiled "
+                  f"({manager.compile_fallbacks.get(key, 'not captured')})")
+            continue
+        slots = [arena.allocate() for _ in range(key.batch)]
+        items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
+        times = time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
+        results.append(_result(f"exact-compiled-b{key.batch}-t{key.frames}", key.batch, key.frames, times, model))
         for s in slots:
             arena.release(s)
     return results

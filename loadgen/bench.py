@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-frames", default="",
                    help="comma-separated chunk sizes (frames) of the exact baselines (default: --chunk-frames); "
                         "rows at other sizes than --chunk-frames are named -tN")
+    p.add_argument("--baseline-compile", default="", metavar="BxF,...",
+                   help="CUDA: also time the compiled step (graphs.compile) at these shapes, e.g. 1x4,64x25 "
+                        "(rows exact-compiled-bB-tF; tens of seconds of compile per shape)")
     p.add_argument("--no-baselines", action="store_true", help="skip the in-process baselines")
+    p.add_argument("--no-sidecar", action="store_true", help="only the in-process baselines (no sidecar spawned)")
     p.add_argument("--profile-batch", type=int, default=0,
                    help="also print torch.profiler's top operators for one eager exact step at this batch size")
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for the spawned sidecar")
@@ -77,7 +81,8 @@ def build_phases(args: argparse.Namespace, device: torch.device) -> list[Phase]:
     phases: list[Phase] = []
     if not args.no_baselines:
         phases.append(BaselinesPhase(args, device))
-    phases.append(SidecarPhase(args, device))
+    if not args.no_sidecar:
+        phases.append(SidecarPhase(args, device))
     return phases
 
 

@@ -9,8 +9,9 @@ Each stream sends a chunk of ``--chunk-frames`` random codes every ``chunk_frame
 fixed schedule (open loop: not waiting for replies) for 0.5-1.5x ``--stream-frames``, then a final chunk and a new
 stream. A chunk's outcome is decoded (audio of the right length), failed with a typed error (counted by code:
 expected around the faults), or lost: no outcome at all from a client process that lived to the end. ``lost``
-must be 0. The report (JSON): counts, p99 latency per 10 s window, the sidecar's RSS and GPU memory over time,
-the sidecar's time to ready after its restart. Each client process is ``loadgen/soak_client.py``.
+must be 0. The report (JSON): counts, p99 latency per 10 s window (all chunks; apart, those a client process sent
+in its first 15 s and the rest), the sidecar's own means per window (arrival -> reply, engine step, batch wait,
+from ``/metrics``), the sidecar's RSS and GPU memory over time, the sidecar's time to ready after its restart. Each client process is ``loadgen/soak_client.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .spawn import ROOT, spawn_sidecar
 
 WINDOW_S = 10.0
 SAMPLE_EVERY_S = 1.0
+NEW_CLIENT_S = 15.0  # a client process's chunks in its first seconds are reported apart (p99_by_window_new)
 
 
 # ------------------------------------------------------------------ the driver
@@ -77,6 +79,35 @@ def _read_client(path: Path) -> dict:
             "latencies": latencies}
 
 
+def _server_means(sidecar) -> dict[str, float] | None:
+    """Cumulative sums and counts of the sidecar's chunk latency (arrival -> reply), engine step and batch wait
+    (``/metrics``); per-window means are differences of two samples. None if the sidecar does not answer."""
+    from .drive import scrape_counters  # noqa: PLC0415
+
+    try:
+        return scrape_counters(sidecar.scrape())
+    except OSError:
+        return None
+
+
+def _server_windows(samples: list[dict]) -> list[dict]:
+    """Server-side means per WINDOW_S from the cumulative ``server`` samples (reset at the sidecar's restart)."""
+    out = []
+    by_window: dict[int, list[dict]] = {}
+    for sample in samples:
+        if sample.get("server"):
+            by_window.setdefault(int(sample["t_s"] // WINDOW_S), []).append(sample)
+    for index in sorted(by_window):
+        first, last = by_window[index][0]["server"], by_window[index][-1]["server"]
+        row: dict = {"window_start_s": index * WINDOW_S}
+        for name in ("chunk_latency_seconds", "engine_step_seconds", "batch_wait_seconds"):
+            n = last.get(f"code2wav_sidecar_{name}_count", 0) - first.get(f"code2wav_sidecar_{name}_count", 0)
+            total = last.get(f"code2wav_sidecar_{name}_sum", 0) - first.get(f"code2wav_sidecar_{name}_sum", 0)
+            row[name.replace("_seconds", "_ms_mean")] = round(1e3 * total / n, 2) if n > 0 else None
+        out.append(row)
+    return out
+
+
 def _p99_windows(latencies: list[tuple[float, float]], t0: float) -> list[dict]:
     windows: dict[int, list[float]] = {}
     for t_sent, seconds in latencies:
@@ -96,6 +127,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     holder = {"sidecar": spawn_sidecar(*sidecar_args, workdir=workdir)}
     address = holder["sidecar"].address
     clients = [_start_client(args, address, workdir, i, 0) for i in range(args.clients)]
+    started_wall = {out.name: time.time() for _, out in clients}  # when each client process was started
     deadline = time.monotonic() + 300  # the clock starts once every client is connected (imports take a while)
     while not all(out.exists() and out.stat().st_size for _, out in clients) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -114,7 +146,8 @@ def run_soak(args: argparse.Namespace) -> dict:
         now = time.monotonic()
         if now >= next_sample:
             samples.append({"t_s": round(now - t0, 2), "sidecar_rss_bytes": _rss_bytes(holder["sidecar"].proc.pid),
-                            "gpu_used_bytes": _gpu_used_bytes() if args.device != "cpu" else None})
+                            "gpu_used_bytes": _gpu_used_bytes() if args.device != "cpu" else None,
+                            "server": _server_means(holder["sidecar"])})
             next_sample += SAMPLE_EVERY_S
         if now >= next_kill and end_at - now > 2.0:
             proc, out = clients[victim]
@@ -124,6 +157,7 @@ def run_soak(args: argparse.Namespace) -> dict:
             generations[victim] += 1
             clients[victim] = _start_client(args, address, workdir, victim, generations[victim])
             outputs.append(clients[victim][1])
+            started_wall[clients[victim][1].name] = time.time()
             kills.append({"t_s": round(now - t0, 2), "client": victim})
             victim = (victim + 1) % args.clients
             next_kill += args.kill_every_s
@@ -149,6 +183,10 @@ def run_soak(args: argparse.Namespace) -> dict:
             failed_unsent[code] = failed_unsent.get(code, 0) + count
     lost = sum(s["sent"] - s["decoded"] - s["bad_audio"] - _sent_failures(s) for s in survivors)
     latencies = [pair for stats in per_client.values() for pair in stats["latencies"]]
+    new, settled = [], []  # chunks a client process sent in its first NEW_CLIENT_S seconds, and the rest
+    for name, stats in per_client.items():
+        for pair in stats["latencies"]:
+            (new if pair[0] - started_wall[name] < NEW_CLIENT_S else settled).append(pair)
     return {
         "duration_s": args.duration_s, "clients": args.clients, "streams_per_client": args.streams_per_client,
         "chunk_frames": args.chunk_frames, "device": args.device, "dtype": args.dtype,
@@ -160,7 +198,9 @@ def run_soak(args: argparse.Namespace) -> dict:
                                     "failed": sum(_sent_failures(s) for s in survivors)},
         "all_survivors_exited": all(s["exited"] for s in survivors),
         "kills": kills, "sidecar_restart": restart, "p99_by_window": _p99_windows(latencies, t0_wall),
-        "memory": samples, "workdir": str(workdir),
+        "p99_by_window_settled": _p99_windows(settled, t0_wall), "p99_by_window_new": _p99_windows(new, t0_wall),
+        "server_by_window": _server_windows(samples),
+        "memory": [{k: v for k, v in s.items() if k != "server"} for s in samples], "workdir": str(workdir),
     }
 
 

@@ -98,6 +98,17 @@ def configured_buckets(gcfg) -> tuple:
     return buckets
 
 
+def routine_shapes(gcfg, max_forward_frames: int) -> dict[str, tuple[int, int]]:
+    """``mode -> (max_batch, max_frames)`` of each mode's static graph buffers; a mode with no buckets (an empty
+    batch or frames list, e.g. ``window_batch_sizes: []``) gets no routine and runs eager."""
+    shapes = {}
+    for mode in MODES.values():
+        batch_sizes, frames = mode.bucket_sizes(gcfg)
+        if batch_sizes and frames:
+            shapes[mode.name] = (max(batch_sizes), max(max(frames), max_forward_frames))
+    return shapes
+
+
 def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, scheduler: Scheduler,
                  metrics: Metrics) -> GraphDispatcher:
     """CUDA graphs for every mode's configured buckets, captured now (the explicit start-up step); the
@@ -105,10 +116,8 @@ def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, schedul
     gcfg = cfg.graphs
     max_frames = cfg.engine.max_forward_frames
     buckets, routines = configured_buckets(gcfg), {}
-    for mode in MODES.values():
-        batch_sizes, frames = mode.bucket_sizes(gcfg)
-        routines[mode.name] = StreamRoutine(model, arena if mode.stateful else None, max(batch_sizes),
-                                            max(max(frames), max_frames))
+    for name, (max_batch, max_routine_frames) in routine_shapes(gcfg, max_frames).items():
+        routines[name] = StreamRoutine(model, arena if MODES[name].stateful else None, max_batch, max_routine_frames)
     compiled = (compile_routines(routines, [k.mode for k in buckets], gcfg.compile_cache_dir,
                                  gcfg.max_lazy_captures) if gcfg.compile else None)
     manager = GraphManager(routines, buckets, model.device, metrics, mode=gcfg.mode,

@@ -19,7 +19,7 @@ from code2wav.sidecar.models import load_model
 from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 
-from conftest import TINY
+from conftest import TINY, VOXCPM2_TINY
 
 pytestmark = pytest.mark.cuda
 
@@ -104,6 +104,32 @@ def test_compiled_graph_matches_eager_on_the_default_model():
     state_err = max((after_graph[0][k][slot] - t[slot]).abs().max().item() for k, t in arena.tensors.items())
     print(f"compiled graph, default fp32 b1xt25: audio max abs err vs eager {audio_err:.2e}, state {state_err:.2e}")
     assert audio_err <= 1e-5
+
+
+def test_compiled_voxcpm2_streams_its_golden_and_matches_eager():
+    """The VoxCPM2 family through its compiled graph (depthwise convs as fused taps under compile): the golden
+    latents in chunks 1, 16, 16, 16, 8 (the last padded in the 16-frame bucket)."""
+    from safetensors.torch import load_file
+
+    cases = load_file(str(VOXCPM2_TINY / "cases.safetensors"))
+    latents, full = cases["latents"], cases["full"][:, 0]  # [2, D, 57], [2, 57 * U]
+    model, arena, engine, eager, _ = _setup(str(VOXCPM2_TINY), "float32", BucketKey("exact", 2, 16), compile_=True)
+    slots = [arena.allocate(), arena.allocate()]
+    outs: list[list[torch.Tensor]] = [[], []]
+    worst_vs_eager = 0.0
+    for start, n in ((0, 1), (1, 16), (17, 16), (33, 16), (49, 8)):
+        items = [DecodeItem(latents[b, :, start:start + n], slots[b], 0) for b in range(2)]
+        snap = _snapshot(arena)
+        audio = engine.decode(items)
+        _restore(arena, snap)
+        reference = eager.decode(items)  # leaves the eager state in the arena for the next chunk
+        worst_vs_eager = max(worst_vs_eager, *((a - r).abs().max().item() for a, r in zip(audio, reference)))
+        for b in range(2):
+            outs[b].append(audio[b].cpu())
+    golden_err = max((torch.cat(outs[b]) - full[b]).abs().max().item() for b in range(2))
+    print(f"compiled graph, VoxCPM2 tiny fp32: golden full max abs err {golden_err:.2e}, vs eager {worst_vs_eager:.2e}")
+    assert golden_err <= 1e-5
+    assert worst_vs_eager <= 1e-5
 
 
 def _stream_audio(model_dtype: str, compile_: bool, num_chunks: int = 3) -> torch.Tensor:

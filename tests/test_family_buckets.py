@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from code2wav.sidecar.bootstrap import configured_buckets, with_family_buckets
+from code2wav.sidecar.bootstrap import configured_buckets, routine_shapes, with_family_buckets
 from code2wav.sidecar.config import ServerConfig, load_config
 from code2wav.sidecar.graphs.plan import build_buckets, dispatch
 from code2wav.sidecar.models import FAMILIES, GraphBuckets, load_model
@@ -60,3 +60,16 @@ def test_bucket_sizes_below_one_are_refused_at_load(tmp_path):
     path.write_text("graphs:\n  exact_frames: [0, 25]\n")
     with pytest.raises((ValidationError, ValueError), match="exact_frames"):
         load_config(path, {})
+
+
+def test_a_mode_with_no_buckets_gets_no_graph_routine(tmp_path):
+    """``window_batch_sizes: []`` turns window graphs off: no static buffers for that mode (it runs eager), where
+    it used to stop start-up with ``max() iterable argument is empty`` (found on the H200)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("graphs:\n  exact_batch_sizes: [1, 8]\n  exact_frames: [4]\n  window_batch_sizes: []\n")
+    voxcpm2 = load_model(str(VOXCPM2_TINY), "cpu", "float32")
+    cfg = with_family_buckets(load_config(path), voxcpm2)
+    assert _labels(cfg, "window") == set()
+    assert routine_shapes(cfg.graphs, max_forward_frames=256) == {"exact": (8, 256)}
+    assert routine_shapes(with_family_buckets(ServerConfig(), voxcpm2).graphs, 16) == {"exact": (64, 25),
+                                                                                          "window": (8, 24)}

@@ -254,3 +254,19 @@ def test_cuda_eager_and_graph_match_cpu_golden(cases):
         graphed = torch.cat(pieces, dim=1)[:, None].cpu()  # [2, 1, 56 * U]
     spf = module.samples_per_frame
     assert (graphed - eager[:, :, :56 * spf]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("dilation", [1, 3, 9])
+def test_depthwise_taps_equal_the_depthwise_conv(dilation):
+    """The formulation the compiled step uses for depthwise convs (``blocks.depthwise_taps``) is the same
+    convolution (float64, so only the summation order differs)."""
+    from code2wav.sidecar.models.voxcpm2_audiovae.blocks import depthwise_taps
+
+    gen = torch.Generator().manual_seed(dilation)
+    x = torch.randn(3, 8, 6 * dilation + 11, generator=gen, dtype=torch.float64)  # [B, C, P + T]
+    weight = torch.randn(8, 1, 7, generator=gen, dtype=torch.float64)
+    bias = torch.randn(8, generator=gen, dtype=torch.float64)
+    expected = torch.nn.functional.conv1d(x, weight, bias, dilation=dilation, groups=8)  # [B, C, T]
+    got = depthwise_taps(x, weight, bias, dilation)
+    assert got.shape == expected.shape == (3, 8, 11)
+    assert (got - expected).abs().max().item() < 1e-12

@@ -59,12 +59,15 @@ def allow_recompiles(num_shapes: int) -> None:
 class CompiledRoutine:
     """A routine whose ``forward(batch, frames)`` is compiled; everything else is the wrapped routine's."""
 
-    def __init__(self, routine: Any, name: str, num_shapes: int, mode: str = COMPILE_MODE) -> None:
+    def __init__(self, routine: Any, name: str, num_shapes: int, mode: str = COMPILE_MODE,
+                 dynamic: bool = False) -> None:
+        """``dynamic=False``: one specialisation per bucket shape; ``True``: symbolic shapes, one compile serves
+        every bucket (fewer compiles at start-up, kernels not specialised to the shape)."""
         self.routine = routine
         self.name = name
         self.mode = mode
         allow_recompiles(num_shapes)
-        self._forward: Callable[[int, int], Tensor] = torch.compile(routine.forward, mode=mode, dynamic=False,
+        self._forward: Callable[[int, int], Tensor] = torch.compile(routine.forward, mode=mode, dynamic=dynamic,
                                                                     fullgraph=True)
         self._compiled_shapes: set[tuple[int, int]] = set()
         self.compile_s: dict[tuple[int, int], float] = {}  # per bucket: the first call (trace + compile + run)
