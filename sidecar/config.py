@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from code2wav.proto.address import default_address as proto_default_address
 
@@ -41,6 +41,10 @@ class StreamsConfig(_Section):
                                            "sized from free memory (eager steps, workspace, other processes)")
     auto_max_streams: int = Field(4096, ge=1, description="most slots when the arena is sized from free memory")
     ttl_s: float = Field(600.0, gt=0, description="streams idle longer than this are reaped")
+    client_silence_s: float = Field(60.0, gt=0, description="a client not heard from for this long (not even its "
+                                    "heartbeat ping, sent every heartbeat_interval_s while idle) is gone: its "
+                                    "streams are freed and its session forgotten, before their TTL; at least 4 "
+                                    "heartbeat intervals")
 
 
 class SchedulerConfig(_Section):
@@ -128,6 +132,14 @@ class ServerConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
 
+    @model_validator(mode="after")
+    def _silence_outlasts_heartbeats(self) -> "ServerConfig":
+        if self.streams.client_silence_s < 4 * self.heartbeat_interval_s:
+            raise ValueError(f"streams.client_silence_s ({self.streams.client_silence_s:g}) must be at least 4 x "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s:g}): a live client is silent for up "
+                             "to one interval between pings; raise client_silence_s or lower the interval")
+        return self
+
 
 AUTO_BUSY_POLL_US = 2000
 """Covers the gap between a step's end and the next chunk of a client at concurrency 1 (about 0.5 ms on the H200)."""
@@ -176,6 +188,8 @@ def _explain(exc: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
             lines.append(f"unknown key '{dotted}' ({hint})")
+        elif not loc:  # a check across keys (a model validator): its message names the keys
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
             lines.append(f"{dotted}: {err['msg']} (got {err.get('input')!r})")
     return f"invalid configuration in {source}: " + "; ".join(lines)

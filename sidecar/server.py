@@ -220,7 +220,7 @@ class Server:
 
     async def _reap_loop(self) -> None:
         assert self.sessions is not None
-        interval_s = min(1.0, self.cfg.streams.ttl_s / 4)
+        interval_s = min(1.0, self.cfg.streams.ttl_s / 4, self.cfg.streams.client_silence_s / 4)
         while True:
             await asyncio.sleep(interval_s)
             self.sessions.reap(time.monotonic())

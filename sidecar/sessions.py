@@ -381,10 +381,19 @@ class Sessions:
                 if not client.streams and now_s - client.last_seen_s > ttl]
         for identity in gone:
             self.drop_client(identity, reason="ttl")
+        # a client that stopped even its heartbeats (killed, unplugged) takes its streams with it, before their TTL
+        silence_s = self.cfg.streams.client_silence_s
+        silent = [identity for identity, client in self.clients.items() if now_s - client.last_seen_s > silence_s]
+        num_freed = sum(len(self.clients[identity].streams) for identity in silent)
+        for identity in silent:
+            self.drop_client(identity, reason="silent")
         if idle or gone:  # one summary line, not one per stream
             oldest_s = max((now_s - s.last_active_s for s in idle), default=0.0)
             log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and %d silent clients",
                      len(idle), ttl, oldest_s, len(gone))
+        if silent:
+            log.info("%d clients silent for over %.0fs (no heartbeat): freeing their %d streams", len(silent),
+                     silence_s, num_freed)
         self.close_some(CLOSE_SLICE_STREAMS)
         return len(idle)
 

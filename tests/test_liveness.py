@@ -119,3 +119,35 @@ def test_sigterm_drains_in_flight_chunks_and_exits_zero(tmp_path, golden_cases):
     log_text = running.log()
     assert "Traceback" not in log_text
     assert f"shutdown: drained {num_chunks} chunks" in log_text and f"served {num_chunks} chunks" in log_text
+
+
+def test_a_silent_clients_streams_are_freed_before_their_ttl(tmp_path):
+    """``streams.client_silence_s``: a SIGKILLed client (no heartbeat) loses its streams after that silence, long
+    before the streams' TTL, so a killed client's state does not pile up for the TTL (issue 22's soak)."""
+    config = tmp_path / "sidecar.yaml"
+    config.write_text("streams: {ttl_s: 600, client_silence_s: 2}\n")
+    running = start_sidecar(tmp_path, "--config", str(config))
+    try:
+        code = KILLED_CLIENT.format(root=str(ROOT), address=running.address)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        assert _metric(running.scrape(), "code2wav_sidecar_active_streams") == 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        assert _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_active_streams") == 0, 8)
+        assert time.monotonic() - t0 < 4.5  # 2 s of silence + the reaper's period (0.5 s) + slack
+        text = running.scrape()
+        assert _metric(text, "code2wav_sidecar_streams_closed_total", reason="silent") == 3
+        assert _metric(text, "code2wav_sidecar_arena_slots", kind="used") == 0
+    finally:
+        running.stop()
+
+
+def test_client_silence_must_outlast_the_heartbeats(tmp_path):
+    from code2wav.sidecar.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("heartbeat_interval_s: 1.0\nstreams: {client_silence_s: 2}\n")
+    with pytest.raises(ValueError, match=r"streams.client_silence_s \(2\) must be at least 4 x heartbeat_interval_s"):
+        load_config(path)
