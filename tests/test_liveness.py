@@ -40,18 +40,24 @@ def _wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
     return predicate()
 
 
+def _kill_a_client_with_three_streams(running) -> float:
+    """Start a client process that opens 3 streams, SIGKILL it (no bye); returns the seconds until the sidecar
+    has no active stream (at most 8)."""
+    code = KILLED_CLIENT.format(root=str(ROOT), address=running.address)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    assert _metric(running.scrape(), "code2wav_sidecar_active_streams") == 3
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    assert _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_active_streams") == 0, 8)
+    return time.monotonic() - t0
+
+
 def test_sigkilled_client_streams_are_freed_within_ttl(tmp_path):
     running = start_sidecar(tmp_path, "--stream-ttl-s", "1")
     try:
-        code = KILLED_CLIENT.format(root=str(ROOT), address=running.address)
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        assert _metric(running.scrape(), "code2wav_sidecar_active_streams") == 3
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        t0 = time.monotonic()
-        assert _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_active_streams") == 0, 5)
-        assert time.monotonic() - t0 < 3.5  # ttl 1 s + reaper period
+        assert _kill_a_client_with_three_streams(running) < 3.5  # ttl 1 s + reaper period
         text = running.scrape()
         assert _metric(text, "code2wav_sidecar_streams_closed_total", reason="ttl") == 3
         assert _metric(text, "code2wav_sidecar_arena_slots", kind="used") == 0
@@ -128,15 +134,7 @@ def test_a_silent_clients_streams_are_freed_before_their_ttl(tmp_path):
     config.write_text("streams: {ttl_s: 600, client_silence_s: 2}\n")
     running = start_sidecar(tmp_path, "--config", str(config))
     try:
-        code = KILLED_CLIENT.format(root=str(ROOT), address=running.address)
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        assert _metric(running.scrape(), "code2wav_sidecar_active_streams") == 3
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        t0 = time.monotonic()
-        assert _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_active_streams") == 0, 8)
-        assert time.monotonic() - t0 < 4.5  # 2 s of silence + the reaper's period (0.5 s) + slack
+        assert _kill_a_client_with_three_streams(running) < 4.5  # 2 s of silence + the reaper's period (0.5 s)
         text = running.scrape()
         assert _metric(text, "code2wav_sidecar_streams_closed_total", reason="silent") == 3
         assert _metric(text, "code2wav_sidecar_arena_slots", kind="used") == 0
