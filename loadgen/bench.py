@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-compile", default="", metavar="BxF,...",
                    help="CUDA: also time the compiled step (graphs.compile) at these shapes, e.g. 1x4,64x25 "
                         "(rows exact-compiled-bB-tF; tens of seconds of compile per shape)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak TFLOP/s for this dtype, for the compute-ceiling fraction (default: "
+                        "known for H100/H200, see loadgen/flops.py)")
     p.add_argument("--no-baselines", action="store_true", help="skip the in-process baselines")
     p.add_argument("--no-sidecar", action="store_true", help="only the in-process baselines (no sidecar spawned)")
     p.add_argument("--profile-batch", type=int, default=0,

@@ -141,7 +141,7 @@ class BaselinesPhase(Phase):
 
     def plan(self) -> list[Step]:
         frames = "" if self.frames == (self.args.chunk_frames,) else f" x {','.join(map(str, self.frames))} frames"
-        steps = [Step("load model", weight=0),  # not like the others: no rate for the time-left estimate
+        steps = [Step("load model, count its FLOPs", weight=0),  # no rate for the time-left estimate
                  Step(f"baselines (window b1, exact b{','.join(map(str, self.batches))}{frames}, "
                       f"{self.args.baseline_iters} iterations each"
                       + (f"; compiled {','.join(f'{b}x{f}' for b, f in self.compiled)}" if self.compiled else "")
@@ -159,8 +159,14 @@ class BaselinesPhase(Phase):
         if index == 0:
             from code2wav.sidecar.models import load_model
 
+            from .flops import compute_summary
+
             self.model = load_model(args.model, self.device, args.dtype)
-            return ""
+            report.compute = compute_summary(self.model, report.environment.get("gpu"), args.dtype,
+                                             getattr(args, "peak_tflops", None))
+            ceiling = report.compute["ceiling_audio_s_per_s"]
+            return (f"{report.compute['flops_per_audio_s'] / 1e9:.1f} GFLOP per audio-second"
+                    + (f", ceiling {ceiling:.0f} audio-s/s" if ceiling else ""))
         if index == 1:
             from .baselines import run_baselines
 

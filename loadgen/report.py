@@ -33,12 +33,15 @@ class BenchReport:
     interrupted: str | None = None  # what was running when Ctrl-C came; None for a complete run
     vllm_omni_stock: dict = field(default_factory=dict)  # the stock baseline's start-up, graphs, shim (stock_bench)
     voxcpm2_upstream: dict = field(default_factory=dict)  # upstream VoxCPM2 AudioVAE: cross-check, ratios (latents)
+    compute: dict = field(default_factory=dict)  # FLOPs per audio-second, peak, ceiling (flops.py; with baselines)
 
     def as_json(self) -> dict:
         out = {"environment": self.environment, "baselines": self.baselines, "results": self.results,
                "settings": self.settings, "vllm_omni_stock": self.vllm_omni_stock}
         if self.voxcpm2_upstream:
             out["voxcpm2_upstream"] = self.voxcpm2_upstream
+        if self.compute:
+            out["compute"] = self.compute
         if self.interrupted is not None:
             out["interrupted"] = self.interrupted
         return out
@@ -68,22 +71,49 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def ceiling_fraction(audio_s_per_s: float, compute: dict) -> float | None:
+    """``audio_s_per_s`` as a fraction of the compute ceiling (``compute``: the report's entry, flops.py); None
+    when the peak is unknown."""
+    ceiling = compute.get("ceiling_audio_s_per_s") if compute else None
+    return audio_s_per_s / ceiling if ceiling else None
+
+
+def _ceiling_pct(audio_s_per_s: float, compute: dict) -> float | None:
+    fraction = ceiling_fraction(audio_s_per_s, compute)
+    return None if fraction is None else 100 * fraction
+
+
+def print_compute(compute: dict) -> None:
+    if not compute:
+        return
+    ceiling = compute.get("ceiling_audio_s_per_s")
+    peak = compute.get("peak_flops")
+    print(f"\ncompute: {compute['flops_per_audio_s'] / 1e9:.1f} GFLOP per audio-second (matmul + conv, counted); "
+          + (f"peak {peak / 1e12:.0f} TFLOP/s ({compute['peak_source']}), ceiling {ceiling:.0f} audio-s/s; "
+             "ceil% = audio-s/s / ceiling" if ceiling else f"peak {compute['peak_source']}"))
+
+
 def print_table(report: BenchReport) -> None:
     baselines, rows, ref = report.baselines, report.results, report.reference()
+    compute = report.compute
+    print_compute(compute)
     if baselines:
         print("\nin-process baselines (same device, model, dtype)")
         width = max(18, *(len(b["name"]) for b in baselines))
-        print(f"{'baseline':<{width}} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10}")
+        print(f"{'baseline':<{width}} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10} "
+              f"{'ceil%':>6}")
         for b in baselines:
             print(f"{b['name']:<{width}} {b['batch']:>5} {b['new_frames']:>6} {b['latency_ms_p50']:>8.2f} "
-                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g}")
+                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g} "
+                  f"{_fmt(_ceiling_pct(b['audio_s_per_s'], compute), '6.2f')}")
     if not rows:
         print("\nno sidecar level finished")
         return
     print("\nthrough the sidecar" + (f" (x = ratio to {ref['name']})" if ref else "")
           + "; refused = streams the server answered busy (at capacity)")
     print(f"{'conc':>5} {'mode':>6} {'arrival':>8} {'p50_ms':>8} {'p95_ms':>8} {'p99_ms':>8} {'first_p50':>9} "
-          f"{'audio_s/s':>10} {'x_thru':>7} {'x_p50':>6} {'batch':>6} {'graph':>6} {'refused':>7} {'err':>4}")
+          f"{'audio_s/s':>10} {'x_thru':>7} {'x_p50':>6} {'batch':>6} {'graph':>6} {'refused':>7} {'err':>4} "
+          f"{'ceil%':>6}")
     for r in rows:
         x_thru = r["audio_s_per_s"] / ref["audio_s_per_s"] if ref and ref["audio_s_per_s"] else None
         x_p50 = r["chunk_latency_ms_p50"] / ref["latency_ms_p50"] if ref and r["chunk_latency_ms_p50"] else None
@@ -91,7 +121,8 @@ def print_table(report: BenchReport) -> None:
               f"{_fmt(r['chunk_latency_ms_p95'], '8.2f')} {_fmt(r['chunk_latency_ms_p99'], '8.2f')} "
               f"{_fmt(r['first_chunk_latency_ms_p50'], '9.2f')} {r['audio_s_per_s']:>10.4g} {_fmt(x_thru, '7.2f')} "
               f"{_fmt(x_p50, '6.2f')} {_fmt(r['mean_batch_size'], '6.1f')} {_fmt(r['graph_hit_rate'], '6.2f')} "
-              f"{r.get('refused_streams', 0):>7} {r['errors']:>4}")
+              f"{r.get('refused_streams', 0):>7} {r['errors']:>4} "
+              f"{_fmt(_ceiling_pct(r['audio_s_per_s'], compute), '6.2f')}")
     if any(r.get("server_mean_ms") for r in rows):
         print("\nserver-side means from /metrics (ms): arrival->reply, engine step, wait for batch")
         nan = float("nan")
@@ -150,4 +181,4 @@ def load(path: str) -> BenchReport:
     with open(path) as f:
         raw = json.load(f)
     return BenchReport(raw["environment"], raw["settings"], raw["baselines"], raw["results"], raw.get("interrupted"),
-                       raw.get("vllm_omni_stock", {}), raw.get("voxcpm2_upstream", {}))
+                       raw.get("vllm_omni_stock", {}), raw.get("voxcpm2_upstream", {}), raw.get("compute", {}))

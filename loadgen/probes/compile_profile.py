@@ -31,12 +31,13 @@ from code2wav.sidecar.graphs.compiled import CompiledRoutine, configure_compile_
 from code2wav.sidecar.graphs.manager import GraphManager
 from code2wav.sidecar.graphs.plan import BucketKey
 from code2wav.sidecar.metrics import Metrics
-from code2wav.sidecar.models import StreamBatch, configure_cuda, load_model
+from code2wav.sidecar.models import configure_cuda, load_model
 from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 from code2wav.sidecar.work import DecodeItem
 
-from code2wav.loadgen.inputs import InputContract, synthetic_batch, synthetic_inputs
+from code2wav.loadgen.flops import flops_per_audio_s
+from code2wav.loadgen.inputs import InputContract, synthetic_inputs
 
 FRAMES = int(os.environ.get("FRAMES", "25"))  # new frames per chunk (VoxCPM2's LM patch: 4)
 MODEL = os.environ.get("MODEL", "default")  # a --model spec, e.g. voxcpm2-default
@@ -74,20 +75,6 @@ def build(dtype: str, batches: list[int], compile_: bool, frames: int = FRAMES):
     manager = GraphManager({"exact": plain}, buckets, model.device, Metrics(), max_graph_memory_bytes=None,
                            compiled=compiled)
     return model, arena, plain, manager
-
-
-def flops_per_audio_s(model) -> float:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    batch = 4
-    inputs = synthetic_batch(InputContract.of(model), batch, FRAMES, seed=0).to(model.device)  # [B, C, T]
-    num_frames = torch.full((batch,), FRAMES, device=model.device)
-    positions = torch.zeros(batch, dtype=torch.long, device=model.device)
-    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        model.forward_stream(StreamBatch(inputs.to(model.input.staged_dtype(model.dtype)), num_frames, positions,
-                                         model.zero_options(batch)), model.module.zero_state(batch))
-    audio_s = batch * FRAMES * model.samples_per_frame / model.sample_rate_hz
-    return counter.get_total_flops() / audio_s
 
 
 def top_kernels(fn, label: str, n: int = 12) -> None:
