@@ -4,7 +4,8 @@ Sans-IO: takes ``(identity, frames)`` in, leaves ``Outbound`` messages in ``outb
 socket or the model. Every failure is a typed error scoped to the message or chunk that caused it.
 
 Over 300 lines: the per-connection stream state machine (open, decode, commit after success, fail, close, reap)
-kept in one place so its commit rules read in one sitting.
+kept in one place so its commit rules read in one sitting; what to reap is decided in ``reaping.py``, the
+welcome's model entry is built in ``welcome.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from .ipc.regions import RegionService
 from .metrics import Metrics
 from .models import FamilyError, ModelInfo
 from .modes import get_mode
+from .reaping import plan_reap
 from .replies import Outbound, PendingReply
+from .welcome import model_entry
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
 from .streams import SeqVerdict, Stream, check_seq
@@ -39,19 +42,6 @@ from .work import ChunkRejected, DecodeItem
 
 log = logging.getLogger(__name__)
 
-
-def model_entry(model: ModelInfo) -> proto.ModelInfo:
-    """The welcome message's entry for ``model``: its contract, so a client can check inputs before sending."""
-    spec = model.input
-    valid_range = spec.valid_range
-    return proto.ModelInfo(
-        name=model.name, num_quantizers=spec.channels, codebook_size=spec.high,
-        samples_per_frame=model.samples_per_frame, sample_rate=model.sample_rate_hz, modes=proto.STREAM_MODES,
-        dtype=str(model.dtype).removeprefix("torch."), device=str(model.device), family=model.family_name,
-        input_kind=spec.kind, input_dtypes=spec.wire_dtypes, input_channels=spec.channels,
-        input_range=None if valid_range is None else tuple(valid_range),
-        stream_options=tuple(proto.StreamOptionInfo(o.name, o.low, o.high, o.default)
-                             for o in model.contract.stream_options))
 
 CLOSE_SLICE_STREAMS = 512
 """Streams freed per loop turn when a client with many streams leaves (bye, re-handshake, TTL): the rest wait in
@@ -368,34 +358,30 @@ class Sessions:
         self.metrics.clients.set(len(self.clients))
 
     def reap(self, now_s: float) -> int:
-        """Close streams idle past the TTL and forget clients silent past it. Returns streams reaped."""
-        ttl = self.cfg.streams.ttl_s
-        idle = [s for s in self.streams.values() if s.num_pending == 0 and now_s - s.last_active_s > ttl]
-        for stream in idle:  # detached now (O(1) each), freed in slices by close_some
+        """Free what ``reaping.plan_reap`` names (streams idle past the TTL, clients silent past the TTL or past
+        ``client_silence_s``), in slices. Returns the streams reaped for idleness."""
+        ttl, silence_s = self.cfg.streams.ttl_s, self.cfg.streams.client_silence_s
+        plan = plan_reap(self.streams, self.clients, now_s, ttl, silence_s)
+        for stream in plan.idle_streams:  # detached now (O(1) each), freed in slices by close_some
             del self.streams[stream.key]
             client = self.clients.get(stream.client)
             if client is not None:
                 client.streams.discard(stream.stream_id)
             self.close_backlog.append((stream, "ttl"))
-        gone = [identity for identity, client in self.clients.items()
-                if not client.streams and now_s - client.last_seen_s > ttl]
-        for identity in gone:
+        num_silent_streams = sum(len(self.clients[identity].streams) for identity in plan.silent_clients)
+        for identity in plan.gone_clients:
             self.drop_client(identity, reason="ttl")
-        # a client that stopped even its heartbeats (killed, unplugged) takes its streams with it, before their TTL
-        silence_s = self.cfg.streams.client_silence_s
-        silent = [identity for identity, client in self.clients.items() if now_s - client.last_seen_s > silence_s]
-        num_freed = sum(len(self.clients[identity].streams) for identity in silent)
-        for identity in silent:
+        for identity in plan.silent_clients:
             self.drop_client(identity, reason="silent")
-        if idle or gone:  # one summary line, not one per stream
-            oldest_s = max((now_s - s.last_active_s for s in idle), default=0.0)
+        if plan.idle_streams or plan.gone_clients:  # one summary line, not one per stream
+            oldest_s = max((now_s - s.last_active_s for s in plan.idle_streams), default=0.0)
             log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and %d silent clients",
-                     len(idle), ttl, oldest_s, len(gone))
-        if silent:
-            log.info("%d clients silent for over %.0fs (no heartbeat): freeing their %d streams", len(silent),
-                     silence_s, num_freed)
+                     len(plan.idle_streams), ttl, oldest_s, len(plan.gone_clients))
+        if plan.silent_clients:
+            log.info("%d clients silent for over %.0fs (no heartbeat): freeing their %d streams",
+                     len(plan.silent_clients), silence_s, num_silent_streams)
         self.close_some(CLOSE_SLICE_STREAMS)
-        return len(idle)
+        return len(plan.idle_streams)
 
     def close_some(self, max_streams: int) -> bool:
         """Free up to ``max_streams`` detached streams of ``close_backlog``; True while more are waiting
