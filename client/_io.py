@@ -316,9 +316,11 @@ class Connection(Liveness):
         if isinstance(msg, Pong):
             self._observe_epoch(msg.boot_epoch, via_welcome=False)
         if isinstance(msg, Error) and msg.request_id in self._state.recent_ping_ids:
-            # A server that refuses our ping does not know this connection (it restarted, or it
-            # dropped our session): say hello again; the welcome's boot epoch tells which.
+            # A server that refuses our ping does not know this connection: it restarted, or it dropped our
+            # session (silent past its client_silence_s, or its TTL), and our streams with it. Streams opened
+            # before fail with StreamLost from now on; say hello again (the welcome's epoch tells which).
             log.warning("ping refused by %s (%s): %s", self.address, msg.code.value, msg.message)
+            self._session_lost()
             self._rehello()
             return
         if msg.request_id is None:

@@ -63,6 +63,16 @@ class Liveness:
         if not via_welcome:
             self._rehello()
 
+    def _session_lost(self) -> None:
+        """The server no longer has our session (a refused ping): every stream opened before is gone, whether it
+        restarted or forgot this client; they fail with ``StreamLost``, not with the server's ``not_found``."""
+        if self._state.rehello_pending:
+            return  # already handled: the re-handshake is under way
+        self._state.generation += 1
+        self._fail_all(StreamLost(f"the sidecar at {self.address} no longer has this client's session (it "
+                                  "restarted, or it forgot the client after no heartbeat for its "
+                                  "streams.client_silence_s); streams opened before are gone"), include_internal=False)
+
     def _lost_error(self, old_epoch: str | None = None) -> StreamLost:
         detail = f" (boot epoch {old_epoch} -> {self._state.boot_epoch})" if old_epoch else ""
         return StreamLost(f"the sidecar at {self.address} restarted{detail}; streams opened before are gone")

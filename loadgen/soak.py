@@ -10,7 +10,7 @@ fixed schedule (open loop: not waiting for replies) for 0.5-1.5x ``--stream-fram
 stream. A chunk's outcome is decoded (audio of the right length), failed with a typed error (counted by code:
 expected around the faults), or lost: no outcome at all from a client process that lived to the end. ``lost``
 must be 0. The report (JSON): counts, p99 latency per 10 s window (all chunks; apart, those a client process sent
-in its first 15 s and the rest), the sidecar's own means per window (arrival -> reply, engine step, batch wait,
+in its first 15 s of sending and the rest), the sidecar's own means per window (arrival -> reply, engine step, batch wait,
 from ``/metrics``), the sidecar's RSS and GPU memory over time, the sidecar's time to ready after its restart. Each client process is ``loadgen/soak_client.py``.
 """
 
@@ -32,7 +32,7 @@ from .spawn import ROOT, spawn_sidecar
 WINDOW_S = 10.0
 SAMPLE_EVERY_S = 1.0
 SERVER_EVERY = 5  # /metrics scraped every 5th sample (5 s): a scrape holds the sidecar's GIL for a few ms
-NEW_CLIENT_S = 15.0  # a client process's chunks in its first seconds are reported apart (p99_by_window_new)
+NEW_CLIENT_S = 15.0  # a client process's chunks in its first seconds of sending: reported apart (p99_by_window_new)
 
 
 # ------------------------------------------------------------------ the driver
@@ -82,31 +82,36 @@ def _read_client(path: Path) -> dict:
 
 def _server_means(sidecar) -> dict[str, float] | None:
     """Cumulative sums and counts of the sidecar's chunk latency (arrival -> reply), engine step and batch wait
-    (``/metrics``); per-window means are differences of two samples. None if the sidecar does not answer."""
+    (``/metrics``); means over an interval are differences of two samples. None if the sidecar does not answer
+    (down, draining, a cut-off reply): the soak goes on."""
     from .drive import scrape_counters  # noqa: PLC0415
 
     try:
-        return scrape_counters(sidecar.scrape())
-    except OSError:
+        return scrape_counters(sidecar.scrape(timeout_s=1.0))
+    except Exception:  # noqa: BLE001 - any failed scrape is a missing sample, never the end of the soak
         return None
 
 
 def _server_windows(samples: list[dict]) -> list[dict]:
-    """Server-side means per WINDOW_S from the cumulative ``server`` samples (reset at the sidecar's restart)."""
-    out = []
-    by_window: dict[int, list[dict]] = {}
-    for sample in samples:
-        if sample.get("server"):
-            by_window.setdefault(int(sample["t_s"] // WINDOW_S), []).append(sample)
-    for index in sorted(by_window):
-        first, last = by_window[index][0]["server"], by_window[index][-1]["server"]
-        row: dict = {"window_start_s": index * WINDOW_S}
-        for name in ("chunk_latency_seconds", "engine_step_seconds", "batch_wait_seconds"):
-            n = last.get(f"code2wav_sidecar_{name}_count", 0) - first.get(f"code2wav_sidecar_{name}_count", 0)
-            total = last.get(f"code2wav_sidecar_{name}_sum", 0) - first.get(f"code2wav_sidecar_{name}_sum", 0)
-            row[name.replace("_seconds", "_ms_mean")] = round(1e3 * total / n, 2) if n > 0 else None
-        out.append(row)
-    return out
+    """Server-side means per WINDOW_S: the differences of consecutive ``server`` samples, each counted in the
+    window where the interval ends; an interval over which a count went down (the sidecar restarted) is
+    skipped."""
+    names = ("chunk_latency_seconds", "engine_step_seconds", "batch_wait_seconds")
+    totals: dict[int, dict[str, list[float]]] = {}
+    scraped = [s for s in samples if s.get("server")]
+    for before, after in zip(scraped, scraped[1:]):
+        window = totals.setdefault(int(after["t_s"] // WINDOW_S), {n: [0.0, 0.0] for n in names})
+        for name in names:
+            n = after["server"].get(f"code2wav_sidecar_{name}_count", 0) - \
+                before["server"].get(f"code2wav_sidecar_{name}_count", 0)
+            total = after["server"].get(f"code2wav_sidecar_{name}_sum", 0) - \
+                before["server"].get(f"code2wav_sidecar_{name}_sum", 0)
+            if n >= 0 and total >= 0:
+                window[name][0] += n
+                window[name][1] += total
+    return [{"window_start_s": index * WINDOW_S,
+             **{name.replace("_seconds", "_ms_mean"): round(1e3 * total / n, 2) if n > 0 else None
+                for name, (n, total) in totals[index].items()}} for index in sorted(totals)]
 
 
 def _p99_windows(latencies: list[tuple[float, float]], t0: float) -> list[dict]:
@@ -128,7 +133,6 @@ def run_soak(args: argparse.Namespace) -> dict:
     holder = {"sidecar": spawn_sidecar(*sidecar_args, workdir=workdir)}
     address = holder["sidecar"].address
     clients = [_start_client(args, address, workdir, i, 0) for i in range(args.clients)]
-    started_wall = {out.name: time.time() for _, out in clients}  # when each client process was started
     deadline = time.monotonic() + 300  # the clock starts once every client is connected (imports take a while)
     while not all(out.exists() and out.stat().st_size for _, out in clients) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -158,7 +162,6 @@ def run_soak(args: argparse.Namespace) -> dict:
             generations[victim] += 1
             clients[victim] = _start_client(args, address, workdir, victim, generations[victim])
             outputs.append(clients[victim][1])
-            started_wall[clients[victim][1].name] = time.time()
             kills.append({"t_s": round(now - t0, 2), "client": victim})
             victim = (victim + 1) % args.clients
             next_kill += args.kill_every_s
@@ -184,10 +187,11 @@ def run_soak(args: argparse.Namespace) -> dict:
             failed_unsent[code] = failed_unsent.get(code, 0) + count
     lost = sum(s["sent"] - s["decoded"] - s["bad_audio"] - _sent_failures(s) for s in survivors)
     latencies = [pair for stats in per_client.values() for pair in stats["latencies"]]
-    new, settled = [], []  # chunks a client process sent in its first NEW_CLIENT_S seconds, and the rest
-    for name, stats in per_client.items():
+    new, settled = [], []  # chunks a client process sent in its first NEW_CLIENT_S seconds of sending, the rest
+    for stats in per_client.values():
+        first_sent = min((t_sent for t_sent, _ in stats["latencies"]), default=0.0)
         for pair in stats["latencies"]:
-            (new if pair[0] - started_wall[name] < NEW_CLIENT_S else settled).append(pair)
+            (new if pair[0] - first_sent < NEW_CLIENT_S else settled).append(pair)
     return {
         "duration_s": args.duration_s, "clients": args.clients, "streams_per_client": args.streams_per_client,
         "chunk_frames": args.chunk_frames, "device": args.device, "dtype": args.dtype,

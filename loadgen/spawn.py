@@ -23,8 +23,8 @@ class SpawnedSidecar:
     log_path: Path
     ready_line: str
 
-    def scrape(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+    def scrape(self, timeout_s: float = 5.0) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout_s) as resp:
             return resp.read().decode()
 
     def http_status(self, path: str) -> int:

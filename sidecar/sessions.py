@@ -361,7 +361,7 @@ class Sessions:
         """Free what ``reaping.plan_reap`` names (streams idle past the TTL, clients silent past the TTL or past
         ``client_silence_s``), in slices. Returns the streams reaped for idleness."""
         ttl, silence_s = self.cfg.streams.ttl_s, self.cfg.streams.client_silence_s
-        plan = plan_reap(self.streams, self.clients, now_s, ttl, silence_s)
+        plan = plan_reap(self.streams, self.clients, now_s, ttl, silence_s, busy=self.pending_by_client)
         for stream in plan.idle_streams:  # detached now (O(1) each), freed in slices by close_some
             del self.streams[stream.key]
             client = self.clients.get(stream.client)
@@ -375,7 +375,8 @@ class Sessions:
             self.drop_client(identity, reason="silent")
         if plan.idle_streams or plan.gone_clients:  # one summary line, not one per stream
             oldest_s = max((now_s - s.last_active_s for s in plan.idle_streams), default=0.0)
-            log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and %d silent clients",
+            log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and forgetting %d clients "
+                     "silent past it",
                      len(plan.idle_streams), ttl, oldest_s, len(plan.gone_clients))
         if plan.silent_clients:
             log.info("%d clients silent for over %.0fs (no heartbeat): freeing their %d streams",

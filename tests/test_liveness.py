@@ -149,3 +149,65 @@ def test_client_silence_must_outlast_the_heartbeats(tmp_path):
     path.write_text("heartbeat_interval_s: 1.0\nstreams: {client_silence_s: 2}\n")
     with pytest.raises(ValueError, match=r"streams.client_silence_s \(2\) must be at least 4 x heartbeat_interval_s"):
         load_config(path)
+
+
+STOPPED_CLIENT = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from code2wav.client import SidecarClient
+c = SidecarClient({address!r})
+s = c.open_stream("paused")
+s.decode(torch.zeros(4, 3, dtype=torch.long))
+print("ready", flush=True)
+sys.stdin.readline()  # the test SIGSTOPs this process here, then SIGCONTs it and writes a line
+time.sleep(1.5)  # the heartbeat goes out, is refused, and the client says hello again
+try:
+    s.decode(torch.zeros(4, 3, dtype=torch.long))
+    print("old stream: decoded", flush=True)
+except Exception as exc:
+    print("old stream: " + type(exc).__name__, flush=True)
+t = c.open_stream("after")
+print("new stream: " + str(t.decode(torch.zeros(4, 3, dtype=torch.long)).numel()), flush=True)
+"""
+
+
+def _silence_config(tmp_path, silence_s: float):
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(f"streams: {{ttl_s: 600, client_silence_s: {silence_s}}}\n")
+    return start_sidecar(tmp_path, "--config", str(config))
+
+
+def test_an_idle_live_client_keeps_its_streams_past_the_silence(tmp_path):
+    """The client's heartbeat counts as hearing from it: an idle client is never taken for a silent one."""
+    running = _silence_config(tmp_path, 2)
+    try:
+        with SidecarClient(running.address) as client:
+            stream = client.open_stream("idle")
+            stream.decode(torch.zeros(4, 3, dtype=torch.long))
+            time.sleep(5)  # 2.5 x client_silence_s without a chunk: only pings
+            assert stream.decode(torch.zeros(4, 3, dtype=torch.long)).numel() > 0
+        assert _metric(running.scrape(), "code2wav_sidecar_streams_closed_total", reason="silent") == 0
+    finally:
+        running.stop()
+
+
+def test_a_client_back_from_a_long_stop_gets_stream_lost(tmp_path):
+    """A client the server dropped for its silence (here SIGSTOPped past it) learns so from its refused ping:
+    its old stream fails with ``StreamLost`` (not ``not_found``), and it can open new streams at once."""
+    running = _silence_config(tmp_path, 2)
+    try:
+        code = STOPPED_CLIENT.format(root=str(ROOT), address=running.address)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGSTOP)
+        assert _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_active_streams") == 0, 8)
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=60)
+        assert "old stream: StreamLost" in out, out
+        assert "new stream: " in out and not out.strip().endswith("new stream: 0"), out
+        assert _metric(running.scrape(), "code2wav_sidecar_streams_closed_total", reason="silent") == 1
+    finally:
+        running.stop()

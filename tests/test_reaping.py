@@ -45,7 +45,9 @@ def test_a_silent_client_goes_with_its_streams_before_their_ttl():
                               {b"dead": _Client(30.0), b"live": _Client(99.9)})
     plan = plan_reap(streams, clients, now_s=100.0, ttl_s=600.0, client_silence_s=60.0)
     assert plan.idle_streams == [] and plan.gone_clients == []
-    assert plan.silent_clients == [b"dead"]  # its streams (even one with chunks pending) go with the client
+    assert plan.silent_clients == [b"dead"]  # its streams go with it (busy clients: below)
+    busy = plan_reap(streams, clients, now_s=100.0, ttl_s=600.0, client_silence_s=60.0, busy={b"dead": 2})
+    assert not busy  # not while its chunks are queued or in the engine: their replies are still to come
 
 
 def test_nothing_to_do():

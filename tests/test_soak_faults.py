@@ -42,7 +42,7 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     # new process), and the sidecar's own means per window from /metrics
     new = sum(w["chunks"] for w in report["p99_by_window_new"])
     settled = sum(w["chunks"] for w in report["p99_by_window_settled"])
-    assert new > 0 and settled > 0 and new + settled == sum(w["chunks"] for w in report["p99_by_window"])
+    assert new > 0 and settled > 0  # the run is longer than a client's first 15 s, and a new client starts
     served = [w for w in report["server_by_window"] if w["chunk_latency_ms_mean"] is not None]
     assert served and all(w["chunk_latency_ms_mean"] > 0 and w["engine_step_ms_mean"] > 0 for w in served)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -39,8 +39,9 @@ def gather_tail(x_cat: Tensor, lengths: Tensor, offsets: Tensor) -> Tensor:
 def depthwise_taps(x: Tensor, weight: Tensor, bias: Tensor, dilation: int) -> Tensor:
     """A depthwise ``conv1d`` (``groups == C``, no padding) as ``k`` shifted multiply-adds: ``x`` ``[B, C, P + T]``,
     ``weight`` ``[C, 1, k]`` -> ``[B, C, T]``. Eager, it is ``2k`` kernels; under ``torch.compile`` Inductor fuses it
-    with the Snake before it and the state ``cat`` into one kernel, where the convolution itself runs PyTorch's
-    generic depthwise kernel (on the H200 over half of the compiled bf16 step at 64 rows x 25 frames)."""
+    with the Snake before it and the state ``cat`` into one kernel, where a depthwise ``conv1d`` stays an extern
+    call to PyTorch's generic depthwise kernel (on the H200 over half of the compiled bf16 step at 64 rows x 25
+    frames; docs/voxcpm2.md)."""
     kernel_size = weight.shape[2]
     num_out = x.shape[2] - (kernel_size - 1) * dilation
     taps = weight[:, 0, :, None]  # [C, k, 1]
@@ -94,7 +95,8 @@ class CausalConv(StatefulBlock):
         if self.num_state_cols:
             x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
             ctx.state_out[self.state_key] = gather_tail(x, lengths, self.tail_offsets)  # [B, C, P]
-        if self.groups > 1 and self.groups == self.in_channels and torch.compiler.is_compiling():
+        depthwise = self.groups > 1 and self.groups == self.in_channels == self.weight.shape[0]  # no multiplier
+        if depthwise and torch.compiler.is_compiling():
             return depthwise_taps(x, self.weight, self.bias, self.dilation), lengths  # [B, C, T], fused by Inductor
         y = F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)  # [B, C_out, T]
         return y, lengths
