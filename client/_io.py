@@ -317,10 +317,10 @@ class Connection(Liveness):
             self._observe_epoch(msg.boot_epoch, via_welcome=False)
         if isinstance(msg, Error) and msg.request_id in self._state.recent_ping_ids:
             # A server that refuses our ping does not know this connection: it restarted, or it dropped our
-            # session (silent past its client_silence_s, or its TTL), and our streams with it. Streams opened
-            # before fail with StreamLost from now on; say hello again (the welcome's epoch tells which).
+            # session (silent past its client_silence_s, or its TTL), and our streams with it. Say hello
+            # again; the welcome's boot epoch tells which (_adopt_welcome).
             log.warning("ping refused by %s (%s): %s", self.address, msg.code.value, msg.message)
-            self._session_lost()
+            self._state.session_refused = True
             self._rehello()
             return
         if msg.request_id is None:
@@ -355,9 +355,12 @@ class Connection(Liveness):
                 )
             self._settle_failure(call, error, "unknown" if call.sent else "not_sent")
 
-    def _fail_all(self, error: SidecarError, include_internal: bool) -> None:
+    def _fail_all(self, error: SidecarError, include_internal: bool, generation: int | None = None) -> None:
+        """Fail pending calls (``generation``: only the stream calls of that server generation)."""
         for call in list(self._pending.values()):
             if call.internal and not include_internal:
+                continue
+            if generation is not None and call.generation != generation:
                 continue
             del self._pending[call.request_id]
             if not call.sent:

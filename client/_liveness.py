@@ -42,13 +42,20 @@ class LinkState:
     recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
     rehello_pending: bool = False
     session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
+    session_refused: bool = False  # a ping was refused: the next welcome says restarted (epoch) or forgot us
 
 
 class Liveness:
     def _adopt_welcome(self, welcome: Welcome) -> None:
-        self._state.welcome = welcome
-        self._state.session += 1
+        state = self._state
+        state.welcome = welcome
+        state.session += 1
+        generation = state.generation
         self._observe_epoch(welcome.boot_epoch, via_welcome=True)
+        if state.session_refused:
+            state.session_refused = False
+            if state.generation == generation:  # same server, which forgot this client and its streams
+                self._session_lost()
 
     def _observe_epoch(self, boot_epoch: str, via_welcome: bool) -> None:
         state = self._state
@@ -64,14 +71,15 @@ class Liveness:
             self._rehello()
 
     def _session_lost(self) -> None:
-        """The server no longer has our session (a refused ping): every stream opened before is gone, whether it
-        restarted or forgot this client; they fail with ``StreamLost``, not with the server's ``not_found``."""
-        if self._state.rehello_pending:
-            return  # already handled: the re-handshake is under way
+        """The server (same boot epoch) forgot this client, after no heartbeat for its ``client_silence_s`` or its
+        TTL, and freed its streams: they fail with ``StreamLost`` from now on, not with ``not_found``."""
+        log.warning("sidecar at %s had forgotten this client (no heartbeat for its client_silence_s): open "
+                    "streams are lost", self.address)
+        old_generation = self._state.generation
         self._state.generation += 1
-        self._fail_all(StreamLost(f"the sidecar at {self.address} no longer has this client's session (it "
-                                  "restarted, or it forgot the client after no heartbeat for its "
-                                  "streams.client_silence_s); streams opened before are gone"), include_internal=False)
+        self._fail_all(StreamLost(f"the sidecar at {self.address} forgot this client (no heartbeat for its "
+                                  "streams.client_silence_s) and freed its streams; streams opened before are gone"),
+                       include_internal=False, generation=old_generation)  # new-session calls go on
 
     def _lost_error(self, old_epoch: str | None = None) -> StreamLost:
         detail = f" (boot epoch {old_epoch} -> {self._state.boot_epoch})" if old_epoch else ""

@@ -52,7 +52,7 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
     """``frames``: chunk sizes of the exact rows (None: ``new_frames`` only). ``compiled``: ``(batch, frames)``
     shapes of the compiled rows (CUDA only; tens of seconds of compile each)."""
     frames = tuple(dict.fromkeys(frames or (new_frames,)))
-    slots_needed = max(*batch_sizes, *(b for b, _ in compiled))  # the compiled rows hold their slots too
+    slots_needed = max([*batch_sizes, *(b for b, _ in compiled)])  # the compiled rows hold their slots too
     arena = StateArena(model.module.state_layout(), slots_needed, model.dtype, model.device)
     engine = Engine(model, arena, max_forward_frames=max(256, new_frames + left_context_frames, *frames))
     total_frames = max(new_frames + left_context_frames, *frames, *(f for _, f in compiled))
