@@ -57,11 +57,20 @@ def _gpu_used_bytes() -> int | None:
         return None
 
 
+def _client_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+SPAWN_PROBE = "import torch, code2wav.client; torch.randint(0, 10, (16, 25))"
+"""What a client process does before its first chunk, alone: ``--spawn-probe-every-s`` starts one such process
+now and then, with no client killed or added, to tell a new process's start from the rest of a kill."""
+
+
 def _start_client(args: argparse.Namespace, address: str, workdir: Path, index: int, generation: int
                   ) -> tuple[subprocess.Popen, Path]:
     """A client process; it runs until the driver's SIGTERM (then it collects every outcome and exits)."""
     out = workdir / f"client{index}-{generation}.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = _client_env()
     cmd = [sys.executable, "-m", "code2wav.loadgen.soak_client", "--address", address, "--out", str(out),
            "--duration-s", f"{args.duration_s + 3600:.0f}", "--streams", str(args.streams_per_client),
            "--chunk-frames", str(args.chunk_frames), "--stream-frames", str(args.stream_frames),
@@ -145,6 +154,9 @@ def run_soak(args: argparse.Namespace) -> dict:
     restart: dict = {}
     restarter = None
     next_kill = t0 + args.kill_every_s if args.kill_every_s else float("inf")
+    # half a period in: with --kill-every-s of the same period, probes fall midway between kills
+    next_probe = t0 + args.spawn_probe_every_s / 2 if args.spawn_probe_every_s else float("inf")
+    probes: list[dict] = []
     next_sample = t0
     victim = 0
     while time.monotonic() < end_at:
@@ -165,6 +177,10 @@ def run_soak(args: argparse.Namespace) -> dict:
             kills.append({"t_s": round(now - t0, 2), "client": victim})
             victim = (victim + 1) % args.clients
             next_kill += args.kill_every_s
+        if now >= next_probe and end_at - now > 2.0:  # a process start alone, no client killed or added
+            subprocess.Popen([sys.executable, "-c", SPAWN_PROBE], cwd=ROOT, env=_client_env())
+            probes.append({"t_s": round(now - t0, 2)})
+            next_probe += args.spawn_probe_every_s
         if args.restart_sidecar_at_s is not None and restarter is None and now - t0 >= args.restart_sidecar_at_s:
             restarter = threading.Thread(target=_restart_sidecar, args=(holder, sidecar_args, workdir, t0, restart))
             restarter.start()  # (sampling and kills go on meanwhile)
@@ -202,7 +218,7 @@ def run_soak(args: argparse.Namespace) -> dict:
                                     "decoded": sum(s["decoded"] for s in survivors),
                                     "failed": sum(_sent_failures(s) for s in survivors)},
         "all_survivors_exited": all(s["exited"] for s in survivors),
-        "kills": kills, "sidecar_restart": restart, "p99_by_window": _p99_windows(latencies, t0_wall),
+        "kills": kills, "spawn_probes": probes, "sidecar_restart": restart, "p99_by_window": _p99_windows(latencies, t0_wall),
         "p99_by_window_settled": _p99_windows(settled, t0_wall), "p99_by_window_new": _p99_windows(new, t0_wall),
         "server_by_window": _server_windows(samples),
         "memory": [{k: v for k, v in s.items() if k != "server"} for s in samples], "workdir": str(workdir),
@@ -243,6 +259,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=10.0, help="the clients' request timeout")
     p.add_argument("--kill-every-s", type=float, default=30.0, help="SIGKILL one client process this often (0: never)")
     p.add_argument("--restart-sidecar-at-s", type=float, default=None, help="SIGTERM and restart the sidecar once")
+    p.add_argument("--spawn-probe-every-s", type=float, default=0.0,
+                   help="start a process that only imports what a client imports, this often, the first after half "
+                        "of it (0: never); the report's spawn_probes says when, to compare with the kills' windows")
     p.add_argument("--sidecar-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the report here (JSON)")

@@ -20,7 +20,8 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     cmd = [sys.executable, "-m", "code2wav.loadgen.soak", "--model", str(TINY), "--device", "cpu",
            "--dtype", "float32", "--duration-s", "40", "--clients", "2", "--streams-per-client", "2",
            "--frame-rate-hz", "50", "--chunk-frames", "10", "--stream-frames", "60", "--kill-every-s", "25",
-           "--restart-sidecar-at-s", "6", "--timeout-s", "5", "--sidecar-arg=--stream-ttl-s",
+           "--restart-sidecar-at-s", "6", "--timeout-s", "5", "--spawn-probe-every-s", "20",
+           "--sidecar-arg=--stream-ttl-s",
            "--sidecar-arg=3", "--sidecar-arg=--max-streams", "--sidecar-arg=64", "--workdir",
            str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -28,6 +29,8 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     report = json.loads(out.read_text())
     print("\n" + json.dumps({k: v for k, v in report.items() if k not in ("memory", "workdir")}))
     assert len(report["kills"]) == 1 and report["sidecar_restart"]["exit_code"] == 0
+    probe_s = [p["t_s"] for p in report["spawn_probes"]]  # process starts with no kill: at 10 s and 30 s
+    assert len(probe_s) == 2 and 10 <= probe_s[0] < 15 and 30 <= probe_s[1] < 35, probe_s
     assert report["sidecar_restart"]["time_to_ready_s"] > 0
     survivors = report["survivors"]
     assert survivors["processes"] == 2 and report["all_survivors_exited"]
