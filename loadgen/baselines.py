@@ -88,36 +88,26 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
 
 def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: int, iters: int, warmup: int,
                      batch_sizes: tuple[int, ...], frames: tuple[int, ...] = ()) -> list[BaselineResult]:
-    from prometheus_client import CollectorRegistry
-
-    from code2wav.sidecar.graphs.manager import GraphManager
-    from code2wav.sidecar.graphs.plan import BucketKey
-    from code2wav.sidecar.metrics import Metrics
-    from code2wav.sidecar.graphs.routine import StreamRoutine
-
     frames = frames or (new_frames,)
-    buckets = tuple(dict.fromkeys([BucketKey("exact", b, f) for f in frames for b in batch_sizes]
-                                  + [BucketKey("exact", 1, 1)]))
-    routine = StreamRoutine(model, arena, max(batch_sizes), max(frames))
-    manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()),
-                           max_graph_memory_bytes=None)  # baselines measure every batch size asked for
-    manager.capture_startup()
-    results = []
-    for key in buckets:
-        if not manager.ready(key):
-            continue
-        slots = [arena.allocate() for _ in range(key.batch)]
-        items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
-        times = time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
-        name = f"exact-graph-b{key.batch}" + ("-t1" if key.frames == 1 else _suffix(key.frames, new_frames))
-        results.append(_result(name, key.batch, key.frames, times, model))
-        for s in slots:
-            arena.release(s)
-    return results
+    buckets = tuple(dict.fromkeys([(b, f) for f in frames for b in batch_sizes] + [(1, 1)]))
+
+    def name(batch: int, num_frames: int) -> str:
+        return f"exact-graph-b{batch}" + ("-t1" if num_frames == 1 else _suffix(num_frames, new_frames))
+
+    return _captured_rows(model, arena, codes, iters, warmup, buckets, name, compile_=False)
 
 
 def _compiled_baselines(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
                         shapes: tuple[tuple[int, int], ...]) -> list[BaselineResult]:
+    return _captured_rows(model, arena, codes, iters, warmup, tuple(sorted(set(shapes), reverse=True)),
+                          lambda batch, num_frames: f"exact-compiled-b{batch}-t{num_frames}", compile_=True)
+
+
+def _captured_rows(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
+                   shapes: tuple[tuple[int, int], ...], name, compile_: bool) -> list[BaselineResult]:
+    """One row per ``(batch, frames)`` shape captured in a CUDA graph by the sidecar's own ``GraphManager``; with
+    ``compile_``, of the compiled step (``CompiledRoutine``, one static compile per shape; a shape whose compile
+    fell back is left out, said why)."""
     from prometheus_client import CollectorRegistry
 
     from code2wav.sidecar.graphs.compiled import CompiledRoutine
@@ -126,22 +116,23 @@ def _compiled_baselines(model: LoadedModel, arena: StateArena, codes, iters: int
     from code2wav.sidecar.graphs.routine import StreamRoutine
     from code2wav.sidecar.metrics import Metrics
 
-    buckets = tuple(BucketKey("exact", b, f) for b, f in sorted(set(shapes), reverse=True))
+    buckets = tuple(BucketKey("exact", b, f) for b, f in shapes)
     routine = StreamRoutine(model, arena, max(k.batch for k in buckets), max(k.frames for k in buckets))
-    compiled = CompiledRoutine(routine, "exact", len(buckets))
+    compiled = {"exact": CompiledRoutine(routine, "exact", len(buckets))} if compile_ else None
     manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()),
-                           max_graph_memory_bytes=None, compiled={"exact": compiled})
-    manager.capture_startup()  # compiles each shape (logged), then captures it
+                           max_graph_memory_bytes=None, compiled=compiled)  # every shape asked for
+    manager.capture_startup()  # (compiles each shape first, logged)
     results = []
     for key in buckets:
         if not manager.ready(key) or key in manager.compile_fallbacks:
-            print(f"exact-compiled-b{key.batch}-t{key.frames}: not compiled "
-                  f"({manager.compile_fallbacks.get(key, 'not captured')})")
+            if compile_:
+                print(f"{name(key.batch, key.frames)}: not compiled "
+                      f"({manager.compile_fallbacks.get(key, 'not captured')})")
             continue
         slots = [arena.allocate() for _ in range(key.batch)]
         items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
         times = time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
-        results.append(_result(f"exact-compiled-b{key.batch}-t{key.frames}", key.batch, key.frames, times, model))
+        results.append(_result(name(key.batch, key.frames), key.batch, key.frames, times, model))
         for s in slots:
             arena.release(s)
     return results
