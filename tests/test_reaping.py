@@ -1,5 +1,5 @@
-"""The reaper's policy (``sidecar/reaping.py``, CPU, no server): streams idle past the TTL, clients silent past the
-TTL with nothing left, clients silent past ``client_silence_s`` taken with their streams."""
+"""The reaper's policy (``sidecar/reaping.py``, CPU, no server): streams idle past the TTL; clients silent past
+``client_silence_s`` (or the TTL, if shorter) taken with their streams, unless chunks of theirs are pending."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def test_idle_streams_and_clients_past_the_ttl():
         {b"a": _Client(99.0), b"b": _Client(0.0), b"c": _Client(99.0), b"d": _Client(0.0)})
     plan = plan_reap(streams, clients, now_s=100.0, ttl_s=50.0, client_silence_s=200.0)
     assert sorted((s.client, s.stream_id) for s in plan.idle_streams) == [(b"a", "old"), (b"b", "old")]  # not busy
-    assert sorted(plan.gone_clients) == [b"b", b"d"]  # silent past the TTL, nothing left once "old" goes
-    assert plan.silent_clients == [] and plan
+    assert sorted(plan.gone_clients) == [b"b", b"d"]  # silent past the TTL (shorter than client_silence_s)
+    assert plan
 
 
 def test_a_silent_client_goes_with_its_streams_before_their_ttl():
@@ -44,8 +44,8 @@ def test_a_silent_client_goes_with_its_streams_before_their_ttl():
                                _Stream(b"live", "s1", 30.0)],
                               {b"dead": _Client(30.0), b"live": _Client(99.9)})
     plan = plan_reap(streams, clients, now_s=100.0, ttl_s=600.0, client_silence_s=60.0)
-    assert plan.idle_streams == [] and plan.gone_clients == []
-    assert plan.silent_clients == [b"dead"]  # its streams go with it (busy clients: below)
+    assert plan.idle_streams == []
+    assert plan.gone_clients == [b"dead"]  # its streams go with it, before their TTL (busy clients: below)
     busy = plan_reap(streams, clients, now_s=100.0, ttl_s=600.0, client_silence_s=60.0, busy={b"dead": 2})
     assert not busy  # not while its chunks are queued or in the engine: their replies are still to come
 
