@@ -5,7 +5,7 @@ sessions, transport); this module owns the socket and the loop (draining input i
 replies, reaping idle streams, running region opens/closes on the engine thread, draining on stop); the
 ``stepper`` forms batches, runs them and replies. They talk through small public interfaces: the stepper sees
 this loop as a ``LoopIO`` (poll, flush, wait for work), the loop sees the sessions' ``on_message``,
-``take_outbox`` and region-op calls.
+``take_outbox`` and their ``regions`` (region opens/closes).
 
 Busy polling (``busy_poll_us``, on by default on CUDA): for that long after any input or step, the step loop
 polls the socket instead of sleeping, and handles what arrives itself (no descriptor wake-up, no hand-off to
@@ -174,7 +174,7 @@ class Server:
         if self.sessions.close_backlog and not self._close_slice_due:  # a departed client's streams: a slice
             self._close_slice_due = True  # per loop turn, so other clients' messages are handled in between
             asyncio.get_running_loop().call_soon(self._close_slice)
-        if self.sessions.has_region_ops and not self.region_ops_running:
+        if self.sessions.regions.device_ops and not self.region_ops_running:
             self.region_ops_running = True
             asyncio.get_running_loop().create_task(self._run_device_ops(), name="region-ops")
 
@@ -211,9 +211,10 @@ class Server:
         sessions = self.sessions
         loop = asyncio.get_running_loop()
         try:  # flush set region_ops_running when it started this task
-            while (op := sessions.next_region_op()) is not None:
-                await loop.run_in_executor(self._pool, sessions.run_region_op, op)
-                sessions.region_op_done(op)
+            regions = sessions.regions  # opens/closes whose device part runs on the engine thread
+            while (op := regions.next_device_op()) is not None:
+                await loop.run_in_executor(self._pool, regions.run_op, op)
+                regions.op_done(op)
                 self.flush()
         finally:
             self.region_ops_running = False

@@ -72,6 +72,7 @@ class Sessions:
             max_message_bytes=cfg.limits.max_message_bytes, max_chunk_frames=cfg.limits.max_chunk_frames,
             max_chunks_per_message=cfg.limits.max_chunks_per_message,
             max_left_context_frames=cfg.limits.max_left_context_frames)
+        self.model_info = model_entry(model)  # the welcome's entry: the model's contract, the same for every client
         self.clients: dict[bytes, ClientState] = {}
         self.streams: dict[tuple[bytes, str], Stream] = {}
         self.outbox: list[Outbound] = []
@@ -151,11 +152,9 @@ class Sessions:
                                              owner=user_id)
         self.metrics.clients.set(len(self.clients))
         self.connlog.connected(msg.client_id, len(self.clients))
-        m = self.model
-        info = model_entry(m)
         self._send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
-            boot_epoch=self.boot_epoch, models=(info,), default_model=m.name, limits=self.limits,
+            boot_epoch=self.boot_epoch, models=(self.model_info,), default_model=self.model.name, limits=self.limits,
             heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities(),
             session_secret=secret))
 
@@ -315,11 +314,7 @@ class Sessions:
         if stream.closed:
             return
         stream.closed = True
-        if self.streams.get(stream.key) is stream:  # (a stream from close_backlog was detached already)
-            self.streams.pop(stream.key)
-            client = self.clients.get(stream.client)
-            if client is not None:
-                client.streams.discard(stream.stream_id)
+        self._detach(stream)  # (a stream from close_backlog was detached already)
         if stream.slot is not None and stream.num_pending == 0:
             self.arena.release(stream.slot)
             stream.slot = None
@@ -329,6 +324,14 @@ class Sessions:
         self.metrics.streams_closed.labels(reason=reason).inc()
         self.metrics.active_streams.set(len(self.streams))
         self._update_arena_metrics()
+
+    def _detach(self, stream: Stream) -> None:
+        """Take ``stream`` out of the session's maps (no-op if it is not there any more)."""
+        if self.streams.get(stream.key) is stream:
+            del self.streams[stream.key]
+            client = self.clients.get(stream.client)
+            if client is not None:
+                client.streams.discard(stream.stream_id)
 
     def release_in_flight(self, batch: list[ChunkJob]) -> None:
         """After an engine step: free slots of streams closed while their chunk was in the engine."""
@@ -358,29 +361,21 @@ class Sessions:
         self.metrics.clients.set(len(self.clients))
 
     def reap(self, now_s: float) -> int:
-        """Free what ``reaping.plan_reap`` names (streams idle past the TTL, clients silent past the TTL or past
-        ``client_silence_s``), in slices. Returns the streams reaped for idleness."""
+        """Free what ``reaping.plan_reap`` names (streams idle past the TTL; clients silent past
+        ``client_silence_s``, with their streams), in slices. Returns the streams reaped for idleness."""
         ttl, silence_s = self.cfg.streams.ttl_s, self.cfg.streams.client_silence_s
         plan = plan_reap(self.streams, self.clients, now_s, ttl, silence_s, busy=self.pending_by_client)
         for stream in plan.idle_streams:  # detached now (O(1) each), freed in slices by close_some
-            del self.streams[stream.key]
-            client = self.clients.get(stream.client)
-            if client is not None:
-                client.streams.discard(stream.stream_id)
+            self._detach(stream)
             self.close_backlog.append((stream, "ttl"))
-        num_silent_streams = sum(len(self.clients[identity].streams) for identity in plan.silent_clients)
+        num_client_streams = sum(len(self.clients[identity].streams) for identity in plan.gone_clients)
         for identity in plan.gone_clients:
-            self.drop_client(identity, reason="ttl")
-        for identity in plan.silent_clients:
             self.drop_client(identity, reason="silent")
-        if plan.idle_streams or plan.gone_clients:  # one summary line, not one per stream
+        if plan:  # one summary line, not one per stream
             oldest_s = max((now_s - s.last_active_s for s in plan.idle_streams), default=0.0)
-            log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs) and forgetting %d clients "
-                     "silent past it",
-                     len(plan.idle_streams), ttl, oldest_s, len(plan.gone_clients))
-        if plan.silent_clients:
-            log.info("%d clients silent for over %.0fs (no heartbeat): freeing their %d streams",
-                     len(plan.silent_clients), silence_s, num_silent_streams)
+            log.info("reaping %d streams idle past the TTL (%.0fs; longest idle %.1fs); forgetting %d clients silent "
+                     "for over %.0fs, with their %d other streams", len(plan.idle_streams), ttl, oldest_s,
+                     len(plan.gone_clients), min(silence_s, ttl), num_client_streams)
         self.close_some(CLOSE_SLICE_STREAMS)
         return len(plan.idle_streams)
 
@@ -395,22 +390,6 @@ class Sessions:
     # ------------------------------------------------------------------ output
     def _update_arena_metrics(self) -> None:
         self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(self.arena.num_used)
-
-    @property
-    def has_region_ops(self) -> bool:
-        """Region opens/closes wait for the engine thread (``next_region_op``)."""
-        return bool(self.regions.device_ops)
-
-    def next_region_op(self):
-        return self.regions.next_device_op()
-
-    def run_region_op(self, op) -> None:
-        """Engine thread: the device part of a region open/close."""
-        self.regions.run_op(op)
-
-    def region_op_done(self, op) -> None:
-        """Loop thread: answer the client of a region op whose device part is done."""
-        self.regions.op_done(op)
 
     def take_outbox(self) -> list[Outbound]:
         """The messages to send, in order; the outbox is empty afterwards."""

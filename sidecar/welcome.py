@@ -1,5 +1,5 @@
 """The welcome's model entry: the served model's input contract, so a client can check its inputs before
-sending (``proto.ModelInfo``, built once per handshake from the loaded model)."""
+sending (``proto.ModelInfo``, built once from the loaded model and sent in every welcome)."""
 
 from __future__ import annotations
 
