@@ -10,8 +10,9 @@ fixed schedule (open loop: not waiting for replies) for 0.5-1.5x ``--stream-fram
 stream. A chunk's outcome is decoded (audio of the right length), failed with a typed error (counted by code:
 expected around the faults), or lost: no outcome at all from a client process that lived to the end. ``lost``
 must be 0. The report (JSON): counts, p99 latency per 10 s window (all chunks; apart, those a client process sent
-in its first 15 s of sending and the rest), the sidecar's own means per window (arrival -> reply, engine step, batch wait,
-from ``/metrics``), the sidecar's RSS and GPU memory over time, the sidecar's time to ready after its restart. Each client process is ``loadgen/soak_client.py``.
+in its first 15 s of sending and the rest), the sidecar's own means per window (arrival -> reply, engine step,
+batch wait, from ``/metrics``), the sidecar's RSS and GPU memory over time, the sidecar's time to ready after its
+restart. Each client process is ``loadgen/soak_client.py``.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def run_soak(args: argparse.Namespace) -> dict:
                                     "decoded": sum(s["decoded"] for s in survivors),
                                     "failed": sum(_sent_failures(s) for s in survivors)},
         "all_survivors_exited": all(s["exited"] for s in survivors),
-        "kills": kills, "spawn_probes": probes, "sidecar_restart": restart, "p99_by_window": _p99_windows(latencies, t0_wall),
+        "kills": kills, "spawn_probes": probes, "sidecar_restart": restart,
+        "p99_by_window": _p99_windows(latencies, t0_wall),
         "p99_by_window_settled": _p99_windows(settled, t0_wall), "p99_by_window_new": _p99_windows(new, t0_wall),
         "server_by_window": _server_windows(samples),
         "memory": [{k: v for k, v in s.items() if k != "server"} for s in samples], "workdir": str(workdir),
