@@ -43,8 +43,8 @@ class StreamsConfig(_Section):
     ttl_s: float = Field(600.0, gt=0, description="streams idle longer than this are reaped")
     client_silence_s: float = Field(60.0, gt=0, description="a client not heard from for this long (not even its "
                                     "heartbeat ping, sent every heartbeat_interval_s while idle) is gone: its "
-                                    "streams are freed and its session forgotten, before their TTL; at least 4 "
-                                    "heartbeat intervals")
+                                    "streams are freed and its session forgotten, before their TTL (the TTL if that "
+                                    "is shorter); at least 4 heartbeat intervals")
 
 
 class SchedulerConfig(_Section):
