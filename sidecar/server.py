@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import faulthandler
 import logging
 import signal
 import time
@@ -247,6 +248,8 @@ async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[Decode
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
+    # `kill -USR1 <pid>`: every thread's Python stack to stderr (the log), even while one holds the GIL in C code
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     await server.start()
     if on_ready is not None:
         on_ready(server)
