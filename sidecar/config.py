@@ -125,6 +125,10 @@ class ServerConfig(_Section):
         "auto", description="after any input or step, poll the socket (and the device, after a CUDA IPC step) "
         "without sleeping for this long: lower latency for one busy CPU core while traffic flows; 0 = always "
         "sleep; auto = 2000 on CUDA, 0 on CPU")
+    cpu_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="torch's CPU thread pool in the sidecar (torch.set_num_threads); auto = 1 on CUDA, where "
+        "the host only copies replies (a pool over every core waits for whichever thread the OS parked: each new "
+        "process on the host stalled a GPU sidecar for ~1-2 s), torch's default on CPU, where the model runs")
     streams: StreamsConfig = StreamsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     engine: EngineConfig = EngineConfig()
@@ -150,6 +154,14 @@ def busy_poll_s(cfg: ServerConfig, device_type: str) -> float:
     if cfg.busy_poll_us == "auto":
         return AUTO_BUSY_POLL_US / 1e6 if device_type == "cuda" else 0.0
     return cfg.busy_poll_us / 1e6
+
+
+def cpu_threads(cfg: ServerConfig, device_type: str) -> int | None:
+    """Threads for torch's CPU pool (``cpu_threads`` with ``auto`` resolved for the device); None: leave torch's
+    default."""
+    if cfg.cpu_threads == "auto":
+        return 1 if device_type == "cuda" else None
+    return cfg.cpu_threads
 
 
 CPU_STATE_MEMORY_BYTES = 256 << 20

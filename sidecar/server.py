@@ -23,12 +23,13 @@ import signal
 import time
 from typing import Callable, Sequence
 
+import torch
 import zmq
 
 from code2wav.proto import ErrorCode
 
 from . import bootstrap
-from .config import ServerConfig, busy_poll_s
+from .config import ServerConfig, busy_poll_s, cpu_threads
 from .connlog import shutdown_summary
 from .metrics import HealthServer, Metrics
 from .models import FAMILIES, DecoderFamily, ModelInfo, configure_cuda, resolve_device
@@ -81,6 +82,8 @@ class Server:
         if device.type == "cuda":
             configure_cuda(cfg.graphs.allow_tf32)
         self.busy_poll_s = busy_poll_s(cfg, device.type)
+        if (threads := cpu_threads(cfg, device.type)) is not None:
+            torch.set_num_threads(threads)
         # model, arena, graph capture: on the engine thread, so /healthz stays live
         parts = await loop.run_in_executor(self._pool, lambda: bootstrap.build_engine_side(
             cfg, device, self.scheduler, self.metrics, self.families))

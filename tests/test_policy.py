@@ -118,6 +118,21 @@ def test_config_rejects_unknown_keys_with_hint(tmp_path):
     assert cfg.dtype == "bfloat16" and cfg.scheduler.max_batch_size == 8 and cfg.metrics_port == 0
 
 
+def test_cpu_threads_are_one_on_cuda_and_torchs_default_on_cpu_unless_set(tmp_path):
+    from code2wav.sidecar.config import cpu_threads
+
+    cfg = load_config()
+    assert cfg.cpu_threads == "auto"
+    assert cpu_threads(cfg, "cuda") == 1 and cpu_threads(cfg, "cpu") is None
+    path = tmp_path / "c.yaml"
+    path.write_text("cpu_threads: 4\n")
+    assert cpu_threads(load_config(path), "cuda") == 4 and cpu_threads(load_config(path), "cpu") == 4
+    for bad in ("0", "many"):
+        path.write_text(f"cpu_threads: {bad}\n")
+        with pytest.raises(ConfigError, match="cpu_threads"):
+            load_config(path)
+
+
 def test_busy_poll_setting_resolves_per_device_and_rejects_bad_values(tmp_path):
     from code2wav.sidecar.config import AUTO_BUSY_POLL_US, busy_poll_s
 
