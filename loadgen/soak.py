@@ -28,9 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from .soak_report import p99_windows, read_client, sent_failures, server_windows
 from .spawn import ROOT, spawn_sidecar
 
-WINDOW_S = 10.0
 SAMPLE_EVERY_S = 1.0
 SERVER_EVERY = 5  # /metrics scraped every 5th sample (5 s): a scrape holds the sidecar's GIL for a few ms
 NEW_CLIENT_S = 15.0  # a client process's chunks in its first seconds of sending: reported apart (p99_by_window_new)
@@ -81,15 +81,6 @@ def _start_client(args: argparse.Namespace, address: str, workdir: Path, index: 
     return subprocess.Popen(cmd, env=env, cwd=ROOT), out
 
 
-def _read_client(path: Path) -> dict:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    last = lines[-1] if lines else {"sent": 0, "decoded": 0, "bad_audio": 0, "failed": {}, "failed_unsent": {}}
-    latencies = [pair for line in lines for pair in line["latencies"]]
-    return {"exited": bool(lines) and last.get("kind") == "exit", "sent": last["sent"], "decoded": last["decoded"],
-            "bad_audio": last["bad_audio"], "failed": last["failed"], "failed_unsent": last["failed_unsent"],
-            "latencies": latencies}
-
-
 def _server_means(sidecar) -> dict[str, float] | None:
     """Cumulative sums and counts of the sidecar's chunk latency (arrival -> reply), engine step and batch wait
     (``/metrics``); means over an interval are differences of two samples. None if the sidecar does not answer
@@ -102,40 +93,6 @@ def _server_means(sidecar) -> dict[str, float] | None:
         return None
 
 
-def _server_windows(samples: list[dict]) -> list[dict]:
-    """Server-side means per WINDOW_S: the differences of consecutive ``server`` samples, each counted in the
-    window where the interval ends; an interval over which a count went down (the sidecar restarted) is
-    skipped."""
-    names = ("chunk_latency_seconds", "engine_step_seconds", "batch_wait_seconds")
-    totals: dict[int, dict[str, list[float]]] = {}
-    scraped = [s for s in samples if s.get("server")]
-    for before, after in zip(scraped, scraped[1:]):
-        window = totals.setdefault(int(after["t_s"] // WINDOW_S), {n: [0.0, 0.0] for n in names})
-        for name in names:
-            n = after["server"].get(f"code2wav_sidecar_{name}_count", 0) - \
-                before["server"].get(f"code2wav_sidecar_{name}_count", 0)
-            total = after["server"].get(f"code2wav_sidecar_{name}_sum", 0) - \
-                before["server"].get(f"code2wav_sidecar_{name}_sum", 0)
-            if n >= 0 and total >= 0:
-                window[name][0] += n
-                window[name][1] += total
-    return [{"window_start_s": index * WINDOW_S,
-             **{name.replace("_seconds", "_ms_mean"): round(1e3 * total / n, 2) if n > 0 else None
-                for name, (n, total) in totals[index].items()}} for index in sorted(totals)]
-
-
-def _p99_windows(latencies: list[tuple[float, float]], t0: float) -> list[dict]:
-    windows: dict[int, list[float]] = {}
-    for t_sent, seconds in latencies:
-        windows.setdefault(int((t_sent - t0) // WINDOW_S), []).append(seconds)
-    report = []
-    for index in sorted(windows):
-        values = sorted(windows[index])
-        report.append({"window_start_s": index * WINDOW_S, "chunks": len(values),
-                       "p99_ms": 1e3 * values[min(len(values) - 1, int(0.99 * len(values)))]})
-    return report
-
-
 def run_soak(args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="code2wav-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -143,10 +100,9 @@ def run_soak(args: argparse.Namespace) -> dict:
     holder = {"sidecar": spawn_sidecar(*sidecar_args, workdir=workdir)}
     address = holder["sidecar"].address
     clients = [_start_client(args, address, workdir, i, 0) for i in range(args.clients)]
-    deadline = time.monotonic() + 300  # the clock starts once every client is connected (imports take a while)
-    while not all(out.exists() and out.stat().st_size for _, out in clients) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_connected(clients, holder["sidecar"], timeout_s=300)  # the clock starts once every client is connected
     t0_wall, t0 = time.time(), time.monotonic()
+    print(f"soak: {args.clients} clients connected; the {args.duration_s:.0f} s clock starts", flush=True)
     end_at = t0 + args.duration_s
     generations = [0] * args.clients
     outputs: list[Path] = [out for _, out in clients]
@@ -158,6 +114,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     # half a period in: with --kill-every-s of the same period, probes fall midway between kills
     next_probe = t0 + args.spawn_probe_every_s / 2 if args.spawn_probe_every_s else float("inf")
     probes: list[dict] = []
+    crashed: list[dict] = []  # client processes that exited before the driver killed or stopped them
     next_sample = t0
     victim = 0
     while time.monotonic() < end_at:
@@ -167,6 +124,10 @@ def run_soak(args: argparse.Namespace) -> dict:
                             "gpu_used_bytes": _gpu_used_bytes() if args.device != "cpu" else None,
                             "server": _server_means(holder["sidecar"]) if len(samples) % SERVER_EVERY == 0 else None})
             next_sample += SAMPLE_EVERY_S
+        for index, (proc, out) in enumerate(clients):  # a client that died on its own is a finding, not a kill
+            if proc.poll() is not None and not any(c["output"] == out.name for c in crashed):
+                crashed.append({"t_s": round(now - t0, 2), "client": index, "output": out.name,
+                                "exit_code": proc.returncode})
         if now >= next_kill and end_at - now > 2.0:
             proc, out = clients[victim]
             proc.kill()  # SIGKILL: no bye, its streams are reaped by the TTL
@@ -193,7 +154,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     for proc, _ in clients:
         proc.wait(timeout=args.timeout_s + 60)
     holder["sidecar"].stop()
-    per_client = {str(path.name): _read_client(path) for path in outputs}
+    per_client = {str(path.name): read_client(path) for path in outputs}
     survivors = [per_client[p.name] for p in outputs if p not in killed]
     failed: dict[str, int] = {}
     failed_unsent: dict[str, int] = {}
@@ -202,7 +163,7 @@ def run_soak(args: argparse.Namespace) -> dict:
             failed[code] = failed.get(code, 0) + count
         for code, count in stats["failed_unsent"].items():
             failed_unsent[code] = failed_unsent.get(code, 0) + count
-    lost = sum(s["sent"] - s["decoded"] - s["bad_audio"] - _sent_failures(s) for s in survivors)
+    lost = sum(s["sent"] - s["decoded"] - s["bad_audio"] - sent_failures(s) for s in survivors)
     latencies = [pair for stats in per_client.values() for pair in stats["latencies"]]
     new, settled = [], []  # chunks a client process sent in its first NEW_CLIENT_S seconds of sending, the rest
     for stats in per_client.values():
@@ -217,14 +178,29 @@ def run_soak(args: argparse.Namespace) -> dict:
         "failed": failed, "failed_unsent": failed_unsent, "bad_audio": sum(s["bad_audio"] for s in per_client.values()),
         "lost": lost, "survivors": {"processes": len(survivors), "sent": sum(s["sent"] for s in survivors),
                                     "decoded": sum(s["decoded"] for s in survivors),
-                                    "failed": sum(_sent_failures(s) for s in survivors)},
+                                    "failed": sum(sent_failures(s) for s in survivors)},
         "all_survivors_exited": all(s["exited"] for s in survivors),
-        "kills": kills, "spawn_probes": probes, "sidecar_restart": restart,
-        "p99_by_window": _p99_windows(latencies, t0_wall),
-        "p99_by_window_settled": _p99_windows(settled, t0_wall), "p99_by_window_new": _p99_windows(new, t0_wall),
-        "server_by_window": _server_windows(samples),
+        "kills": kills, "crashed_clients": crashed, "spawn_probes": probes, "sidecar_restart": restart,
+        "p99_by_window": p99_windows(latencies, t0_wall),
+        "p99_by_window_settled": p99_windows(settled, t0_wall), "p99_by_window_new": p99_windows(new, t0_wall),
+        "server_by_window": server_windows(samples),
         "memory": [{k: v for k, v in s.items() if k != "server"} for s in samples], "workdir": str(workdir),
     }
+
+
+def _wait_connected(clients: list[tuple[subprocess.Popen, Path]], sidecar, timeout_s: float) -> None:
+    """Until every client process has written its first line (connected); a client that exits first, or a start
+    past ``timeout_s``, ends the soak here (it would measure fewer clients than asked)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(out.exists() and out.stat().st_size for _, out in clients):
+        dead = [f"{out.name} (exit code {proc.returncode})" for proc, out in clients if proc.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            for proc, _ in clients:
+                proc.kill()
+            sidecar.stop()
+            raise SystemExit("soak: client processes did not connect: "
+                             + (", ".join(dead) or f"not all within {timeout_s:.0f} s"))
+        time.sleep(0.1)
 
 
 def _restart_sidecar(holder: dict, sidecar_args: list[str], workdir: Path, t0: float, report: dict) -> None:
@@ -238,10 +214,6 @@ def _restart_sidecar(holder: dict, sidecar_args: list[str], workdir: Path, t0: f
     report.update({"t_s": round(t_term - t0, 2), "drain_s": round(t_down - t_term, 3), "exit_code": exit_code,
                    "time_to_ready_s": round(time.monotonic() - t_down, 3),
                    "down_s": round(time.monotonic() - t_term, 3)})
-
-
-def _sent_failures(stats: dict) -> int:
-    return sum(stats["failed"].values())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -280,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text)
-    summary = {k: report[k] for k in ("sent", "decoded", "failed", "bad_audio", "lost", "sidecar_restart")}
+    summary = {k: report[k] for k in ("sent", "decoded", "failed", "bad_audio", "lost", "crashed_clients",
+                                      "sidecar_restart")}
     print(json.dumps(summary))
-    return 0 if report["lost"] == 0 and report["bad_audio"] == 0 else 1
+    return 0 if report["lost"] == 0 and report["bad_audio"] == 0 and not report["crashed_clients"] else 1
 
 
 if __name__ == "__main__":

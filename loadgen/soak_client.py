@@ -96,12 +96,15 @@ def client_main(args: argparse.Namespace) -> int:
                 slot["due"] = now + period_s * (1.0 + rng.random())
             stream = slot["stream"]
             if stream is None or stream.closed or stream.lost:
+                # a fresh id per attempt: a failed open (e.g. stream_lost across a sidecar restart) may still
+                # have opened the stream on the server, and retrying its id would get already_exists forever
+                stream_id = f"soak-{args.seed}-{opened}"
+                opened += 1
                 try:
-                    stream = client.open_stream(f"soak-{args.seed}-{opened}")
+                    stream = client.open_stream(stream_id)
                 except SidecarError as exc:
                     rec.unsent(exc)
                     continue
-                opened += 1
                 # utterance lengths vary (0.5x to 1.5x --stream-frames, whole chunks): streams that started
                 # together (after a restart) do not keep ending and reopening together
                 num_chunks = max(1, round(args.stream_frames * (0.5 + rng.random()) / args.chunk_frames))

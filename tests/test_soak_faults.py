@@ -39,6 +39,9 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     assert survivors["sent"] == survivors["decoded"] + survivors["failed"]  # every chunk has exactly one outcome
     assert report["decoded"] + sum(report["failed"].values()) <= report["sent"]  # (killed clients: in flight)
     assert set(report["failed"]) <= {"unavailable", "stream_lost", "deadline_exceeded", "not_found"}, report
+    # a failed open across the restart is retried under a new id, never its old one (already_exists forever)
+    assert set(report["failed_unsent"]) <= {"unavailable", "stream_lost", "deadline_exceeded"}, report
+    assert report["crashed_clients"] == []  # every client process lived until the driver killed or stopped it
     rss = [m["sidecar_rss_bytes"] for m in report["memory"] if m["sidecar_rss_bytes"]]
     assert rss and report["p99_by_window"]
     # the diagnosis fields: chunks of a client process's first 15 s apart from the rest (the kill at 25 s starts a
@@ -49,3 +52,20 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     served = [w for w in report["server_by_window"] if w["chunk_latency_ms_mean"] is not None]
     assert served and all(w["chunk_latency_ms_mean"] > 0 and w["engine_step_ms_mean"] > 0 for w in served)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_client_that_dies_before_connecting_stops_the_soak_with_its_exit_code(tmp_path):
+    """The soak's clock starts only once every client process has connected; one that exits first (here a real
+    process exiting 3, standing in for a client whose imports failed) ends the soak at once, named."""
+    from code2wav.loadgen.soak import _wait_connected
+    from code2wav.loadgen.spawn import SpawnedSidecar
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    sidecar = SpawnedSidecar(subprocess.Popen(sleeper), "ipc://unused", "http://unused", tmp_path / "log", "")
+    alive = subprocess.Popen(sleeper)
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    (tmp_path / "c0.jsonl").write_text('{"kind": "ready"}\n')  # the live one has connected
+    with pytest.raises(SystemExit, match=r"c1.jsonl \(exit code 3\)"):
+        _wait_connected([(alive, tmp_path / "c0.jsonl"), (dead, tmp_path / "c1.jsonl")], sidecar, timeout_s=20)
+    # the other clients are killed and the sidecar stopped (the sleeping processes stand in for both)
+    assert alive.wait(timeout=5) is not None and sidecar.proc.wait(timeout=20) is not None
