@@ -45,3 +45,5 @@ class Call:
     internal: bool = False
     deadline: float = 0.0
     sent: bool = False
+    sent_seq: int = 0
+    """Its place in the order of messages this connection sent (1, 2, ...; 0 while unsent)."""

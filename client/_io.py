@@ -68,6 +68,7 @@ class Connection(Liveness):
         self.client_id = client_id
         self._capabilities = dict(capabilities)
         self._ids = itertools.count(1)
+        self._sent_count = 0  # messages sent (under _io_lock): Call.sent_seq
         self._inbox: collections.deque[Call | None] = collections.deque()  # None = close
         self._pending: dict[int, Call] = {}
         self._unsent: collections.deque[Call] = collections.deque()
@@ -271,6 +272,8 @@ class Connection(Liveness):
                 return  # not connected or at the high-water mark: wait for POLLOUT
             self._unsent.popleft()
             call.sent = True
+            self._sent_count += 1
+            call.sent_seq = self._sent_count
             call.frames = []  # zmq holds what it still needs
 
     def _poll_timeout_ms(self) -> int:
@@ -361,6 +364,26 @@ class Connection(Liveness):
             if call.internal and not include_internal:
                 continue
             if generation is not None and call.generation != generation:
+                continue
+            del self._pending[call.request_id]
+            if not call.sent:
+                self._unsent.remove(call)
+            self._settle_failure(call, error, "unknown" if call.sent else "not_sent")
+
+    def _fail_old_server_calls(self, error: SidecarError, old_generation: int, hello: Call | None) -> None:
+        """The server restarted: fail the calls on its streams (``old_generation``) and the calls on no stream
+        (opens) sent before ``hello``, the re-handshake with the new server (all sent ones without it). Unsent
+        calls on no stream go on: they leave after the hello. A call sent after the hello reached the new server,
+        which answers it; failing it would orphan a stream the new server did open, and the caller's retry of its
+        id would get already_exists (found by the GPU soak)."""
+        sent_before = hello.sent_seq if hello is not None and hello.sent_seq else None
+        for call in list(self._pending.values()):
+            if call.internal:
+                continue
+            if call.generation is None and (not call.sent or (sent_before is not None and
+                                                              call.sent_seq > sent_before)):
+                continue
+            if call.generation is not None and call.generation != old_generation:
                 continue
             del self._pending[call.request_id]
             if not call.sent:

@@ -19,7 +19,7 @@ import zmq
 
 from code2wav.proto import Ping, Welcome, encode
 
-from ._call import Outcome
+from ._call import Call, Outcome
 from .errors import SidecarError, StreamLost, Unavailable, VersionMismatch
 
 __all__ = ["DEAD_AFTER_INTERVALS", "LinkState", "Liveness"]
@@ -41,6 +41,7 @@ class LinkState:
     last_ping_tx: float = 0.0
     recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
     rehello_pending: bool = False
+    rehello_call: Call | None = None  # the last re-handshake's hello Call (its sent_seq orders calls around it)
     session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
     session_refused: bool = False  # a ping was refused: the next welcome says restarted (epoch) or forgot us
 
@@ -63,10 +64,12 @@ class Liveness:
             state.boot_epoch = boot_epoch
             return
         old_epoch, state.boot_epoch = state.boot_epoch, boot_epoch
+        old_generation = state.generation
         state.generation += 1
         log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
                     self.address, old_epoch, boot_epoch)
-        self._fail_all(self._lost_error(old_epoch), include_internal=False)
+        hello = state.rehello_call if state.rehello_pending else None
+        self._fail_old_server_calls(self._lost_error(old_epoch), old_generation, hello)
         if not via_welcome:
             self._rehello()
 
@@ -102,6 +105,7 @@ class Liveness:
 
         interval_s = self._state.welcome.heartbeat_interval_s if self._state.welcome else 0.5
         call = self.hello_call(max(1.0, DEAD_AFTER_INTERVALS * interval_s), on_welcome, on_failure)
+        self._state.rehello_call = call  # what was sent after it went to the server that answers it
         self._accept(call, front=True)  # goes out before anything queued after the restart
 
     def _heartbeat(self, now: float) -> None:

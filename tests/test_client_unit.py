@@ -64,7 +64,8 @@ class FakeSidecar:
         self.mute = False  # answer nothing at all
         self.drop_decodes = False  # decodes are lost before they are applied
         self.drop_decode_replies = False  # decodes are applied, their replies lost
-        self.reply_delay_s: dict[str, float] = {}  # per stream id
+        self.reply_delay_s: dict[str, float] = {}  # per stream id (decodes and opens)
+        self.welcome_delay_s = 0.0
         self.hello_error: ErrorCode | None = None
         self.strict_hello = strict_hello  # refuse even pings from peers that have not said hello
         self._known_peers: set[bytes] = set()
@@ -123,10 +124,12 @@ class FakeSidecar:
             self._known_peers.add(peer)
             model = ModelInfo("fake", Q, 100, U, 16, ("exact", "window"), "float32", "cpu")
             self._send(peer, Welcome(msg.request_id, 1, "fake-sidecar", self.boot_epoch, (model,), "fake",
-                                     Limits(max_chunk_frames=64), self.heartbeat_interval_s, {"cuda_ipc": False}))
+                                     Limits(max_chunk_frames=64), self.heartbeat_interval_s, {"cuda_ipc": False}),
+                       delay_s=self.welcome_delay_s)
         elif isinstance(msg, OpenStream):
             self._streams[(peer, msg.stream_id)] = {"next_seq": 0, "last": None}
-            self._send(peer, Opened(msg.request_id, msg.stream_id, "fake", msg.mode, msg.left_context_frames, U, Q))
+            self._send(peer, Opened(msg.request_id, msg.stream_id, "fake", msg.mode, msg.left_context_frames, U, Q),
+                       delay_s=self.reply_delay_s.get(msg.stream_id, 0.0))
         elif isinstance(msg, Decode) and not self.drop_decodes:
             self._decode(peer, msg, frames)
         elif isinstance(msg, (Finish, Abort)):
@@ -469,6 +472,34 @@ def test_restart_loses_streams_and_reconnects(address: str, strict_hello: bool) 
         while second.count(Bye) == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+    finally:
+        second.stop()
+
+
+def test_an_open_sent_after_the_rehandshake_belongs_to_the_new_server(address: str) -> None:
+    """Found by the GPU soak: after a sidecar restart, an open the client sent after its new hello (so the new
+    server opened it) was failed with StreamLost when the welcome came, and the caller's retry of the same id got
+    already_exists for ever. An open sent after the hello must get its own answer."""
+    first = FakeSidecar(address, boot_epoch="epoch-1", heartbeat_interval_s=0.1)
+    try:
+        client = SidecarClient(address, timeout_s=5)
+        old = client.open_stream("old")
+    finally:
+        first.stop()
+    second = FakeSidecar(address, boot_epoch="epoch-2", heartbeat_interval_s=0.1, strict_hello=True)
+    second.welcome_delay_s = 0.5  # the welcome comes back after the open below has reached the server
+    second.reply_delay_s = {"fresh": 0.8}  # and the open's answer after the welcome
+    try:
+        deadline = time.monotonic() + 5
+        while second.count(Hello) == 0:  # the refused ping made the client say hello again
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fresh = client.open_stream("fresh")  # sent after that hello: the new server opens it
+        assert client.boot_epoch == "epoch-2" and not fresh.lost and old.lost
+        codes = make_codes(2)
+        assert torch.equal(fresh.decode(codes), expected_audio(codes))
+        assert second.count(OpenStream) == 1
+        client.close()
     finally:
         second.stop()
 
