@@ -4,7 +4,9 @@
 on. Per event: how long the command ran, and the chunks sent from 1 s before it to 3 s after: p50, max, and the
 longest time with no reply at all (a stall of the sidecar shows in every client at once). SIGUSR1 goes to the
 sidecar at DUMP_AT_S (seconds, comma-separated) into the commands marked ``dump`` while they run (every thread's
-Python stack into its log, printed at the end). ``OMP=1`` runs the sidecar with OMP_NUM_THREADS=1; ``MODEL=tests/data/golden/tiny_a
+Python stack into its log, printed at the end). ``THREADS=N`` serves with ``cpu_threads: N`` (default: the config's
+``auto``, 1 on CUDA since this probe found the stall; ``THREADS=16`` is the H200 box's torch default, as before);
+``OMP=1`` also sets OMP_NUM_THREADS=1 for the sidecar; ``MODEL=tests/data/golden/tiny_a
 DEVICE=cpu DTYPE=float32`` is a dry run. ``python loadgen/probes/stall_probe.py``
 """
 
@@ -39,11 +41,17 @@ EVENTS = [  # (name, command, dump the sidecar's stacks during it)
 
 def main() -> int:
     clients, streams = int(os.environ.get("CLIENTS", "4")), int(os.environ.get("STREAMS", "64"))
-    gap_s, dump_at_s = float(os.environ.get("GAP_S", "8")), [float(x) for x in os.environ.get("DUMP_AT_S", "0.5,1.2").split(",")]
+    gap_s = float(os.environ.get("GAP_S", "8"))
+    dump_at_s = [float(x) for x in os.environ.get("DUMP_AT_S", "0.5,1.2").split(",")]
     work = Path(tempfile.mkdtemp(prefix="stall-probe-"))
     if os.environ.get("OMP") == "1":
         os.environ["OMP_NUM_THREADS"] = "1"
-    sidecar = spawn_sidecar("--model", os.environ.get("MODEL", "default"), "--device", os.environ.get("DEVICE", "cuda"),
+    extra = []
+    if os.environ.get("THREADS"):
+        (work / "threads.yaml").write_text(f"cpu_threads: {int(os.environ['THREADS'])}\n")
+        extra = ["--config", str(work / "threads.yaml")]
+    sidecar = spawn_sidecar(*extra, "--model", os.environ.get("MODEL", "default"),
+                            "--device", os.environ.get("DEVICE", "cuda"),
                             "--dtype", os.environ.get("DTYPE", "bfloat16"), workdir=work)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("OMP_NUM_THREADS", None)
@@ -76,7 +84,8 @@ def main() -> int:
     pairs = sorted(p for path in glob.glob(str(work / "c*.jsonl"))
                    for line in open(path) for p in json.loads(line)["latencies"])  # (t_sent, seconds)
     base = sorted(s for t, s in pairs if t < events[0]["t_start"] - 1)
-    print(f"sidecar OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'default')}, {clients} x {streams} streams; "
+    print(f"sidecar cpu_threads={os.environ.get('THREADS', 'auto')} OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')}, {clients} x {streams} streams; "
           f"before the events: {len(base)} chunks, p50 {1e3 * base[len(base) // 2]:.0f} ms, "
           f"max {1e3 * base[-1]:.0f} ms")
     for ev in events:
@@ -84,11 +93,14 @@ def main() -> int:
         lat = sorted(s for _, s in near) or [float("nan")]
         replies = sorted(t + s for t, s in near)
         gap = max((b - a for a, b in zip(replies, replies[1:])), default=0.0)
-        print(f"{ev['name']:<32s} ran {ev['run_s']:6.2f} s  chunks {len(lat):4d}  p50 {1e3 * lat[len(lat) // 2]:6.0f} ms"
+        p50_s = lat[len(lat) // 2]
+        print(f"{ev['name']:<32s} ran {ev['run_s']:6.2f} s  chunks {len(lat):4d}  p50 {1e3 * p50_s:6.0f} ms"
               f"  max {1e3 * lat[-1]:6.0f} ms  longest reply gap {1e3 * gap:6.0f} ms")
-        ev.update(p50_ms=round(1e3 * lat[len(lat) // 2]), max_ms=round(1e3 * lat[-1]), reply_gap_ms=round(1e3 * gap))
+        if near:
+            ev.update(p50_ms=round(1e3 * p50_s), max_ms=round(1e3 * lat[-1]), reply_gap_ms=round(1e3 * gap))
     out = Path(os.environ.get("OUT", str(work)))
-    tag = "omp1" if os.environ.get("OMP") == "1" else "default"
+    tag = ("omp1" if os.environ.get("OMP") == "1" else "default") + \
+        (f"-threads{os.environ['THREADS']}" if os.environ.get("THREADS") else "")
     (out / f"stall-probe-{tag}.json").write_text(json.dumps(events, indent=1))
     shutil.copy(sidecar.log_path, out / f"stall-probe-{tag}-sidecar.log")
     log = sidecar.log()
