@@ -66,6 +66,7 @@ class Liveness:
         old_epoch, state.boot_epoch = state.boot_epoch, boot_epoch
         old_generation = state.generation
         state.generation += 1
+        state.session_refused = False  # a refused ping is explained: a new server, not a forgotten session
         log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
                     self.address, old_epoch, boot_epoch)
         hello = state.rehello_call if state.rehello_pending else None

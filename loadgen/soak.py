@@ -155,7 +155,8 @@ def run_soak(args: argparse.Namespace) -> dict:
         proc.wait(timeout=args.timeout_s + 60)
     holder["sidecar"].stop()
     per_client = {str(path.name): read_client(path) for path in outputs}
-    survivors = [per_client[p.name] for p in outputs if p not in killed]
+    crashed_names = {c["output"] for c in crashed}  # died on their own: their chunks in flight are not "lost"
+    survivors = [per_client[p.name] for p in outputs if p not in killed and p.name not in crashed_names]
     failed: dict[str, int] = {}
     failed_unsent: dict[str, int] = {}
     for stats in per_client.values():
@@ -194,9 +195,12 @@ def _wait_connected(clients: list[tuple[subprocess.Popen, Path]], sidecar, timeo
     deadline = time.monotonic() + timeout_s
     while not all(out.exists() and out.stat().st_size for _, out in clients):
         dead = [f"{out.name} (exit code {proc.returncode})" for proc, out in clients if proc.poll() is not None]
+        if sidecar.proc.poll() is not None:
+            dead.append(f"the sidecar (exit code {sidecar.proc.returncode}; its log: {sidecar.log_path})")
         if dead or time.monotonic() > deadline:
             for proc, _ in clients:
                 proc.kill()
+                proc.wait()
             sidecar.stop()
             raise SystemExit("soak: client processes did not connect: "
                              + (", ".join(dead) or f"not all within {timeout_s:.0f} s"))

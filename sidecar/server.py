@@ -82,6 +82,8 @@ class Server:
         if device.type == "cuda":
             configure_cuda(cfg.graphs.allow_tf32)
         self.busy_poll_s = busy_poll_s(cfg, device.type)
+        # before any thread runs a parallel op: torch sizes a thread's pool when it first uses it, so this must stay
+        # ahead of build_engine_side (the engine thread's first parallel op is in loading the weights)
         if (threads := cpu_threads(cfg, device.type)) is not None:
             torch.set_num_threads(threads)
         # model, arena, graph capture: on the engine thread, so /healthz stays live

@@ -66,6 +66,8 @@ class FakeSidecar:
         self.drop_decode_replies = False  # decodes are applied, their replies lost
         self.reply_delay_s: dict[str, float] = {}  # per stream id (decodes and opens)
         self.welcome_delay_s = 0.0
+        self.in_order = False  # replies leave in request order, as the real sidecar's (a delay holds back later ones)
+        self._last_due = 0.0
         self.hello_error: ErrorCode | None = None
         self.strict_hello = strict_hello  # refuse even pings from peers that have not said hello
         self._known_peers: set[bytes] = set()
@@ -98,7 +100,10 @@ class FakeSidecar:
 
     def _send(self, peer: bytes, msg: Any, buffers: Sequence[Any] = (), delay_s: float = 0.0) -> None:
         frames = [peer, *encode(msg, list(buffers))]
-        if delay_s > 0:
+        if self.in_order:
+            self._last_due = max(time.monotonic() + delay_s, self._last_due)
+            self._later.append((self._last_due, frames))
+        elif delay_s > 0:
             self._later.append((time.monotonic() + delay_s, frames))
         else:
             self._sock.send_multipart(frames, copy=False)
@@ -476,19 +481,26 @@ def test_restart_loses_streams_and_reconnects(address: str, strict_hello: bool) 
         second.stop()
 
 
-def test_an_open_sent_after_the_rehandshake_belongs_to_the_new_server(address: str) -> None:
+@pytest.mark.parametrize("in_order", [True, False])
+def test_an_open_sent_after_the_rehandshake_belongs_to_the_new_server(address: str, in_order: bool) -> None:
     """Found by the GPU soak: after a sidecar restart, an open the client sent after its new hello (so the new
     server opened it) was failed with StreamLost when the welcome came, and the caller's retry of the same id got
-    already_exists for ever. An open sent after the hello must get its own answer."""
-    first = FakeSidecar(address, boot_epoch="epoch-1", heartbeat_interval_s=0.1)
+    already_exists for ever. An open sent after the hello must get its own answer.
+
+    ``in_order``: replies in request order, as the real sidecar sends them: the restart shows in the welcome, and
+    the open's answer comes after it. Otherwise the fake answers pings before its delayed welcome: the restart
+    shows in a pong first, and the welcome that follows must not be taken for a second loss (a forgotten
+    session), which would fail the new stream too."""
+    first = FakeSidecar(address, boot_epoch="epoch-1", heartbeat_interval_s=0.25)
     try:
         client = SidecarClient(address, timeout_s=5)
         old = client.open_stream("old")
     finally:
         first.stop()
-    second = FakeSidecar(address, boot_epoch="epoch-2", heartbeat_interval_s=0.1, strict_hello=True)
-    second.welcome_delay_s = 0.5  # the welcome comes back after the open below has reached the server
-    second.reply_delay_s = {"fresh": 0.8}  # and the open's answer after the welcome
+    second = FakeSidecar(address, boot_epoch="epoch-2", heartbeat_interval_s=0.25, strict_hello=True)
+    second.in_order = in_order
+    second.welcome_delay_s = 0.4  # the welcome leaves after the open below has reached the server (within the
+    second.reply_delay_s = {"fresh": 0.6}  # 3 heartbeats of silence that would declare the server dead)
     try:
         deadline = time.monotonic() + 5
         while second.count(Hello) == 0:  # the refused ping made the client say hello again
@@ -496,6 +508,7 @@ def test_an_open_sent_after_the_rehandshake_belongs_to_the_new_server(address: s
             time.sleep(0.01)
         fresh = client.open_stream("fresh")  # sent after that hello: the new server opens it
         assert client.boot_epoch == "epoch-2" and not fresh.lost and old.lost
+        assert fresh.generation == old.generation + 1  # one restart, seen once
         codes = make_codes(2)
         assert torch.equal(fresh.decode(codes), expected_audio(codes))
         assert second.count(OpenStream) == 1
