@@ -96,8 +96,8 @@ def client_main(args: argparse.Namespace) -> int:
                 slot["due"] = now + period_s * (1.0 + rng.random())
             stream = slot["stream"]
             if stream is None or stream.closed or stream.lost:
-                # a fresh id per attempt: a failed open (e.g. stream_lost across a sidecar restart) may still
-                # have opened the stream on the server, and retrying its id would get already_exists forever
+                # a fresh id per attempt: a failed open (e.g. across a sidecar restart) may still have opened
+                # the stream on the server; the id is not retried, so that stream is left to the TTL
                 stream_id = f"soak-{args.seed}-{opened}"
                 opened += 1
                 try:

@@ -37,7 +37,7 @@ from .replies import Outbound, PendingReply
 from .welcome import model_entry
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
-from .streams import SeqVerdict, Stream, check_seq
+from .streams import SeqVerdict, Stream, check_seq, is_repeat_open
 from .work import ChunkRejected, DecodeItem
 
 log = logging.getLogger(__name__)
@@ -165,16 +165,21 @@ class Sessions:
         if msg.model not in (None, self.model.name):
             return self.error(identity, rid, ErrorCode.NOT_FOUND,
                                f"model '{msg.model}' is not served here; available: {self.model.name}")
-        if (identity, msg.stream_id) in self.streams:
-            return self.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already open")
-        if len(client.streams) >= self.cfg.limits.max_streams_per_client:
-            return self.error(identity, rid, ErrorCode.BUSY,
-                               f"this client has {len(client.streams)} open streams (limit max_streams_per_client)")
         mode = get_mode(msg.mode)
         try:
             options = self.model.contract.check_options(msg.options)
         except FamilyError as exc:
             return self.error(identity, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
+        left = mode.left_context_frames(msg.left_context_frames)
+        existing = self.streams.get((identity, msg.stream_id))
+        if existing is not None:
+            if not is_repeat_open(existing, self.model.name, mode, left, options):
+                return self.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already "
+                                  "open (with other parameters, or it has taken chunks)")
+            return self._send_opened(identity, rid, existing)
+        if len(client.streams) >= self.cfg.limits.max_streams_per_client:
+            return self.error(identity, rid, ErrorCode.BUSY,
+                               f"this client has {len(client.streams)} open streams (limit max_streams_per_client)")
         slot = None
         if mode.stateful:
             try:
@@ -182,16 +187,19 @@ class Sessions:
             except ArenaFull as exc:
                 return self.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
             self._update_arena_metrics()
-        left = mode.left_context_frames(msg.left_context_frames)
         stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
                         left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
         self.streams[stream.key] = stream
         client.streams.add(msg.stream_id)
         self.metrics.streams_opened.labels(mode=msg.mode).inc()
         self.metrics.active_streams.set(len(self.streams))
+        self._send_opened(identity, rid, stream)
+
+    def _send_opened(self, identity: bytes, rid: int, stream: Stream) -> None:
         self._send(identity, proto.Opened(
-            request_id=rid, stream_id=msg.stream_id, model=self.model.name, mode=msg.mode, left_context_frames=left,
-            samples_per_frame=self.model.samples_per_frame, num_quantizers=self.model.num_quantizers))
+            request_id=rid, stream_id=stream.stream_id, model=stream.model, mode=stream.mode.name,
+            left_context_frames=stream.left_context_frames, samples_per_frame=self.model.samples_per_frame,
+            num_quantizers=self.model.num_quantizers))
 
     def _decode(self, identity: bytes, msg: proto.Decode, frames: list) -> None:
         now = self.clock()

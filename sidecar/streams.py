@@ -6,6 +6,8 @@ A stream belongs to one client connection and is named by the client's ``stream_
   ``committed_seq`` advance only when a chunk's audio was produced. A failed chunk rolls the expected seq
   back to it and fails the stream's later queued chunks, so the client can resend from there.
 - A resend of the last committed seq returns the same audio again without advancing.
+- An ``open_stream`` repeated with the same parameters before the stream's first chunk is answered again
+  (``opened``), like a resend: a client that lost the answer (timeout, restart race) may retry its id.
 - ``final`` frees the stream after its reply; ``finish`` frees it once queued chunks are done; ``abort``
   drops queued chunks and frees it now; a stream idle past the TTL is reaped.
 """
@@ -46,6 +48,16 @@ class Stream:
     @property
     def key(self) -> tuple[bytes, str]:
         return (self.client, self.stream_id)
+
+
+def is_repeat_open(stream: Stream, model: str, mode: StreamMode, left_context_frames: int,
+                   options: dict[str, int]) -> bool:
+    """Whether an ``open_stream`` for ``stream``'s id repeats the one that opened it (same model, mode, left
+    context and options) while the stream has taken no chunk yet and is not closing: then it is answered again
+    instead of ``already_exists``."""
+    return (stream.next_seq == 0 and stream.num_pending == 0 and stream.closing is None and not stream.closed
+            and stream.model == model and stream.mode is mode and stream.left_context_frames == left_context_frames
+            and stream.options == options)
 
 
 class SeqVerdict:

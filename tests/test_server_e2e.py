@@ -97,6 +97,26 @@ def test_resend_is_idempotent_and_failures_commit_nothing(sidecar, golden_cases)
     assert first.numel() == 10 * spf
 
 
+def test_a_repeated_open_is_answered_again_until_the_first_chunk(sidecar, golden_cases):
+    """A client that lost an open's answer (a timeout, a restart race) may send it again: same id and
+    parameters before any chunk get ``opened`` again (one stream, one slot); other parameters, or an open after
+    a chunk, get already_exists."""
+    codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
+    with SidecarClient(sidecar.address, timeout_s=30) as client:
+        first = client.open_stream("again")
+        second = client.open_stream("again")  # the repeat: the same stream
+        assert _metric(sidecar.scrape(), "code2wav_sidecar_active_streams") == 1
+        assert _metric(sidecar.scrape(), "code2wav_sidecar_arena_slots", kind="used") == 1
+        with pytest.raises(cerr.AlreadyExists, match="other parameters"):
+            client.open_stream("again", mode="window", left_context_frames=5)
+        head = second.decode(codes[:, :10])
+        with pytest.raises(cerr.AlreadyExists, match="taken chunks"):
+            client.open_stream("again")
+        rest = second.decode(codes[:, 10:40], final=True)  # the stream goes on, exact
+        assert first.stream_id == second.stream_id
+    assert (torch.cat([head, rest]) - full[: 40 * 48]).abs().max().item() <= TOL
+
+
 def test_ttl_reaps_idle_streams_and_arena_full_is_busy(tmp_path, golden_cases):
     from conftest import start_sidecar
 
