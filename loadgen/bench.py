@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def environment(device: torch.device, dtype: str, model: str) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"device": str(device), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
-            "dtype": dtype, "model": model, "cpu_threads": torch.get_num_threads()}
+            "dtype": dtype, "model": model,
+            "bench_cpu_threads": torch.get_num_threads()}  # this process's (the sidecar's is in its ready line)
 
 
 def build_phases(args: argparse.Namespace, device: torch.device) -> list[Phase]:

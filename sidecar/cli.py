@@ -225,10 +225,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop_name = install_uvloop()
 
     def on_ready(server) -> None:
+        import torch  # noqa: PLC0415 - loaded by the server already; `--help` stays fast
+
         m = server.model
         print(f"code2wav-sidecar ready: address={server.address} "
               f"metrics=http://{cfg.metrics_host}:{server.metrics_port}/metrics model={m.name} ({m.source}) "
-              f"device={m.device} dtype={cfg.dtype} loop={loop_name}", flush=True)
+              f"device={m.device} dtype={cfg.dtype} loop={loop_name} cpu_threads={torch.get_num_threads()}", flush=True)
 
     try:
         return asyncio.run(run_server(cfg, on_ready))
