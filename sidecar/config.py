@@ -70,7 +70,9 @@ class GraphsConfig(_Section):
     window_batch_sizes: _Sizes | None = None
     window_frames: _Sizes | None = None
     max_lazy_captures: int = Field(8, ge=0)
-    max_graph_memory_bytes: int | None = Field(2 << 30, ge=0, description="buckets past it run eager; null = no cap")
+    max_graph_memory_bytes: int | None = Field(2 << 30, ge=0, description="graph pool budget: a bucket past it is "
+                                               "captured as exact-streaming time slices (the same audio, a smaller "
+                                               "peak), else skipped and run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
     cap_batch_to_buckets: bool = Field(True, description="limit batches to the largest captured exact bucket, "
                                        "so every exact batch replays a graph")

@@ -121,10 +121,10 @@ def test_consecutive_replays_do_not_alias_and_padding_isolates_slots():
 class FailingRoutine(StreamRoutine):
     """Fails while a capture is active (a forced capture failure); runs normally otherwise."""
 
-    def forward(self, batch, frames):
+    def forward(self, batch, frames, num_slices=1):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("forced capture failure")
-        return super().forward(batch, frames)
+        return super().forward(batch, frames, num_slices)
 
 
 def test_capture_failure_degrades_to_eager(golden_cases):
@@ -155,14 +155,21 @@ def test_lazy_capture_respects_its_bound(golden_cases):
     assert metrics.graph_misses.labels(component="exact", reason="frames_too_long")._value.get() == 1
 
 
-def test_graph_memory_budget_skips_buckets_by_name():
+def test_graph_memory_budget_slices_or_skips_buckets_by_name():
+    """Over the budget, a bucket is captured in time slices when they fit (b32 x t25 under 1 GiB), else skipped
+    by name and run eager (under 8 MiB even one frame per slice does not fit)."""
     buckets = (BucketKey("exact", 32, 25), BucketKey("exact", 1, 25))
     budget = 1 << 30
     model, arena, manager, engine, _, metrics = _setup("default", buckets, budget=budget)
     big, small = manager.buckets[buckets[0]], manager.buckets[buckets[1]]
-    assert big.status == "skipped" and "max_graph_memory_bytes" in big.reason, manager.summary()
-    assert small.status == "captured" and manager.pool_bytes <= budget
     print("graph memory summary:", manager.summary())
+    assert big.status == "captured" and big.num_slices >= 2 and big.profile_bytes <= budget, manager.summary()
+    assert small.status == "captured" and manager.pool_bytes <= budget
+    key = (BucketKey("exact", 32, 25),)
+    model, arena, manager, engine, _, metrics = _setup("default", key, budget=8 << 20)
+    big = manager.buckets[key[0]]
+    assert big.status == "skipped" and "max_graph_memory_bytes" in big.reason, manager.summary()
+    assert "time slices" in big.reason  # what was tried is said
     slots = [arena.allocate() for _ in range(2)]
     out = engine.decode([DecodeItem(_codes(model, 25, s), s, 0) for s in slots])  # b32 was skipped: eager
     assert [o.numel() for o in out] == [25 * 1920] * 2
@@ -190,3 +197,29 @@ def test_capture_is_foreseen_and_can_be_left_to_another_thread(golden_cases):
     assert engine.graph_choice("exact", [30]) == GraphChoice(BucketKey("exact", 1, 32), "frames_too_long",
                                                              needs_capture=True)
     assert engine.graph_choice("window", [10]) == GraphChoice(None, "no_buckets")
+
+
+def test_a_bucket_over_the_memory_budget_is_captured_in_time_slices():
+    """A bucket whose graph needs more than ``max_graph_memory_bytes`` is captured as exact-streaming time
+    slices (a smaller peak) instead of being skipped, and replays the same audio as eager (default model,
+    float32, TF32 off; rows of 25, 13 and 1 frames in a b8 x t25 bucket, two steps)."""
+    key = BucketKey("exact", 8, 25)
+    whole = _setup("default", (key,), max_frames=25)[2].buckets[key]
+    assert whole.status == "captured" and whole.num_slices == 1
+    budget = int(whole.profile_bytes * 0.6)
+    model, arena, manager, engine, eager, _ = _setup("default", (key,), max_frames=25, budget=budget)
+    state = manager.buckets[key]
+    print(f"b8xt25: whole {whole.profile_bytes / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB -> "
+          f"{state.num_slices} slices, {state.profile_bytes / 2**20:.1f} MiB")
+    assert state.status == "captured" and state.num_slices >= 2 and state.profile_bytes <= budget
+    slots = [arena.allocate() for _ in range(3)]
+    for step in range(2):
+        items = [DecodeItem(_codes(model, n, 10 * step + r), slots[r], 0) for r, n in enumerate((25, 13, 1))]
+        snap = _snapshot(arena)
+        graph_audio = engine.decode(items)
+        after_graph = _snapshot(arena)
+        _restore(arena, snap)
+        eager_audio = eager.decode(items)  # leaves the eager state for the next step
+        assert max((g - e).abs().max().item() for g, e in zip(graph_audio, eager_audio)) <= 1e-5
+        assert max((after_graph[0][k][slots] - t[slots]).abs().max().item() for k, t in arena.tensors.items()) <= 1e-4
+        assert torch.equal(after_graph[1], arena.positions)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from code2wav.sidecar.engine import DecodeItem, Engine
-from code2wav.sidecar.graphs.plan import BucketKey, build_buckets, dispatch, extra_bucket
+from code2wav.sidecar.graphs.plan import (BucketKey, build_buckets, dispatch, extra_bucket, slices_for_budget,
+                                          time_slices)
 from code2wav.sidecar.models.qwen3_tts.family import GRAPH_BUCKETS as QWEN3  # the default model's buckets
 from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.state_store import StateArena
@@ -44,9 +45,31 @@ def test_dispatch_reasons():
     assert extra_bucket("exact", 1, 300, 32, 256) is None
 
 
-def test_routine_padding_rows_and_frames_match_eager(tiny_model, golden_cases):
+def test_time_slices_cover_the_frames_and_the_budget_picks_the_fewest():
+    assert time_slices(25, 1) == ((0, 25),)
+    assert time_slices(25, 2) == ((0, 13), (13, 12))
+    assert time_slices(32, 7) == ((0, 5), (5, 5), (10, 5), (15, 5), (20, 4), (24, 4), (28, 4))
+    for frames in (1, 7, 25, 50):
+        for n in range(1, frames + 1):
+            parts = time_slices(frames, n)
+            assert len(parts) == n and parts[0][0] == 0 and sum(length for _, length in parts) == frames
+            assert all(a + la == b for (a, la), (b, _) in zip(parts, parts[1:]))  # contiguous
+            assert max(length for _, length in parts) - min(length for _, length in parts) <= 1
+    with pytest.raises(ValueError):
+        time_slices(4, 5)
+    gib = 2**30
+    assert slices_for_budget(int(1.7 * gib), 2 * gib, 25) == 1
+    assert slices_for_budget(int(3.69 * gib), 2 * gib, 25) == 2  # the default model's b32xt25 on the H200
+    assert slices_for_budget(int(7.2 * gib), 2 * gib, 25) == 5  # 5 frames per slice: 1.44 GiB estimated
+    assert slices_for_budget(100 * gib, 2 * gib, 25) is None  # even 1 frame per slice would not fit
+
+
+@pytest.mark.parametrize("num_slices", [1, 3, 7])
+def test_routine_padding_rows_and_frames_match_eager(tiny_model, golden_cases, num_slices):
     """The routine run on static buffers (what a graph captures) equals the eager engine for a padded
-    bucket; padding rows write only the scratch slot; returned audio has exactly the real rows' samples."""
+    bucket; padding rows write only the scratch slot; returned audio has exactly the real rows' samples.
+    In time slices (``num_slices`` exact-streaming sub-steps: 7 leaves the 1- and 5-frame rows without frames in
+    later slices) the audio and the committed state are the same."""
     codes = golden_cases["codes"]  # [2, Q, 40]
     layout = tiny_model.module.state_layout()
     eager_arena = StateArena(layout, 4, torch.float32, torch.device("cpu"))
@@ -69,7 +92,7 @@ def test_routine_padding_rows_and_frames_match_eager(tiny_model, golden_cases):
         ref = eager.decode(items_e)
         routine.copy_in(8, 32, items_g)  # bucket b8 x t32: 5 padding rows, padded frames on every row
         with torch.inference_mode():
-            out = routine.copy_out(routine.forward(8, 32), items_g)
+            out = routine.copy_out(routine.forward(8, 32, num_slices), items_g)
         for r, o, it in zip(ref, out, items_g):
             assert o.numel() == (it.codes.shape[1] - it.skip_frames) * tiny_model.samples_per_frame
             assert (r - o).abs().max().item() <= 1e-5
@@ -78,3 +101,31 @@ def test_routine_padding_rows_and_frames_match_eager(tiny_model, golden_cases):
         for se, sg in zip(slots_e, slots_g):
             assert torch.allclose(t[sg], eager_arena.tensors[k][se], rtol=1e-4, atol=1e-4)  # same committed state
     assert torch.equal(graph_arena.positions[slots_g], eager_arena.positions[slots_e])
+
+
+def test_time_sliced_routine_equals_the_whole_step_for_voxcpm2():
+    """The second family (float latents, its own state layout) in time slices: the same audio and state as the
+    whole step, rows of 16, 3 and 1 frames in a b4 x t16 bucket, two steps in a row."""
+    from code2wav.sidecar.models import load_model
+
+    from conftest import VOXCPM2_TINY
+
+    model = load_model(str(VOXCPM2_TINY), torch.device("cpu"), "float32")
+    gen = torch.Generator().manual_seed(5)
+    latents = torch.randn(3, model.num_channels, 32, generator=gen)  # [3, D, 32]
+    results = {}
+    for num_slices in (1, 4):
+        arena = StateArena(model.state_layout(), 4, torch.float32, torch.device("cpu"))
+        routine = StreamRoutine(model, arena, max_batch=4, max_frames=16)
+        slots = [arena.allocate() for _ in range(3)]
+        outs = []
+        for step in range(2):
+            items = [DecodeItem(latents[r, :, step * 16: step * 16 + n], slots[r], 0) for r, n in enumerate((16, 3, 1))]
+            routine.copy_in(4, 16, items)
+            with torch.inference_mode():
+                outs += routine.copy_out(routine.forward(4, 16, num_slices), items)
+        results[num_slices] = outs, {k: t[:3].clone() for k, t in arena.tensors.items()}, arena.positions[:3].clone()
+    (whole, whole_state, whole_pos), (sliced, sliced_state, sliced_pos) = results[1], results[4]
+    assert max((a - b).abs().max().item() for a, b in zip(whole, sliced)) <= 1e-5
+    assert max((whole_state[k] - sliced_state[k]).abs().max().item() for k in whole_state) <= 1e-4
+    assert torch.equal(whole_pos, sliced_pos)

@@ -66,8 +66,8 @@ class CompiledRoutine:
         self.routine = routine
         self.name = name
         self.mode = mode
-        allow_recompiles(num_shapes)
-        self._forward: Callable[[int, int], Tensor] = torch.compile(routine.forward, mode=mode, dynamic=dynamic,
+        allow_recompiles(2 * num_shapes)  # a bucket over the graph memory budget compiles again in time slices
+        self._forward: Callable[[int, int, int], Tensor] = torch.compile(routine.forward, mode=mode, dynamic=dynamic,
                                                                     fullgraph=True)
         self._compiled_shapes: set[tuple[int, int]] = set()
         self.compile_s: dict[tuple[int, int], float] = {}  # per bucket: the first call (trace + compile + run)
@@ -89,18 +89,20 @@ class CompiledRoutine:
     def copy_out(self, out: Tensor, items: list) -> list:
         return self.routine.copy_out(out, items)
 
-    def forward(self, batch: int, frames: int) -> Tensor:
-        """The compiled forward; the first call of a shape compiles it (seconds) and is timed."""
-        shape = (batch, frames)
+    def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor:
+        """The compiled forward; the first call of a shape (and slice count) compiles it (seconds) and is
+        timed."""
+        shape = (batch, frames) if num_slices == 1 else (batch, frames, num_slices)
         if shape in self._compiled_shapes:
-            return self._forward(batch, frames)
+            return self._forward(batch, frames, num_slices)
         t0 = time.perf_counter()
-        out = self._forward(batch, frames)  # [batch, frames * U]
+        out = self._forward(batch, frames, num_slices)  # [batch, frames * U]
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
         self.compile_s[shape] = time.perf_counter() - t0
         self._compiled_shapes.add(shape)
-        log.info("compile %-6s b%dxt%d: %.1fs", self.name, batch, frames, self.compile_s[shape])
+        log.info("compile %-6s b%dxt%d%s: %.1fs", self.name, batch, frames,
+                 f" in {num_slices} time slices" if num_slices > 1 else "", self.compile_s[shape])
         return out
 
 
@@ -112,4 +114,5 @@ def compile_routines(routines: dict[str, Any], bucket_modes: list[str], cache_di
     capture compiles too: tens of seconds on the calling thread when the cache is cold."""
     used = configure_compile_cache(cache_dir)
     log.info("graphs: compiling the step per bucket (torch.compile, mode %s), cache %s", COMPILE_MODE, used)
-    return {mode: CompiledRoutine(routine, mode, len(bucket_modes) + max_lazy_captures * len(routines)) for mode, routine in routines.items()}
+    num_shapes = len(bucket_modes) + max_lazy_captures * len(routines)
+    return {mode: CompiledRoutine(routine, mode, num_shapes) for mode, routine in routines.items()}

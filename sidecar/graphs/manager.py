@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .plan import BucketKey
+from .plan import BucketKey, slices_for_budget
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ CAPTURE_MODES = ("startup", "startup_lazy", "lazy")
 class Routine(Protocol):
     def prime(self, batch: int, frames: int) -> None: ...
     def copy_in(self, batch: int, frames: int, items: list) -> None: ...
-    def forward(self, batch: int, frames: int) -> Tensor: ...
+    def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor: ...
     def copy_out(self, out: Tensor, items: list) -> list: ...
 
 
@@ -46,7 +46,8 @@ class BucketState:
     status: str = "pending"  # pending | captured | eager (capture failed) | skipped (memory budget)
     reason: str = ""
     capture_s: float = 0.0
-    profile_bytes: int = 0  # standalone, measured in a temporary pool
+    profile_bytes: int = 0  # standalone, measured in a temporary pool (of the step as captured)
+    num_slices: int = 1  # the step in this many exact-streaming time slices (plan.time_slices), to fit the budget
     pool_bytes: int = 0  # what it added to the shared pool
     graph: Any = None
     output: Tensor | None = None
@@ -120,18 +121,26 @@ class GraphManager:
         torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
         try:
             with torch.inference_mode():
-                self._warmup(routine, key)
-                state.profile_bytes = self._profile(routine, key)
+                self._warmup(routine, key, 1)
+                state.profile_bytes = self._profile(routine, key, 1)
                 budget = self.max_graph_memory_bytes
                 if budget is not None and state.profile_bytes > budget:
-                    self._skip(state, f"needs {state.profile_bytes / 2**20:.1f} MiB alone, over "
-                                      f"max_graph_memory_bytes {budget / 2**20:.1f} MiB")
-                    return
+                    whole_bytes = state.profile_bytes
+                    num_slices = slices_for_budget(whole_bytes, budget, key.frames)
+                    if num_slices is not None:  # try the step in time slices: a smaller peak, the same audio
+                        self._warmup(routine, key, num_slices)
+                        state.num_slices, state.profile_bytes = num_slices, self._profile(routine, key, num_slices)
+                    if state.profile_bytes > budget:
+                        sliced = (f"{state.profile_bytes / 2**20:.1f} MiB in {num_slices} time slices" if num_slices
+                                  else "too much even in 1-frame time slices")
+                        self._skip(state, f"needs {whole_bytes / 2**20:.1f} MiB alone ({sliced}), over "
+                                          f"max_graph_memory_bytes {budget / 2**20:.1f} MiB")
+                        return
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                     # read inside: entering the context empties the allocator cache, which would hide growth
                     before = torch.cuda.memory_reserved(self.device)
-                    output = routine.forward(key.batch, key.frames)
+                    output = routine.forward(key.batch, key.frames, state.num_slices)
                 torch.cuda.synchronize(self.device)
                 added = torch.cuda.memory_reserved(self.device) - before
         except Exception as exc:  # capture failure: this bucket stays eager
@@ -160,8 +169,9 @@ class GraphManager:
         self.metrics.graph_capture_seconds.labels(**labels).set(state.capture_s)
         self.metrics.graph_bytes.labels(**labels).set(state.pool_bytes)
         self.metrics.graph_pool_bytes.set(self.pool_bytes)
-        log.info("graph %-6s %-10s captured in %.2fs%s: profile %.1f MiB, pool +%.1f MiB (total %.1f MiB)",
+        log.info("graph %-6s %-10s captured in %.2fs%s%s: profile %.1f MiB, pool +%.1f MiB (total %.1f MiB)",
                  key.mode, key.label, state.capture_s, " (compiled)" if routine is not self.routines[key.mode] else "",
+                 f" in {state.num_slices} time slices" if state.num_slices > 1 else "",
                  state.profile_bytes / 2**20, state.pool_bytes / 2**20,
                  self.pool_bytes / 2**20)
 
@@ -180,22 +190,23 @@ class GraphManager:
         log.warning("graph %-6s %-10s skipped: %s; batches of this shape run eager (raise "
                     "graphs.max_graph_memory_bytes to capture it)", state.key.mode, state.key.label, reason)
 
-    def _warmup(self, routine: Routine, key: BucketKey) -> None:
+    def _warmup(self, routine: Routine, key: BucketKey, num_slices: int) -> None:
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.capture_stream):
             routine.prime(key.batch, key.frames)
             for _ in range(self.warmup_iters):
-                routine.forward(key.batch, key.frames)
+                routine.forward(key.batch, key.frames, num_slices)
         torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
         torch.cuda.synchronize(self.device)
 
-    def _profile(self, routine: Routine, key: BucketKey) -> int:
-        """Standalone graph memory of ``key``: capture into a temporary pool, measure, release."""
+    def _profile(self, routine: Routine, key: BucketKey, num_slices: int) -> int:
+        """Standalone graph memory of ``key`` (its step in ``num_slices``): capture into a temporary pool,
+        measure, release."""
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.capture_stream):
             before = torch.cuda.memory_reserved(self.device)
-            output = routine.forward(key.batch, key.frames)
+            output = routine.forward(key.batch, key.frames, num_slices)
         torch.cuda.synchronize(self.device)
         nbytes = torch.cuda.memory_reserved(self.device) - before
         del graph, output
@@ -247,5 +258,6 @@ class GraphManager:
     def summary(self) -> list[dict]:
         return [{"mode": s.key.mode, "bucket": s.key.label, "status": s.status, "reason": s.reason,
                  "compiled": s.key.mode in self.compiled and s.key not in self.compile_fallbacks,
-                 "capture_s": round(s.capture_s, 3), "profile_bytes": s.profile_bytes, "pool_bytes": s.pool_bytes}
+                 "capture_s": round(s.capture_s, 3), "profile_bytes": s.profile_bytes, "pool_bytes": s.pool_bytes,
+                 "num_slices": s.num_slices}
                 for s in sorted(self.buckets.values(), key=lambda s: (s.key.mode, -s.key.cost))]

@@ -99,3 +99,29 @@ class PaddingTable:
             return dispatch(self.buckets, self.mode, num_rows, row_frames)
         padded = sum(key.frames - f for f in row_frames) + (key.batch - num_rows) * key.frames
         return Dispatch(key, padding_rows=key.batch - num_rows, padded_frames=padded)
+
+
+def time_slices(frames: int, num_slices: int) -> tuple[tuple[int, int], ...]:
+    """``(start, length)`` of ``num_slices`` contiguous slices covering ``frames`` (lengths differ by at most one,
+    longer first). A bucket captured in slices runs its step as that many exact-streaming sub-steps, one after
+    the other, each row's state carried from one to the next: same audio (exact streaming), a smaller peak."""
+    if not 1 <= num_slices <= frames:
+        raise ValueError(f"num_slices must be in [1, {frames}], got {num_slices}")
+    base, extra = divmod(frames, num_slices)
+    out, start = [], 0
+    for i in range(num_slices):
+        length = base + (1 if i < extra else 0)
+        out.append((start, length))
+        start += length
+    return tuple(out)
+
+
+def slices_for_budget(profile_bytes: int, budget_bytes: int, frames: int) -> int | None:
+    """The fewest time slices whose graph memory should fit ``budget_bytes``, from the unsliced ``profile_bytes``
+    (an estimate: memory scales with the longest slice's frames); None if even one frame per slice would not.
+    The caller measures the sliced graph again before trusting it."""
+    for num_slices in range(1, frames + 1):
+        longest = -(-frames // num_slices)
+        if profile_bytes * longest <= budget_bytes * frames:
+            return num_slices
+    return None

@@ -16,6 +16,7 @@ from torch import Tensor
 from ..models import ModelInfo, StreamBatch
 from ..state_store import StateArena
 from ..work import DecodeItem
+from .plan import time_slices
 
 
 def rows_state(model: ModelInfo, arena: StateArena | None, slots: Tensor | None, batch: int,
@@ -106,18 +107,28 @@ class StreamRoutine:
         for i, name in enumerate(self._option_names):
             self.options[name][:batch].copy_(meta[2 + i], non_blocking=True)
 
-    def forward(self, batch: int, frames: int) -> Tensor:
-        """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``."""
-        inputs = self.inputs[:batch, :, :frames]  # [B, C, T]
+    def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor:
+        """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``.
+
+        ``num_slices`` > 1: the frames as that many exact-streaming sub-steps (``plan.time_slices``), each row's
+        state and position carried from one to the next and committed once at the end: the same audio, with the
+        peak memory of the longest slice (a row with no frames left in a slice keeps its state)."""
         num_frames = self.num_frames[:batch]  # [B]
         slots = self.slots[:batch]  # [B]
-        state, positions = rows_state(self.model, self.arena, slots, batch, inputs.device)
+        state, positions = rows_state(self.model, self.arena, slots, batch, self.inputs.device)
+        start_positions = positions
         options = {name: t[:batch] for name, t in self.options.items()}  # name -> [B]
-        wav, new_state = self.model.forward_stream(StreamBatch(inputs, num_frames, positions, options),
-                                                   state)  # [B, T * U]
+        pieces = []
+        for i, (start, length) in enumerate(time_slices(frames, num_slices)):
+            inputs = self.inputs[:batch, :, start:start + length]  # [B, C, t]
+            valid = num_frames if num_slices == 1 else (num_frames - start).clamp(0, length)  # [B] frames here
+            wav, state = self.model.forward_stream(StreamBatch(inputs, valid, positions, options), state)  # [B, t*U]
+            pieces.append(wav)
+            if i + 1 < num_slices:
+                positions = positions + valid
         if self.stateful:
-            self.arena.scatter(slots, new_state, positions + num_frames)
-        return wav
+            self.arena.scatter(slots, state, start_positions + num_frames)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [B, T * U]
 
     def copy_out(self, wav: Tensor, items: list[DecodeItem]) -> list[Tensor]:
         """Exact samples per row: host rows are copied out of graph-owned memory before returning; device rows
