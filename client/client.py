@@ -21,6 +21,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from typing import Any, Sequence, Union
 
@@ -44,7 +45,7 @@ from code2wav.proto.address import default_address
 
 from ._io import Connection
 from .cuda_ipc.link import IpcLink
-from .errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable, not_running
+from .errors import AlreadyExists, DeadlineExceeded, Internal, InvalidArgument, Unavailable, not_running
 from .keys import server_public_key
 from .sender import WAIT_GRACE_S, Sender, set_exception, set_result
 from .stream import Stream
@@ -94,6 +95,10 @@ class SidecarClient:
         self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key, client_keys)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
         self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits)
+        # this client's Stream objects by id (the I/O thread's): the server answers a repeated open of a stream
+        # that has taken no chunk yet, so a second live Stream for one id is refused here (two seq counters on
+        # one server stream would take each other's chunks for resends)
+        self._streams_by_id: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
         try:
             self._handshake(connect_timeout_s)
         except BaseException:
@@ -186,10 +191,17 @@ class SidecarClient:
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:
             if not isinstance(msg, Opened) or msg.stream_id != stream_id:
                 raise Internal(f"expected opened for {stream_id!r}, got {msg!r}")
+            live = self._streams_by_id.get(stream_id)
+            if live is not None and not live.closed and not live.lost:
+                raise AlreadyExists(f"stream {stream_id!r} is already open in this client (finish, abort or drop "
+                                    "that Stream first)")
             info = self.server_info.model(msg.model)
             if info is None:
-                return Stream(self._sender, msg, self._conn.generation)
-            return Stream(self._sender, msg, self._conn.generation, info.input_kind, info.input_dtypes)
+                stream = Stream(self._sender, msg, self._conn.generation)
+            else:
+                stream = Stream(self._sender, msg, self._conn.generation, info.input_kind, info.input_dtypes)
+            self._streams_by_id[stream_id] = stream
+            return stream
 
         self._sender.call(frames, request_id, timeout_s, on_reply, future)
         return future

@@ -176,6 +176,7 @@ class Sessions:
             if not is_repeat_open(existing, self.model.name, mode, left, options):
                 return self.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already "
                                   "open (with other parameters, or it has taken chunks)")
+            existing.last_active_s = self.clock()  # just said open: not reaped as idle right after
             return self._send_opened(identity, rid, existing)
         if len(client.streams) >= self.cfg.limits.max_streams_per_client:
             return self.error(identity, rid, ErrorCode.BUSY,

@@ -100,21 +100,48 @@ def test_resend_is_idempotent_and_failures_commit_nothing(sidecar, golden_cases)
 def test_a_repeated_open_is_answered_again_until_the_first_chunk(sidecar, golden_cases):
     """A client that lost an open's answer (a timeout, a restart race) may send it again: same id and
     parameters before any chunk get ``opened`` again (one stream, one slot); other parameters, or an open after
-    a chunk, get already_exists."""
+    a chunk, get already_exists. The Python client refuses a second open of an id whose Stream is still live in
+    it (two seq counters on one server stream would take each other's chunks for resends)."""
+    import gc
+
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     with SidecarClient(sidecar.address, timeout_s=30) as client:
         first = client.open_stream("again")
-        second = client.open_stream("again")  # the repeat: the same stream
+        with pytest.raises(cerr.AlreadyExists, match="already open in this client"):
+            client.open_stream("again")  # refused in the client: `first` is live
+        del first  # as if its answer had been lost: no Stream object for it in this client
+        gc.collect()
+        stream = client.open_stream("again")  # the repeat: the server answers it, the same stream
         assert _metric(sidecar.scrape(), "code2wav_sidecar_active_streams") == 1
         assert _metric(sidecar.scrape(), "code2wav_sidecar_arena_slots", kind="used") == 1
+        head = stream.decode(codes[:, :10])
+        del stream
+        gc.collect()
+        with pytest.raises(cerr.AlreadyExists, match="taken chunks"):
+            client.open_stream("again")  # the server's refusal: the stream is past its first chunk
         with pytest.raises(cerr.AlreadyExists, match="other parameters"):
             client.open_stream("again", mode="window", left_context_frames=5)
-        head = second.decode(codes[:, :10])
-        with pytest.raises(cerr.AlreadyExists, match="taken chunks"):
-            client.open_stream("again")
-        rest = second.decode(codes[:, 10:40], final=True)  # the stream goes on, exact
-        assert first.stream_id == second.stream_id
-    assert (torch.cat([head, rest]) - full[: 40 * 48]).abs().max().item() <= TOL
+        assert _metric(sidecar.scrape(), "code2wav_sidecar_active_streams") == 1
+    assert head.numel() == 10 * 48 and (head - full[: 10 * 48]).abs().max().item() <= TOL
+
+
+def test_a_repeated_open_restarts_the_idle_clock(tmp_path, golden_cases):
+    """The stream a repeated open was just answered for is not reaped as idle right after (TTL 2 s: repeated at
+    1.6 s, used 0.9 s later)."""
+    import gc
+
+    running = start_sidecar(tmp_path, "--stream-ttl-s", "2")
+    try:
+        with SidecarClient(running.address, timeout_s=30) as client:
+            client.open_stream("idle")
+            gc.collect()  # (that Stream object is gone: as if the answer had been lost)
+            time.sleep(1.6)
+            stream = client.open_stream("idle")
+            time.sleep(0.9)
+            codes = golden_cases["codes"][0]
+            assert stream.decode(codes[:, :5]).numel() == 5 * 48
+    finally:
+        running.stop()
 
 
 def test_ttl_reaps_idle_streams_and_arena_full_is_busy(tmp_path, golden_cases):

@@ -116,6 +116,7 @@ class GraphManager:
             log.warning("graph %s %s: not captured: %s", key.mode, key.label, state.reason)
             return
         routine = self._routine_for(key)
+        state.num_slices = 1  # (again after a compile fallback: the plain routine is sized afresh)
         t0 = time.perf_counter()
         benchmark_before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
@@ -186,7 +187,7 @@ class GraphManager:
                     reason[:500])
 
     def _skip(self, state: BucketState, reason: str) -> None:
-        state.status, state.reason = "skipped", reason
+        state.status, state.reason, state.num_slices = "skipped", reason, 1
         log.warning("graph %-6s %-10s skipped: %s; batches of this shape run eager (raise "
                     "graphs.max_graph_memory_bytes to capture it)", state.key.mode, state.key.label, reason)
 
