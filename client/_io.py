@@ -360,31 +360,12 @@ class Connection(Liveness):
 
     def _fail_all(self, error: SidecarError, include_internal: bool, generation: int | None = None) -> None:
         """Fail pending calls (``generation``: only the stream calls of that server generation)."""
-        for call in list(self._pending.values()):
-            if call.internal and not include_internal:
-                continue
-            if generation is not None and call.generation != generation:
-                continue
-            del self._pending[call.request_id]
-            if not call.sent:
-                self._unsent.remove(call)
-            self._settle_failure(call, error, "unknown" if call.sent else "not_sent")
+        self._fail_calls(error, lambda call: (include_internal or not call.internal)
+                         and (generation is None or call.generation == generation))
 
-    def _fail_old_server_calls(self, error: SidecarError, old_generation: int, hello: Call | None) -> None:
-        """The server restarted: fail the calls on its streams (``old_generation``) and the calls on no stream
-        (opens) sent before ``hello``, the re-handshake with the new server (all sent ones without it). Unsent
-        calls on no stream go on: they leave after the hello. A call sent after the hello reached the new server,
-        which answers it; failing it would orphan a stream the new server did open, and the caller's retry of its
-        id would get already_exists (found by the GPU soak)."""
-        sent_before = hello.sent_seq if hello is not None and hello.sent_seq else None
-        for call in list(self._pending.values()):
-            if call.internal:
-                continue
-            if call.generation is None and (not call.sent or (sent_before is not None and
-                                                              call.sent_seq > sent_before)):
-                continue
-            if call.generation is not None and call.generation != old_generation:
-                continue
+    def _fail_calls(self, error: SidecarError, doomed: Callable[[Call], bool]) -> None:
+        """Fail the pending calls ``doomed`` names (unsent ones leave the send queue)."""
+        for call in [call for call in self._pending.values() if doomed(call)]:
             del self._pending[call.request_id]
             if not call.sent:
                 self._unsent.remove(call)

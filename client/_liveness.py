@@ -5,7 +5,8 @@ means the server restarted and every stream opened before is lost), and whether 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 
 ``Liveness`` is mixed into ``Connection`` and runs with its ``_io_lock`` held; it relies on the connection's
-``_state``, ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept`` and ``_fail_all``.
+``_state``, ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and
+``_fail_calls``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ class LinkState:
     session_refused: bool = False  # a ping was refused: the next welcome says restarted (epoch) or forgot us
 
 
+def _went_to_old_server(call: Call, old_generation: int, sent_before: int | None) -> bool:
+    """After a restart: a call on the old server's streams (``old_generation``), or a call on no stream (an open)
+    sent before the re-handshake's hello (its place ``sent_before``; None: no hello sent, every sent call). Unsent
+    calls on no stream go on: they leave after the hello. A call sent after the hello reached the new server,
+    which answers it; failing it would orphan a stream the new server did open (found by the GPU soak)."""
+    if call.internal:
+        return False
+    if call.generation is not None:
+        return call.generation == old_generation
+    return call.sent and (sent_before is None or call.sent_seq < sent_before)
+
+
 class Liveness:
     def _adopt_welcome(self, welcome: Welcome) -> None:
         state = self._state
@@ -70,7 +83,9 @@ class Liveness:
         log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
                     self.address, old_epoch, boot_epoch)
         hello = state.rehello_call if state.rehello_pending else None
-        self._fail_old_server_calls(self._lost_error(old_epoch), old_generation, hello)
+        sent_before = hello.sent_seq if hello is not None and hello.sent_seq else None
+        self._fail_calls(self._lost_error(old_epoch), lambda call: _went_to_old_server(call, old_generation,
+                                                                                        sent_before))
         if not via_welcome:
             self._rehello()
 
