@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ._flat import FlatMessage
 from .tensors import TensorDesc
 
 __all__ = ["Hello", "OpenStream", "Chunk", "Decode", "Finish", "Abort", "Ping", "Bye"]
@@ -123,46 +124,34 @@ class Decode:
 
 
 @dataclass(frozen=True)
-class Finish:
+class Finish(FlatMessage):
     """Close a stream gracefully once its queued chunks are done."""
 
     TYPE: ClassVar[str] = "finish"
     request_id: int
     stream_id: str
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "stream_id": self.stream_id}
-
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(FlatMessage):
     """Drop a stream's queued chunks and free its state now."""
 
     TYPE: ClassVar[str] = "abort"
     request_id: int
     stream_id: str
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "stream_id": self.stream_id}
-
 
 @dataclass(frozen=True)
-class Ping:
+class Ping(FlatMessage):
     """Heartbeat; answered with ``Pong`` (even before ``hello``)."""
 
     TYPE: ClassVar[str] = "ping"
     request_id: int
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id}
-
 
 @dataclass(frozen=True)
-class Bye:
+class Bye(FlatMessage):
     """The client is going away; the server frees all its streams. No reply."""
 
     TYPE: ClassVar[str] = "bye"
     request_id: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id}

@@ -39,6 +39,7 @@ from ._check import (
     invalid,
     reject_unknown_keys,
 )
+from ._flat import FlatMessage
 from .limits import Limits
 
 __all__ = [
@@ -106,15 +107,12 @@ class RegisterRegion:
 
 
 @dataclass(frozen=True)
-class UnregisterRegion:
+class UnregisterRegion(FlatMessage):
     """Client -> server: close a region; answered by ``region_unregistered`` once no chunk uses it."""
 
     TYPE: ClassVar[str] = "unregister_region"
     request_id: int
     region_id: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "region_id": self.region_id}
 
 
 @dataclass(frozen=True)
@@ -132,13 +130,10 @@ class RegionRegistered:
 
 
 @dataclass(frozen=True)
-class RegionUnregistered:
+class RegionUnregistered(FlatMessage):
     TYPE: ClassVar[str] = "region_unregistered"
     request_id: int
     region_id: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "region_id": self.region_id}
 
 
 def parse_register_region(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -> RegisterRegion:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ._flat import FlatMessage
 from .errors import ErrorCode
 from .limits import DEFAULT_LIMITS, Limits
 from .tensors import TensorDesc
@@ -205,33 +206,24 @@ class DecodeResult:
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(FlatMessage):
     TYPE: ClassVar[str] = "finished"
     request_id: int
     stream_id: str
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "stream_id": self.stream_id}
-
 
 @dataclass(frozen=True)
-class Aborted:
+class Aborted(FlatMessage):
     TYPE: ClassVar[str] = "aborted"
     request_id: int
     stream_id: str
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "stream_id": self.stream_id}
-
 
 @dataclass(frozen=True)
-class Pong:
+class Pong(FlatMessage):
     TYPE: ClassVar[str] = "pong"
     request_id: int
     boot_epoch: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "boot_epoch": self.boot_epoch}
 
 
 @dataclass(frozen=True)
