@@ -44,6 +44,9 @@ class Call:
     """For calls on streams: the generation the streams were opened in."""
     internal: bool = False
     deadline: float = 0.0
-    sent: bool = False
     sent_seq: int = 0
     """Its place in the order of messages this connection sent (1, 2, ...; 0 while unsent)."""
+
+    @property
+    def sent(self) -> bool:
+        return self.sent_seq > 0

@@ -271,7 +271,6 @@ class Connection(Liveness):
             except zmq.Again:
                 return  # not connected or at the high-water mark: wait for POLLOUT
             self._unsent.popleft()
-            call.sent = True
             self._sent_count += 1
             call.sent_seq = self._sent_count
             call.frames = []  # zmq holds what it still needs

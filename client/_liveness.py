@@ -83,7 +83,7 @@ class Liveness:
         log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
                     self.address, old_epoch, boot_epoch)
         hello = state.rehello_call if state.rehello_pending else None
-        sent_before = hello.sent_seq if hello is not None and hello.sent_seq else None
+        sent_before = hello.sent_seq if hello is not None and hello.sent else None
         self._fail_calls(self._lost_error(old_epoch), lambda call: _went_to_old_server(call, old_generation,
                                                                                         sent_before))
         if not via_welcome:
