@@ -116,27 +116,15 @@ class GraphManager:
             log.warning("graph %s %s: not captured: %s", key.mode, key.label, state.reason)
             return
         routine = self._routine_for(key)
-        state.num_slices = 1  # (again after a compile fallback: the plain routine is sized afresh)
         t0 = time.perf_counter()
         benchmark_before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
         try:
             with torch.inference_mode():
-                self._warmup(routine, key, 1)
-                state.profile_bytes = self._profile(routine, key, 1)
-                budget = self.max_graph_memory_bytes
-                if budget is not None and state.profile_bytes > budget:
-                    whole_bytes = state.profile_bytes
-                    num_slices = slices_for_budget(whole_bytes, budget, key.frames)
-                    if num_slices is not None:  # try the step in time slices: a smaller peak, the same audio
-                        self._warmup(routine, key, num_slices)
-                        state.num_slices, state.profile_bytes = num_slices, self._profile(routine, key, num_slices)
-                    if state.profile_bytes > budget:
-                        sliced = (f"{state.profile_bytes / 2**20:.1f} MiB in {num_slices} time slices" if num_slices
-                                  else "too much even in 1-frame time slices")
-                        self._skip(state, f"needs {whole_bytes / 2**20:.1f} MiB alone ({sliced}), over "
-                                          f"max_graph_memory_bytes {budget / 2**20:.1f} MiB")
-                        return
+                over_budget = self._size_for_budget(routine, state)
+                if over_budget is not None:
+                    self._skip(state, over_budget)
+                    return
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                     # read inside: entering the context empties the allocator cache, which would hide growth
@@ -190,6 +178,27 @@ class GraphManager:
         state.status, state.reason, state.num_slices = "skipped", reason, 1
         log.warning("graph %-6s %-10s skipped: %s; batches of this shape run eager (raise "
                     "graphs.max_graph_memory_bytes to capture it)", state.key.mode, state.key.label, reason)
+
+    def _size_for_budget(self, routine: Routine, state: BucketState) -> str | None:
+        """Profile the bucket's step whole and, over ``max_graph_memory_bytes``, in the fewest time slices that
+        should fit (a smaller peak, the same audio; ``state.num_slices``). Returns why it cannot be captured, or
+        None."""
+        key, budget = state.key, self.max_graph_memory_bytes
+        state.num_slices = 1  # (sized afresh: after a compile fallback the plain routine is profiled again)
+        self._warmup(routine, key, 1)
+        state.profile_bytes = whole_bytes = self._profile(routine, key, 1)
+        if budget is None or whole_bytes <= budget:
+            return None
+        num_slices = slices_for_budget(whole_bytes, budget, key.frames)
+        if num_slices is None:
+            return (f"needs {whole_bytes / 2**20:.1f} MiB alone (too much even in 1-frame time slices), over "
+                    f"max_graph_memory_bytes {budget / 2**20:.1f} MiB")
+        self._warmup(routine, key, num_slices)
+        state.num_slices, state.profile_bytes = num_slices, self._profile(routine, key, num_slices)
+        if state.profile_bytes <= budget:
+            return None
+        return (f"needs {whole_bytes / 2**20:.1f} MiB alone ({state.profile_bytes / 2**20:.1f} MiB in {num_slices} "
+                f"time slices), over max_graph_memory_bytes {budget / 2**20:.1f} MiB")
 
     def _warmup(self, routine: Routine, key: BucketKey, num_slices: int) -> None:
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
