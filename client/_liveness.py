@@ -41,8 +41,7 @@ class LinkState:
     last_rx: float = field(default_factory=time.monotonic)
     last_ping_tx: float = 0.0
     recent_ping_ids: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8))
-    rehello_pending: bool = False
-    rehello_call: Call | None = None  # the last re-handshake's hello Call (its sent_seq orders calls around it)
+    rehello_call: Call | None = None  # the re-handshake's hello while it is pending (its sent_seq orders calls)
     session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
     session_refused: bool = False  # a ping was refused: the next welcome says restarted (epoch) or forgot us
 
@@ -82,7 +81,7 @@ class Liveness:
         state.session_refused = False  # a refused ping is explained: a new server, not a forgotten session
         log.warning("sidecar at %s restarted (boot epoch %s -> %s): open streams are lost",
                     self.address, old_epoch, boot_epoch)
-        hello = state.rehello_call if state.rehello_pending else None
+        hello = state.rehello_call
         sent_before = hello.sent_seq if hello is not None and hello.sent else None
         self._fail_calls(self._lost_error(old_epoch), lambda call: _went_to_old_server(call, old_generation,
                                                                                         sent_before))
@@ -105,23 +104,22 @@ class Liveness:
         return StreamLost(f"the sidecar at {self.address} restarted{detail}; streams opened before are gone")
 
     def _rehello(self) -> None:
-        if self._state.rehello_pending:
+        if self._state.rehello_call is not None:
             return
-        self._state.rehello_pending = True
 
         def on_welcome(welcome: Welcome) -> None:
-            self._state.rehello_pending = False
+            self._state.rehello_call = None
             log.info("re-handshake with %s done (server %s)", self.address, welcome.server_id)
 
         def on_failure(error: SidecarError, outcome: Outcome) -> None:
-            self._state.rehello_pending = False
+            self._state.rehello_call = None
             if isinstance(error, VersionMismatch):
                 self._state.broken = error  # the new server speaks another version
             log.warning("re-handshake with %s failed: %s", self.address, error)
 
         interval_s = self._state.welcome.heartbeat_interval_s if self._state.welcome else 0.5
         call = self.hello_call(max(1.0, DEAD_AFTER_INTERVALS * interval_s), on_welcome, on_failure)
-        self._state.rehello_call = call  # what was sent after it went to the server that answers it
+        self._state.rehello_call = call  # pending: what is sent after it goes to the server that answers it
         self._accept(call, front=True)  # goes out before anything queued after the restart
 
     def _heartbeat(self, now: float) -> None:
