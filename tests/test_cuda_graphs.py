@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from code2wav.sidecar.config import ServerConfig
 from code2wav.sidecar.engine import DecodeItem, Engine, GraphChoice
 from code2wav.sidecar.graphs.manager import GraphManager
 from code2wav.sidecar.graphs.plan import BucketKey, build_buckets
@@ -26,9 +27,9 @@ def _tf32_off(no_tf32):
 
 
 def _setup(model_spec: str, buckets, num_slots: int = 40, mode: str = "startup", max_lazy: int = 8,
-           routine_cls=StreamRoutine, max_frames: int = 64, budget: int | None = None):
+           routine_cls=StreamRoutine, max_frames: int = 64, budget: int | None = None, dtype: str = "float32"):
     device = torch.device("cuda")
-    model = load_model(model_spec, device, "float32")
+    model = load_model(model_spec, device, dtype)
     arena = StateArena(model.module.state_layout(), num_slots, model.dtype, device)
     max_batch = max(k.batch for k in buckets)
     metrics = Metrics()
@@ -197,6 +198,34 @@ def test_capture_is_foreseen_and_can_be_left_to_another_thread(golden_cases):
     assert engine.graph_choice("exact", [30]) == GraphChoice(BucketKey("exact", 1, 32), "frames_too_long",
                                                              needs_capture=True)
     assert engine.graph_choice("window", [10]) == GraphChoice(None, "no_buckets")
+
+
+def test_the_default_exact_buckets_reach_batch_64_in_the_default_budget():
+    """Issue 21 item 3: the default model in bfloat16, its default exact buckets (b1..b64 x t1, t25) under the
+    default 2 GiB budget: every bucket is captured, those over the budget whole (b32, b64 x t25) in time slices,
+    sized after the others; the pool stays within the budget. A full b64 x t25 batch replays its graph and
+    sounds like the eager step (only rounding differs in bfloat16: SNR over 20 dB). Prints the summary."""
+    buckets = build_buckets("exact", QWEN3.exact_batch_sizes, QWEN3.exact_frames)
+    budget = ServerConfig().graphs.max_graph_memory_bytes
+    model, arena, manager, engine, eager, metrics = _setup("default", buckets, num_slots=70, budget=budget,
+                                                           dtype="bfloat16", max_frames=25)
+    for state in manager.buckets.values():
+        print(f"{state.key.label:>8s} {state.status:8s} slices {state.num_slices:2d} profile "
+              f"{state.profile_bytes / 2**20:7.1f} MiB pool +{state.pool_bytes / 2**20:7.1f} MiB {state.reason}")
+    print(f"pool {manager.pool_bytes / 2**20:.1f} MiB of {budget / 2**20:.0f} MiB")
+    assert all(s.status == "captured" for s in manager.buckets.values()), manager.summary()
+    assert manager.pool_bytes <= budget and manager.largest_captured_batch("exact") == 64
+    assert manager.buckets[BucketKey("exact", 64, 25)].num_slices >= 2
+    slots = [arena.allocate() for _ in range(64)]
+    items = [DecodeItem(_codes(model, 25, r), s, 0) for r, s in enumerate(slots)]
+    snap = _snapshot(arena)
+    graph_audio = torch.stack(engine.decode(items)).float()  # [64, 25 * 1920]
+    _restore(arena, snap)
+    eager_audio = torch.stack(eager.decode(items)).float()
+    snr_db = 10 * torch.log10(eager_audio.pow(2).sum() / (graph_audio - eager_audio).pow(2).sum()).item()
+    print(f"b64xt25 sliced graph vs eager, bfloat16: SNR {snr_db:.1f} dB")
+    assert snr_db > 20
+    assert metrics.graph_replays.labels(component="exact", bucket="b64xt25")._value.get() == 1
 
 
 def test_a_bucket_over_the_memory_budget_is_captured_in_time_slices():

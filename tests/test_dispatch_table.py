@@ -29,10 +29,10 @@ def test_table_picks_the_smallest_fitting_bucket_and_counts_its_padding(rows, fr
 
 def test_table_keeps_to_its_mode_and_gives_the_reason_beyond_its_buckets():
     exact, window = PaddingTable(EXACT + WINDOW, "exact"), PaddingTable(EXACT + WINDOW, "window")
-    assert (exact.max_rows, exact.max_frames, window.max_rows, window.max_frames) == (32, 25, 8, 50)
+    assert (exact.max_rows, exact.max_frames, window.max_rows, window.max_frames) == (64, 25, 8, 50)
     assert window.lookup(3, [50, 12, 40]).key == BucketKey("window", 4, 50)
     assert window.lookup(3, [50, 12, 40]).padded_frames == 0 + 38 + 10 + 50
-    assert exact.lookup(33, [1] * 33).reason == "batch_too_large"
+    assert exact.lookup(65, [1] * 65).reason == "batch_too_large"
     assert exact.lookup(1, [26]).reason == "frames_too_long"
     assert exact.lookup(0, []).reason == "empty"
     assert PaddingTable(WINDOW, "exact").lookup(1, [1]).reason == "no_buckets"

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .plan import MAX_SLICED_PROFILES
+
 log = logging.getLogger(__name__)
 
 COMPILE_MODE = "default"
@@ -66,7 +68,8 @@ class CompiledRoutine:
         self.routine = routine
         self.name = name
         self.mode = mode
-        allow_recompiles(2 * num_shapes)  # a bucket over the graph memory budget compiles again in time slices
+        # a bucket over the graph memory budget compiles again for each slice count it tries
+        allow_recompiles((1 + MAX_SLICED_PROFILES) * num_shapes)
         self._forward: Callable[[int, int, int], Tensor] = torch.compile(routine.forward, mode=mode, dynamic=dynamic,
                                                                     fullgraph=True)
         self._compiled_shapes: set[tuple[int, int]] = set()

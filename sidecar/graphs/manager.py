@@ -2,8 +2,11 @@
 
 - Capture largest first into one shared memory pool, after warm-up on the capture stream. Each bucket is
   first profiled in a temporary pool (its standalone size), then captured for real; both sizes are logged
-  and exported. ``max_graph_memory_bytes`` is honoured: a bucket that would push the pool past it is
-  dropped, with a message naming it.
+  and exported. ``max_graph_memory_bytes`` is honoured: a bucket over it whole waits until the buckets that
+  fit are captured, then is sized in time slices (``plan.time_slices``) to what is left of the budget, or to
+  the largest captured bucket's size when that is more (the shared pool then mostly reuses that bucket's
+  blocks), measuring again until it fits (``plan.refine_slices``); a bucket that would still push the pool
+  past the budget is dropped, with a message naming it.
 - A capture failure leaves that bucket eager, logged with the reason and counted. Nothing captures while
   another stream capture is active on the device.
 - ``run`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
@@ -26,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .plan import BucketKey, slices_for_budget
+from .plan import MAX_SLICED_PROFILES, BucketKey, refine_slices, slices_for_budget
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +86,13 @@ class GraphManager:
             return
         t0 = time.perf_counter()
         order = sorted(self.buckets, key=lambda k: (-k.cost, -k.batch))
+        over_budget = []
         for done, key in enumerate(order):
             log.info("graphs: capturing %d/%d: %s %s", done + 1, len(order), key.mode, key.label)
+            if not self._capture(self.buckets[key], may_defer=True):
+                over_budget.append(key)
+        for key in over_budget:  # sized to what the buckets that fit whole left
+            log.info("graphs: capturing %s %s in time slices (over the budget whole)", key.mode, key.label)
             self._capture(self.buckets[key])
         captured = [b for b in self.buckets.values() if b.status == "captured"]
         log.info("graphs: %d/%d buckets captured in %.1fs, pool %.1f MiB", len(captured), len(self.buckets),
@@ -107,24 +115,33 @@ class GraphManager:
         self._capture(state)
         return state.status == "captured"
 
-    def _capture(self, state: BucketState) -> None:
+    def _capture(self, state: BucketState, may_defer: bool = False) -> bool:
+        """Capture ``state``'s bucket (or record why it stays eager or is skipped). False, with nothing done but
+        its whole profile, when ``may_defer`` and it is over the budget whole: the caller captures it after the
+        buckets that fit."""
         key = state.key
         labels = {"component": key.mode, "bucket": key.label}
         if torch.cuda.is_current_stream_capturing():
             state.status, state.reason = "eager", "another stream capture is active"
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: not captured: %s", key.mode, key.label, state.reason)
-            return
+            return True
         routine = self._routine_for(key)
         t0 = time.perf_counter()
         benchmark_before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
         try:
             with torch.inference_mode():
-                over_budget = self._size_for_budget(routine, state)
+                state.num_slices = 1  # (sized afresh: after a compile fallback the plain routine is profiled again)
+                self._warmup(routine, key, 1)
+                state.profile_bytes = whole_bytes = self._profile(routine, key, 1)
+                budget = self.max_graph_memory_bytes
+                if may_defer and budget is not None and whole_bytes > budget:
+                    return False
+                over_budget = self._size_for_budget(routine, state, whole_bytes)
                 if over_budget is not None:
                     self._skip(state, over_budget)
-                    return
+                    return True
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                     # read inside: entering the context empties the allocator cache, which would hide growth
@@ -140,7 +157,7 @@ class GraphManager:
             state.status, state.reason = "eager", f"{type(exc).__name__}: {exc}"
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: capture failed, bucket stays eager: %s", key.mode, key.label, state.reason)
-            return
+            return True
         finally:
             torch.backends.cudnn.benchmark = benchmark_before
         if self.max_graph_memory_bytes is not None and self.pool_bytes + added > self.max_graph_memory_bytes:
@@ -148,7 +165,7 @@ class GraphManager:
             torch.cuda.synchronize(self.device)
             self._skip(state, f"would grow graph memory to {(self.pool_bytes + added) / 2**20:.1f} MiB, over "
                               f"max_graph_memory_bytes {self.max_graph_memory_bytes / 2**20:.1f} MiB")
-            return
+            return True
         state.graph, state.output = graph, output
         state.status = "captured"
         state.capture_s = time.perf_counter() - t0
@@ -161,8 +178,8 @@ class GraphManager:
         log.info("graph %-6s %-10s captured in %.2fs%s%s: profile %.1f MiB, pool +%.1f MiB (total %.1f MiB)",
                  key.mode, key.label, state.capture_s, " (compiled)" if routine is not self.routines[key.mode] else "",
                  f" in {state.num_slices} time slices" if state.num_slices > 1 else "",
-                 state.profile_bytes / 2**20, state.pool_bytes / 2**20,
-                 self.pool_bytes / 2**20)
+                 state.profile_bytes / 2**20, state.pool_bytes / 2**20, self.pool_bytes / 2**20)
+        return True
 
     def _routine_for(self, key: BucketKey) -> Routine:
         compiled = self.compiled.get(key.mode)
@@ -179,26 +196,36 @@ class GraphManager:
         log.warning("graph %-6s %-10s skipped: %s; batches of this shape run eager (raise "
                     "graphs.max_graph_memory_bytes to capture it)", state.key.mode, state.key.label, reason)
 
-    def _size_for_budget(self, routine: Routine, state: BucketState) -> str | None:
-        """Profile the bucket's step whole and, over ``max_graph_memory_bytes``, in the fewest time slices that
-        should fit (a smaller peak, the same audio; ``state.num_slices``). Returns why it cannot be captured, or
-        None."""
+    def _size_for_budget(self, routine: Routine, state: BucketState, whole_bytes: int) -> str | None:
+        """Over the budget whole (``whole_bytes``), the fewest time slices (``state.num_slices``) whose step fits
+        ``_slice_target_bytes``: estimated, then measured and refined. Returns why it cannot be captured, or None."""
         key, budget = state.key, self.max_graph_memory_bytes
-        state.num_slices = 1  # (sized afresh: after a compile fallback the plain routine is profiled again)
-        self._warmup(routine, key, 1)
-        state.profile_bytes = whole_bytes = self._profile(routine, key, 1)
         if budget is None or whole_bytes <= budget:
             return None
-        num_slices = slices_for_budget(whole_bytes, budget, key.frames)
-        if num_slices is None:
-            return (f"needs {whole_bytes / 2**20:.1f} MiB alone (too much even in 1-frame time slices), over "
-                    f"max_graph_memory_bytes {budget / 2**20:.1f} MiB")
-        self._warmup(routine, key, num_slices)
-        state.num_slices, state.profile_bytes = num_slices, self._profile(routine, key, num_slices)
-        if state.profile_bytes <= budget:
-            return None
-        return (f"needs {whole_bytes / 2**20:.1f} MiB alone ({state.profile_bytes / 2**20:.1f} MiB in {num_slices} "
-                f"time slices), over max_graph_memory_bytes {budget / 2**20:.1f} MiB")
+        target = self._slice_target_bytes()
+        num_slices = slices_for_budget(whole_bytes, target, key.frames)
+        tried = []
+        for _ in range(MAX_SLICED_PROFILES):
+            if num_slices is None:
+                break
+            self._warmup(routine, key, num_slices)
+            state.num_slices, state.profile_bytes = num_slices, self._profile(routine, key, num_slices)
+            tried.append(f"{state.profile_bytes / 2**20:.1f} MiB in {num_slices}")
+            if state.profile_bytes <= target:
+                return None
+            num_slices = refine_slices(key.frames, whole_bytes, num_slices, state.profile_bytes, target)
+        state.num_slices, state.profile_bytes = 1, whole_bytes
+        sliced = f"{', '.join(tried)} time slices" if tried else "too much even in 1-frame time slices"
+        return f"needs {whole_bytes / 2**20:.1f} MiB alone ({sliced}; {target / 2**20:.1f} MiB left to it), over " \
+               f"max_graph_memory_bytes {budget / 2**20:.1f} MiB"
+
+    def _slice_target_bytes(self) -> int:
+        """What a bucket in time slices may take standalone: the budget left, or the largest captured bucket's
+        standalone size when that is more (a step no larger than one already in the shared pool mostly reuses
+        its blocks); the check after the real capture has the last word."""
+        budget = self.max_graph_memory_bytes
+        largest = max((s.profile_bytes for s in self.buckets.values() if s.status == "captured"), default=0)
+        return min(budget, max(budget - self.pool_bytes, largest))
 
     def _warmup(self, routine: Routine, key: BucketKey, num_slices: int) -> None:
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -101,6 +101,11 @@ class PaddingTable:
         return Dispatch(key, padding_rows=key.batch - num_rows, padded_frames=padded)
 
 
+MAX_SLICED_PROFILES = 3
+"""Slice counts measured per bucket while sizing it for the graph memory budget (each a warm-up and a capture;
+a compiled step compiles each): the proportional estimate (``slices_for_budget``), then ``refine_slices``."""
+
+
 def time_slices(frames: int, num_slices: int) -> tuple[tuple[int, int], ...]:
     """``(start, length)`` of ``num_slices`` contiguous slices covering ``frames`` (lengths differ by at most one,
     longer first). A bucket captured in slices runs its step as that many exact-streaming sub-steps, one after
@@ -125,3 +130,20 @@ def slices_for_budget(profile_bytes: int, budget_bytes: int, frames: int) -> int
         if profile_bytes * longest <= budget_bytes * frames:
             return num_slices
     return None
+
+
+def refine_slices(frames: int, whole_bytes: int, num_slices: int, sliced_bytes: int, budget_bytes: int) -> int | None:
+    """The next slice count to try after the step in ``num_slices`` measured ``sliced_bytes``, over
+    ``budget_bytes``: fit ``bytes = fixed + per_frame * longest_slice`` through the whole step (``frames``,
+    ``whole_bytes``) and the sliced one (its longest slice, ``sliced_bytes``), and take the fewest slices, more
+    than ``num_slices``, whose longest slice fits. None when no slice count can: the line says even one frame
+    per slice is over, or slicing did not shrink the step. The caller measures again."""
+    longest = -(-frames // num_slices)
+    if num_slices >= frames or longest >= frames or sliced_bytes >= whole_bytes:
+        return None
+    per_frame = (whole_bytes - sliced_bytes) / (frames - longest)  # bytes per frame of the longest slice
+    fixed = sliced_bytes - per_frame * longest  # weights' workspace, the outputs, allocator rounding
+    fitting_frames = int((budget_bytes - fixed) // per_frame)  # the longest slice that should fit
+    if fitting_frames < 1:
+        return None
+    return min(frames, max(num_slices + 1, -(-frames // fitting_frames)))

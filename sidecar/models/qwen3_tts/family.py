@@ -15,7 +15,7 @@ from .loader import load_folder, random_model
 
 # vLLM-Omni's Code2Wav stage sends a 1-frame first chunk, then 25-frame chunks (its shipped deploy file); window
 # mode sees 25 new frames with 25 of left context.
-GRAPH_BUCKETS = GraphBuckets(exact_batch_sizes=(1, 2, 4, 8, 16, 32), exact_frames=(1, 25),
+GRAPH_BUCKETS = GraphBuckets(exact_batch_sizes=(1, 2, 4, 8, 16, 32, 64), exact_frames=(1, 25),
                              window_batch_sizes=(1, 2, 4, 8), window_frames=(50,))
 
 
