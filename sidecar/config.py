@@ -79,7 +79,7 @@ class GraphsConfig(_Section):
     compile: bool = Field(False, description="capture the torch.compile'd step per bucket (plain step if it fails; "
                           "ignored on CPU). Off by default: on the H200 it makes a step 1.7-1.8x faster (b16 16.9 vs "
                           "30.8 ms bf16) but compiles ~30 s per bucket cold (~4 s with the on-disk cache), so the "
-                          "default 18 buckets take minutes to start; enable it with a compile_cache_dir volume")
+                          "default 14 buckets take minutes to start; enable it with a compile_cache_dir volume")
     compile_cache_dir: str | None = Field(None, description="torch's on-disk compile cache (TORCHINDUCTOR_CACHE_DIR); "
                                           "keep it on a volume for fast restarts; null = torch's default")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time conv algorithms for each captured bucket "

@@ -157,10 +157,11 @@ def test_lazy_capture_respects_its_bound(golden_cases):
 
 
 def test_graph_memory_budget_slices_or_skips_buckets_by_name():
-    """Over the budget, a bucket is captured in time slices when they fit (b32 x t25 under 1 GiB), else skipped
-    by name and run eager (under 8 MiB even one frame per slice does not fit)."""
+    """Over the budget, a bucket is captured in time slices when they fit (float32 b32 x t25, 6.1 GiB whole, in
+    2 GiB beside b1 x t25), else skipped by name and run eager (under 8 MiB even one frame per slice does not
+    fit)."""
     buckets = (BucketKey("exact", 32, 25), BucketKey("exact", 1, 25))
-    budget = 1 << 30
+    budget = 2 << 30
     model, arena, manager, engine, _, metrics = _setup("default", buckets, budget=budget)
     big, small = manager.buckets[buckets[0]], manager.buckets[buckets[1]]
     print("graph memory summary:", manager.summary())
@@ -200,12 +201,12 @@ def test_capture_is_foreseen_and_can_be_left_to_another_thread(golden_cases):
     assert engine.graph_choice("window", [10]) == GraphChoice(None, "no_buckets")
 
 
-def test_the_default_exact_buckets_reach_batch_64_in_the_default_budget():
-    """Issue 21 item 3: the default model in bfloat16, its default exact buckets (b1..b64 x t1, t25) under the
-    default 2 GiB budget: every bucket is captured, those over the budget whole (b32, b64 x t25) in time slices,
-    sized after the others; the pool stays within the budget. A full b64 x t25 batch replays its graph and
-    sounds like the eager step (only rounding differs in bfloat16: SNR over 20 dB). Prints the summary."""
-    buckets = build_buckets("exact", QWEN3.exact_batch_sizes, QWEN3.exact_frames)
+def test_exact_buckets_up_to_batch_64_fit_the_default_budget():
+    """Issue 21 item 3: the default model in bfloat16, exact buckets b1..b64 x t1, t25 under the default 2 GiB
+    budget: every bucket is captured, those over the budget whole (b32, b64 x t25) in time slices, sized after
+    the others; the pool stays within the budget. A full b64 x t25 batch replays its graph and sounds like the
+    eager step (only rounding differs in bfloat16: SNR over 20 dB). Prints the summary."""
+    buckets = build_buckets("exact", (1, 2, 4, 8, 16, 32, 64), QWEN3.exact_frames)
     budget = ServerConfig().graphs.max_graph_memory_bytes
     model, arena, manager, engine, eager, metrics = _setup("default", buckets, num_slots=70, budget=budget,
                                                            dtype="bfloat16", max_frames=25)

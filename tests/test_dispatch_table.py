@@ -17,8 +17,8 @@ WINDOW = build_buckets("window", QWEN3.window_batch_sizes, QWEN3.window_frames)
     (3, [25, 1, 7], (4, 25), 1, 24 + 18 + 25),
     (5, [1, 1, 1, 1, 1], (8, 1), 3, 3),
     (2, [1, 2], (2, 25), 0, 24 + 23),
-    (32, [25] * 32, (32, 25), 0, 0),
-    (17, [3] * 17, (32, 25), 15, 17 * 22 + 15 * 25),
+    (16, [25] * 16, (16, 25), 0, 0),
+    (9, [3] * 9, (16, 25), 7, 9 * 22 + 7 * 25),
 ])
 def test_table_picks_the_smallest_fitting_bucket_and_counts_its_padding(rows, frames, expected, pad_rows, pad_frames):
     table = PaddingTable(EXACT + WINDOW, "exact")
@@ -29,10 +29,10 @@ def test_table_picks_the_smallest_fitting_bucket_and_counts_its_padding(rows, fr
 
 def test_table_keeps_to_its_mode_and_gives_the_reason_beyond_its_buckets():
     exact, window = PaddingTable(EXACT + WINDOW, "exact"), PaddingTable(EXACT + WINDOW, "window")
-    assert (exact.max_rows, exact.max_frames, window.max_rows, window.max_frames) == (64, 25, 8, 50)
+    assert (exact.max_rows, exact.max_frames, window.max_rows, window.max_frames) == (16, 25, 8, 50)
     assert window.lookup(3, [50, 12, 40]).key == BucketKey("window", 4, 50)
     assert window.lookup(3, [50, 12, 40]).padded_frames == 0 + 38 + 10 + 50
-    assert exact.lookup(65, [1] * 65).reason == "batch_too_large"
+    assert exact.lookup(17, [1] * 17).reason == "batch_too_large"
     assert exact.lookup(1, [26]).reason == "frames_too_long"
     assert exact.lookup(0, []).reason == "empty"
     assert PaddingTable(WINDOW, "exact").lookup(1, [1]).reason == "no_buckets"

@@ -33,7 +33,7 @@ def test_unset_bucket_lists_take_the_model_familys_defaults(tmp_path):
     cfg = ServerConfig()
     assert cfg.graphs.exact_frames is None  # unset until the model is known
     q = with_family_buckets(cfg, qwen3)
-    assert q.graphs.exact_frames == (1, 25) and q.graphs.exact_batch_sizes == (1, 2, 4, 8, 16, 32, 64)
+    assert q.graphs.exact_frames == (1, 25) and q.graphs.exact_batch_sizes == (1, 2, 4, 8, 16)
     assert _labels(q, "window") == {"b1xt50", "b2xt50", "b4xt50", "b8xt50"}
     v = with_family_buckets(cfg, voxcpm2)
     assert v.graphs.exact_frames == (4, 25) and v.graphs.exact_batch_sizes == (1, 2, 4, 8, 16, 32, 64)

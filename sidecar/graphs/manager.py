@@ -204,7 +204,7 @@ class GraphManager:
             return None
         target = self._slice_target_bytes()
         num_slices = slices_for_budget(whole_bytes, target, key.frames)
-        tried = []
+        measured, tried = [(key.frames, whole_bytes)], []
         for _ in range(MAX_SLICED_PROFILES):
             if num_slices is None:
                 break
@@ -213,16 +213,16 @@ class GraphManager:
             tried.append(f"{state.profile_bytes / 2**20:.1f} MiB in {num_slices}")
             if state.profile_bytes <= target:
                 return None
-            num_slices = refine_slices(key.frames, whole_bytes, num_slices, state.profile_bytes, target)
+            measured.append((-(-key.frames // num_slices), state.profile_bytes))
+            num_slices = refine_slices(key.frames, measured, target)
         state.num_slices, state.profile_bytes = 1, whole_bytes
         sliced = f"{', '.join(tried)} time slices" if tried else "too much even in 1-frame time slices"
         return f"needs {whole_bytes / 2**20:.1f} MiB alone ({sliced}; {target / 2**20:.1f} MiB left to it), over " \
                f"max_graph_memory_bytes {budget / 2**20:.1f} MiB"
 
     def _slice_target_bytes(self) -> int:
-        """What a bucket in time slices may take standalone: the budget left, or the largest captured bucket's
-        standalone size when that is more (a step no larger than one already in the shared pool mostly reuses
-        its blocks); the check after the real capture has the last word."""
+        """What a bucket in time slices may take standalone: the budget left, or the largest captured bucket's size
+        if more (a step no larger mostly reuses its pool blocks); the check after the real capture decides."""
         budget = self.max_graph_memory_bytes
         largest = max((s.profile_bytes for s in self.buckets.values() if s.status == "captured"), default=0)
         return min(budget, max(budget - self.pool_bytes, largest))

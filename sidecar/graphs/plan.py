@@ -132,18 +132,20 @@ def slices_for_budget(profile_bytes: int, budget_bytes: int, frames: int) -> int
     return None
 
 
-def refine_slices(frames: int, whole_bytes: int, num_slices: int, sliced_bytes: int, budget_bytes: int) -> int | None:
-    """The next slice count to try after the step in ``num_slices`` measured ``sliced_bytes``, over
-    ``budget_bytes``: fit ``bytes = fixed + per_frame * longest_slice`` through the whole step (``frames``,
-    ``whole_bytes``) and the sliced one (its longest slice, ``sliced_bytes``), and take the fewest slices, more
-    than ``num_slices``, whose longest slice fits. None when no slice count can: the line says even one frame
-    per slice is over, or slicing did not shrink the step. The caller measures again."""
-    longest = -(-frames // num_slices)
-    if num_slices >= frames or longest >= frames or sliced_bytes >= whole_bytes:
+def refine_slices(frames: int, measured: list[tuple[int, int]], budget_bytes: int) -> int | None:
+    """The next slice count to try after the step measured over ``budget_bytes``. ``measured``: ``(longest
+    slice's frames, bytes)`` of each profile so far, the whole step first, the last one over the budget. Fit
+    ``bytes = fixed + per_frame * longest`` through the last two (the nearest: memory is not linear over the
+    whole range; a part of it does not shrink with the slice) and take the fewest slices, more than the last
+    count, whose longest slice fits. None when none can: the line says even one frame per slice is over, or
+    the last slicing did not shrink the step. The caller measures again."""
+    (frames_a, bytes_a), (frames_b, bytes_b) = measured[-2], measured[-1]
+    if frames_b <= 1 or frames_b >= frames_a or bytes_b >= bytes_a:
         return None
-    per_frame = (whole_bytes - sliced_bytes) / (frames - longest)  # bytes per frame of the longest slice
-    fixed = sliced_bytes - per_frame * longest  # weights' workspace, the outputs, allocator rounding
+    per_frame = (bytes_a - bytes_b) / (frames_a - frames_b)  # bytes per frame of the longest slice
+    fixed = bytes_b - per_frame * frames_b  # weights' workspace, the outputs, allocator rounding
     fitting_frames = int((budget_bytes - fixed) // per_frame)  # the longest slice that should fit
     if fitting_frames < 1:
         return None
-    return min(frames, max(num_slices + 1, -(-frames // fitting_frames)))
+    last_slices = -(-frames // frames_b)  # (a count with that longest slice)
+    return min(frames, max(last_slices + 1, -(-frames // fitting_frames)))
