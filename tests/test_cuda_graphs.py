@@ -217,6 +217,7 @@ def test_exact_buckets_up_to_batch_64_fit_the_default_budget():
     assert all(s.status == "captured" for s in manager.buckets.values()), manager.summary()
     assert manager.pool_bytes <= budget and manager.largest_captured_batch("exact") == 64
     assert manager.buckets[BucketKey("exact", 64, 25)].num_slices >= 2
+    assert manager.buckets[BucketKey("exact", 32, 25)].num_slices >= 2
     slots = [arena.allocate() for _ in range(64)]
     items = [DecodeItem(_codes(model, 25, r), s, 0) for r, s in enumerate(slots)]
     snap = _snapshot(arena)

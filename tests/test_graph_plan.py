@@ -75,10 +75,9 @@ def test_refine_slices_fits_a_line_through_the_last_two_measurements():
     assert refine_slices(25, [(25, 6220 * mib), (4, 1160 * mib), (3, 1086 * mib)], 1024 * mib) == 13  # 2 frames
     fixed, per_frame = 200 * mib, 240 * mib  # a step that is exactly linear: the refined count fits, one fewer not
     size = lambda slices: fixed + per_frame * -(-25 // slices)  # noqa: E731
-    for budget in (600 * mib, 1024 * mib, 2048 * mib):
+    for budget in (600 * mib, 1024 * mib, 1800 * mib):  # each over budget at the proportional estimate
         start = slices_for_budget(size(1), budget, 25)
-        if size(start) <= budget:
-            continue  # the estimate already fits
+        assert size(start) > budget
         refined = refine_slices(25, [(25, size(1)), (-(-25 // start), size(start))], budget)
         assert refined > start and size(refined) <= budget
         assert refined == 25 or size(refined - 1) > budget or -(-25 // (refined - 1)) == -(-25 // refined)

@@ -1,12 +1,16 @@
 """CUDA graph manager (mechanism): capture, replay and account for graphs; trusts the bucket key it is given.
 
+Over 300 lines: capture (with sizing each bucket for the budget), replay and the pool's accounting share the
+bucket states and the one pool; split, each half would reach into the other's state.
+
 - Capture largest first into one shared memory pool, after warm-up on the capture stream. Each bucket is
   first profiled in a temporary pool (its standalone size), then captured for real; both sizes are logged
   and exported. ``max_graph_memory_bytes`` is honoured: a bucket over it whole waits until the buckets that
   fit are captured, then is sized in time slices (``plan.time_slices``) to what is left of the budget, or to
   the largest captured bucket's size when that is more (the shared pool then mostly reuses that bucket's
   blocks), measuring again until it fits (``plan.refine_slices``); a bucket that would still push the pool
-  past the budget is dropped, with a message naming it.
+  past the budget is dropped, with a message naming it (what its capture grew stays in the shared pool, and
+  stays counted in ``pool_bytes``).
 - A capture failure leaves that bucket eager, logged with the reason and counted. Nothing captures while
   another stream capture is active on the device.
 - ``run`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
@@ -93,7 +97,7 @@ class GraphManager:
                 over_budget.append(key)
         for key in over_budget:  # sized to what the buckets that fit whole left
             log.info("graphs: capturing %s %s in time slices (over the budget whole)", key.mode, key.label)
-            self._capture(self.buckets[key])
+            self._capture(self.buckets[key], whole_bytes=self.buckets[key].profile_bytes)
         captured = [b for b in self.buckets.values() if b.status == "captured"]
         log.info("graphs: %d/%d buckets captured in %.1fs, pool %.1f MiB", len(captured), len(self.buckets),
                  time.perf_counter() - t0, self.pool_bytes / 2**20)
@@ -115,10 +119,10 @@ class GraphManager:
         self._capture(state)
         return state.status == "captured"
 
-    def _capture(self, state: BucketState, may_defer: bool = False) -> bool:
+    def _capture(self, state: BucketState, may_defer: bool = False, whole_bytes: int | None = None) -> bool:
         """Capture ``state``'s bucket (or record why it stays eager or is skipped). False, with nothing done but
         its whole profile, when ``may_defer`` and it is over the budget whole: the caller captures it after the
-        buckets that fit."""
+        buckets that fit, passing that profile as ``whole_bytes``."""
         key = state.key
         labels = {"component": key.mode, "bucket": key.label}
         if torch.cuda.is_current_stream_capturing():
@@ -130,41 +134,45 @@ class GraphManager:
         t0 = time.perf_counter()
         benchmark_before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
+        state.num_slices, state.profile_bytes = 1, 0  # sized afresh (after a compile fallback: the plain routine)
+        budget = self.max_graph_memory_bytes
         try:
             with torch.inference_mode():
-                state.num_slices = 1  # (sized afresh: after a compile fallback the plain routine is profiled again)
-                self._warmup(routine, key, 1)
-                state.profile_bytes = whole_bytes = self._profile(routine, key, 1)
-                budget = self.max_graph_memory_bytes
+                if whole_bytes is None:
+                    self._warmup(routine, key, 1)
+                    whole_bytes = self._profile(routine, key, 1)
+                state.profile_bytes = whole_bytes
                 if may_defer and budget is not None and whole_bytes > budget:
                     return False
                 over_budget = self._size_for_budget(routine, state, whole_bytes)
                 if over_budget is not None:
                     self._skip(state, over_budget)
                     return True
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
-                    # read inside: entering the context empties the allocator cache, which would hide growth
-                    before = torch.cuda.memory_reserved(self.device)
-                    output = routine.forward(key.batch, key.frames, state.num_slices)
-                torch.cuda.synchronize(self.device)
-                added = torch.cuda.memory_reserved(self.device) - before
+                graph, output, before = self._capture_into_pool(routine, key, state.num_slices)
+                added = self._reserved() - before
         except Exception as exc:  # capture failure: this bucket stays eager
-            torch.cuda.synchronize(self.device)
+            self._sync()
+            state.num_slices, state.profile_bytes = 1, whole_bytes or 0
             if routine is not self.routines[key.mode]:  # the compiled routine failed: capture the plain one
                 self._compile_fallback(key, f"{type(exc).__name__}: {exc}")
-                return self._capture(state)
+                return self._capture(state, may_defer)
             state.status, state.reason = "eager", f"{type(exc).__name__}: {exc}"
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: capture failed, bucket stays eager: %s", key.mode, key.label, state.reason)
             return True
         finally:
             torch.backends.cudnn.benchmark = benchmark_before
-        if self.max_graph_memory_bytes is not None and self.pool_bytes + added > self.max_graph_memory_bytes:
+        if budget is not None and self.pool_bytes + added > budget:
             del graph, output
-            torch.cuda.synchronize(self.device)
-            self._skip(state, f"would grow graph memory to {(self.pool_bytes + added) / 2**20:.1f} MiB, over "
-                              f"max_graph_memory_bytes {self.max_graph_memory_bytes / 2**20:.1f} MiB")
+            self._sync()
+            # what the discarded graph took stays reserved in the shared pool (later captures reuse it): counted
+            retained = max(0, self._reserved() - before)
+            self.pool_bytes += retained
+            self.metrics.graph_pool_bytes.set(self.pool_bytes)
+            state.num_slices, state.profile_bytes = 1, whole_bytes
+            self._skip(state, f"would grow graph memory to {(self.pool_bytes - retained + added) / 2**20:.1f} MiB, "
+                              f"over max_graph_memory_bytes {budget / 2**20:.1f} MiB ({retained / 2**20:.1f} MiB "
+                              f"of it stays in the pool for other buckets)")
             return True
         state.graph, state.output = graph, output
         state.status = "captured"
@@ -226,6 +234,21 @@ class GraphManager:
         budget = self.max_graph_memory_bytes
         largest = max((s.profile_bytes for s in self.buckets.values() if s.status == "captured"), default=0)
         return min(budget, max(budget - self.pool_bytes, largest))
+
+    def _capture_into_pool(self, routine: Routine, key: BucketKey, num_slices: int) -> tuple[Any, Tensor, int]:
+        """The real capture into the shared pool: ``(graph, output, bytes reserved before it)``."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+            before = self._reserved()  # read inside: entering empties the allocator cache, which would hide growth
+            output = routine.forward(key.batch, key.frames, num_slices)
+        self._sync()
+        return graph, output, before
+
+    def _reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def _warmup(self, routine: Routine, key: BucketKey, num_slices: int) -> None:
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
