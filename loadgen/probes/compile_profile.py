@@ -204,7 +204,7 @@ def main() -> None:
     manager.capture_startup()
     compiled = manager.compiled["exact"]
     print("\n-- compiled graphs (bf16); compile s per shape:",
-          {f"b{b}xt{t}": round(s, 1) for (b, t), s in compiled.compile_s.items()})
+          {f"b{b}xt{t}" + (f"/{k}" if k > 1 else ""): round(s, 1) for (b, t, k), s in compiled.compile_s.items()})
     compiled_rows = step_table(model, plain, manager, batches, flops)
     print(f"\n-- step device time, ratios in this run (bf16, {FRAMES} frames):")
     for b in batches:

@@ -206,7 +206,7 @@ def dynamic_step(dtype: str, keys: list[tuple[int, int]]) -> None:
     t0 = time.perf_counter()
     manager.capture_startup()
     print(f"  {dtype} dynamic compile + capture of {len(buckets)} buckets {time.perf_counter() - t0:.1f} s, "
-          f"compile s per shape {dict((f'{b}x{t}', round(v, 1)) for (b, t), v in compiled.compile_s.items())}")
+          f"compile s per shape {dict((f'{b}x{t}', round(v, 1)) for (b, t, _), v in compiled.compile_s.items())}")
     for key in buckets:
         state = manager.buckets[key]
         plain.copy_in(key.batch, key.frames, make_items(model, key.batch, key.frames, seed=3))

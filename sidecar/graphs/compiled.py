@@ -72,8 +72,8 @@ class CompiledRoutine:
         allow_recompiles((1 + MAX_SLICED_PROFILES) * num_shapes)
         self._forward: Callable[[int, int, int], Tensor] = torch.compile(routine.forward, mode=mode, dynamic=dynamic,
                                                                     fullgraph=True)
-        self._compiled_shapes: set[tuple[int, int]] = set()
-        self.compile_s: dict[tuple[int, int], float] = {}  # per bucket: the first call (trace + compile + run)
+        # per (batch, frames, num_slices) compiled: its first call (trace + compile + run)
+        self.compile_s: dict[tuple[int, int, int], float] = {}
 
     @property
     def max_batch(self) -> int:
@@ -95,15 +95,14 @@ class CompiledRoutine:
     def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor:
         """The compiled forward; the first call of a shape (and slice count) compiles it (seconds) and is
         timed."""
-        shape = (batch, frames) if num_slices == 1 else (batch, frames, num_slices)
-        if shape in self._compiled_shapes:
+        shape = (batch, frames, num_slices)
+        if shape in self.compile_s:
             return self._forward(batch, frames, num_slices)
         t0 = time.perf_counter()
         out = self._forward(batch, frames, num_slices)  # [batch, frames * U]
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
         self.compile_s[shape] = time.perf_counter() - t0
-        self._compiled_shapes.add(shape)
         log.info("compile %-6s b%dxt%d%s: %.1fs", self.name, batch, frames,
                  f" in {num_slices} time slices" if num_slices > 1 else "", self.compile_s[shape])
         return out

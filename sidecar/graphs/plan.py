@@ -144,8 +144,7 @@ def refine_slices(frames: int, measured: list[tuple[int, int]], budget_bytes: in
         return None
     per_frame = (bytes_a - bytes_b) / (frames_a - frames_b)  # bytes per frame of the longest slice
     fixed = bytes_b - per_frame * frames_b  # weights' workspace, the outputs, allocator rounding
-    fitting_frames = int((budget_bytes - fixed) // per_frame)  # the longest slice that should fit
+    fitting_frames = int((budget_bytes - fixed) // per_frame)  # the longest slice that should fit (< frames_b)
     if fitting_frames < 1:
         return None
-    last_slices = -(-frames // frames_b)  # (a count with that longest slice)
-    return min(frames, max(last_slices + 1, -(-frames // fitting_frames)))
+    return -(-frames // fitting_frames)  # more slices than last time, since the longest is shorter
