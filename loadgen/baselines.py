@@ -6,6 +6,8 @@ also a ratio against them:
 - ``exact-eager-b1``: the sidecar's exact mode without the wire: 25 new frames against carried state.
 - ``exact-eager-bN``: the same at batch N (throughput class of cross-request batching).
 - ``exact-graph-bN`` (CUDA only): the same through a captured CUDA graph.
+- ``exact-graph-torchops-bN`` (CUDA, a family with fused kernels): the same graph with the family's Triton kernels
+  off (``engine.fused_kernels: false``), so the kernels' gain is a ratio in one run.
 - ``exact-compiled-bN-tF`` (CUDA only, the bench's ``--baseline-compile BxF,...``): the step compiled
   (``graphs.compile``'s ``CompiledRoutine``, one static compile per shape) and captured, as the sidecar runs it
   with ``graphs.compile: true``.
@@ -91,10 +93,18 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
     frames = frames or (new_frames,)
     buckets = tuple(dict.fromkeys([(b, f) for f in frames for b in batch_sizes] + [(1, 1)]))
 
-    def name(batch: int, num_frames: int) -> str:
-        return f"exact-graph-b{batch}" + ("-t1" if num_frames == 1 else _suffix(num_frames, new_frames))
+    def name(batch: int, num_frames: int, kernels: str = "") -> str:
+        return f"exact-graph{kernels}-b{batch}" + ("-t1" if num_frames == 1 else _suffix(num_frames, new_frames))
 
-    return _captured_rows(model, arena, codes, iters, warmup, buckets, name, compile_=False)
+    rows = _captured_rows(model, arena, codes, iters, warmup, buckets, name, compile_=False)
+    if model.fused_kernels:  # the same graphs with torch ops instead of the family's Triton kernels, same run
+        model.family.use_fused_kernels(model.module, False)
+        try:
+            rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
+                                   lambda b, f: name(b, f, "-torchops"), compile_=False)
+        finally:
+            model.family.use_fused_kernels(model.module, True)
+    return rows
 
 
 def _compiled_baselines(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
@@ -139,7 +149,20 @@ def _captured_rows(model: LoadedModel, arena: StateArena, codes, iters: int, war
 
 
 def profile_kernels(model: LoadedModel, batch: int, new_frames: int, row_limit: int = 15) -> str:
-    """Where the time of one eager exact step goes: torch.profiler's top operators by device time."""
+    """Where the time of one eager exact step goes: torch.profiler's top operators by device time (with the
+    family's fused kernels on, also the same step with torch ops, for before/after in one run)."""
+    if not model.fused_kernels:
+        return _profile_step(model, batch, new_frames, row_limit)
+    fused = _profile_step(model, batch, new_frames, row_limit)
+    model.family.use_fused_kernels(model.module, False)
+    try:
+        plain = _profile_step(model, batch, new_frames, row_limit)
+    finally:
+        model.family.use_fused_kernels(model.module, True)
+    return f"fused kernels (the default):\n{fused}\ntorch ops (engine.fused_kernels: false):\n{plain}"
+
+
+def _profile_step(model: LoadedModel, batch: int, new_frames: int, row_limit: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     arena = StateArena(model.module.state_layout(), batch, model.dtype, model.device)

@@ -47,9 +47,11 @@ class Parts:
 
 def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES) -> ModelInfo:
     t0 = time.perf_counter()
-    model = load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed, families=families)
-    log.info("model '%s' (family %s, %s) loaded on %s as %s in %.1fs", model.name, model.family_name, model.source,
-             device, cfg.dtype, time.perf_counter() - t0)
+    model = load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed, families=families,
+                       fused_kernels=cfg.engine.fused_kernels)
+    kernels = "fused Triton kernels" if model.fused_kernels else "torch ops"
+    log.info("model '%s' (family %s, %s) loaded on %s as %s in %.1fs (%s)", model.name, model.family_name,
+             model.source, device, cfg.dtype, time.perf_counter() - t0, kernels)
     return model
 
 

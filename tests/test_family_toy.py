@@ -83,6 +83,9 @@ class ToyFamily:
             inputs, torch.full_like(zeros, inputs.shape[2]), zeros, {"gain": zeros + 1}), state)
         return wav[:, None]  # [B, 1, T * U]
 
+    def use_fused_kernels(self, module: ToyDecoder, enabled: bool) -> bool:
+        return False  # no hand-written kernels: torch ops everywhere
+
 
 TOY = ToyFamily()
 TEST_FAMILIES = register_family(FAMILIES, TOY)

@@ -179,6 +179,12 @@ class DecoderFamily(Protocol):
         """One-shot decode: ``[B, C, T]`` -> ``[B, 1, T * U]`` float32."""
         ...
 
+    def use_fused_kernels(self, module: nn.Module, enabled: bool) -> bool:
+        """Switch the module's hand-written device kernels (``sidecar/kernels/``) on or off; returns whether any
+        are in use (False for a family that has none, or without Triton). Called once after the module moved
+        to its device; graphs capture whichever is on then."""
+        ...
+
 
 @dataclass
 class ModelInfo:
@@ -191,6 +197,7 @@ class ModelInfo:
     device: torch.device
     dtype: torch.dtype
     source: str  # "random-weights" or the folder
+    fused_kernels: bool = False  # the family's Triton kernels are in use (``DecoderFamily.use_fused_kernels``)
 
     @property
     def family_name(self) -> str:

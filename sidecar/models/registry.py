@@ -59,9 +59,10 @@ def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) ->
 
 
 def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None, seed: int = 0,
-               families: Sequence[DecoderFamily] = FAMILIES) -> ModelInfo:
+               families: Sequence[DecoderFamily] = FAMILIES, fused_kernels: bool = True) -> ModelInfo:
     """``spec``: ``default`` (the first family's shipped architecture, seeded random weights), a family's
-    ``default_spec`` (that family's, e.g. ``voxcpm2-default``) or a model folder."""
+    ``default_spec`` (that family's, e.g. ``voxcpm2-default``) or a model folder. ``fused_kernels``: on CUDA,
+    the family's Triton kernels where it has them (``engine.fused_kernels``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     if not families:
@@ -84,5 +85,6 @@ def load_model(spec: str, device: torch.device, dtype: str = "float32", name: st
         raise FamilyError(f"family {family.name!r}: state entries {mixed} differ from the model dtype {dtype}; "
                           "the state arena stores one dtype")
     module = module.to(device=device, dtype=torch_dtype).requires_grad_(False)
+    fused = family.use_fused_kernels(module, fused_kernels and device.type == "cuda")
     return ModelInfo(name=name or family.default_model_name, family=family, module=module, contract=contract,
-                     device=device, dtype=torch_dtype, source=source)
+                     device=device, dtype=torch_dtype, source=source, fused_kernels=fused)

@@ -14,7 +14,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...kernels import snake
 from .streaming import StatefulBlock, StreamCtx, gather_tail
+
+
+def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
+                   num_state_cols: int) -> Tensor:
+    """``[state, act(x)]`` ``[B, C, P + T]`` (just ``act(x)`` without state), the new state tail written to
+    ``ctx.state_out[key]``: one fused kernel (``kernels/snake.py``) when ``act`` runs fused, else torch ops."""
+    if act is not None and act.runs_fused(x):
+        state = ctx.state_in[key] if num_state_cols else None
+        x_cat, tail = torch.ops.code2wav.snake_cat(x, state, act.alpha, act.beta, lengths, True)  # [B, C, P + T]
+        if num_state_cols:
+            ctx.state_out[key] = tail  # [B, C, P]
+        return x_cat
+    if act is not None:
+        x, _ = act(x, lengths, ctx)  # [B, C, T]
+    if not num_state_cols:
+        return x
+    x_cat = torch.cat([ctx.state_in[key].to(x.dtype), x], dim=2)  # [B, C, P + T]
+    ctx.state_out[key] = gather_tail(x_cat, lengths, num_state_cols)  # [B, C, P]
+    return x_cat
 
 
 class CausalConv(StatefulBlock):
@@ -29,11 +49,10 @@ class CausalConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        if not self.num_state_cols:
-            return self.conv(x), lengths
-        x_cat = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
-        ctx.state_out[self.state_key] = gather_tail(x_cat, lengths, self.num_state_cols)  # [B, C, P]
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
+                act: "SnakeBeta | None" = None) -> tuple[Tensor, Tensor]:
+        """``act``: the activation before this conv, applied here (fused with the state concatenation)."""
+        x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols)  # [B, C, P + T]
         return self.conv(x_cat), lengths  # [B, C_out, T]
 
 
@@ -53,24 +72,33 @@ class CausalTransConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
+                act: "SnakeBeta | None" = None) -> tuple[Tensor, Tensor]:
+        """``act``: the activation before this conv, applied here (fused with the state concatenation)."""
         num_in = x.shape[2]
         num_prev = self.num_state_cols
-        if num_prev:
-            x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
-            ctx.state_out[self.state_key] = gather_tail(x, lengths, num_prev)  # [B, C, P]
+        x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev)  # [B, C, P + T]
         y = self.conv(x)  # [B, C_out, (P + T - 1) * s + k]
         start = num_prev * self.stride
         return y[:, :, start:start + num_in * self.stride], lengths * self.stride  # [B, C_out, T * s]
 
 
 class SnakeBeta(nn.Module):
-    """``x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2`` per channel; stateless."""
+    """``x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2`` per channel; stateless.
+
+    ``fused`` (set by ``Qwen3TTSDecoder.use_fused_kernels``): the conv after it applies it with the Triton kernel
+    ``code2wav::snake_cat`` on CUDA tensors, except while ``torch.compile`` traces (Inductor fuses the torch
+    expression below with its neighbours itself)."""
+
+    fused = False
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+
+    def runs_fused(self, x: Tensor) -> bool:
+        return self.fused and x.is_cuda and not torch.compiler.is_compiling()
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
         alpha = torch.exp(self.alpha)[None, :, None]  # [1, C, 1]
@@ -109,10 +137,8 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        h, _ = self.act1(x, lengths, ctx)
-        h, _ = self.conv1(h, lengths, ctx)
-        h, _ = self.act2(h, lengths, ctx)
-        h, _ = self.conv2(h, lengths, ctx)
+        h, _ = self.conv1(x, lengths, ctx, act=self.act1)  # [B, C, T]
+        h, _ = self.conv2(h, lengths, ctx, act=self.act2)  # [B, C, T]
         return h.add_(x), lengths
 
 
@@ -139,4 +165,8 @@ class DecoderBlock(nn.Module):
         ])
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        return self.block(x, lengths, ctx)
+        act, upsample, *units = self.block
+        x, lengths = upsample(x, lengths, ctx, act=act)  # [B, C_out, T * r]
+        for unit in units:
+            x, lengths = unit(x, lengths, ctx)
+        return x, lengths

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ...kernels import snake as snake_kernel
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
@@ -113,6 +114,15 @@ class Qwen3TTSDecoder(nn.Module):
         with torch.no_grad():
             self.codebook_table = self.decoder.quantizer.tables().detach()
 
+    def use_fused_kernels(self, enabled: bool) -> bool:
+        """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``), or torch ops. Returns
+        whether the kernel is in use (False without Triton)."""
+        fused = enabled and snake_kernel.available()
+        for module in self.modules():
+            if isinstance(module, SnakeBeta):
+                module.fused = fused
+        return fused
+
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""
         return {name: block.state_shape() for name, block in self._stateful.items()}  # type: ignore[misc]
@@ -139,7 +149,10 @@ class Qwen3TTSDecoder(nn.Module):
         x = net.pre_transformer(x.transpose(1, 2), start_positions, lengths, ctx).transpose(1, 2)  # [B, latent, T]
         for stage in net.upsample:
             x, lengths = stage(x, lengths, ctx)  # [B, latent, T * r]
-        wav, _ = net.decoder(x, lengths, ctx)  # [B, 1, T * U]
+        *body, act, out_conv = net.decoder
+        for layer in body:
+            x, lengths = layer(x, lengths, ctx)  # [B, C, T * r]
+        wav, _ = out_conv(x, lengths, ctx, act=act)  # [B, 1, T * U]
         return wav.clamp(-1.0, 1.0).float()[:, 0], ctx.state_out  # [B, T * U]
 
     def forward(self, codes: Tensor) -> Tensor:

@@ -53,5 +53,8 @@ class Qwen3TTSFamily:
     def forward(self, module: Qwen3TTSDecoder, inputs: Tensor) -> Tensor:
         return module(inputs)  # [B, 1, T * U]
 
+    def use_fused_kernels(self, module: Qwen3TTSDecoder, enabled: bool) -> bool:
+        return module.use_fused_kernels(enabled)  # SnakeBeta + the next conv's state concatenation
+
 
 QWEN3_TTS = Qwen3TTSFamily()

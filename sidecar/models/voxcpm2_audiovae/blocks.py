@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat)
+
 
 @dataclass
 class StreamCtx:
@@ -61,11 +63,19 @@ class StatefulBlock(nn.Module):
 
 
 class Snake(nn.Module):
-    """``x + sin(alpha * x)**2 / (alpha + 1e-9)`` with ``alpha`` ``[1, C, 1]`` used as stored (no exp, no beta)."""
+    """``x + sin(alpha * x)**2 / (alpha + 1e-9)`` with ``alpha`` ``[1, C, 1]`` used as stored (no exp, no beta).
+
+    ``fused`` (set by ``VoxCPM2AudioVAEDecoder.use_fused_kernels``): the conv after it applies it with the Triton
+    kernel ``code2wav::snake_cat`` on CUDA tensors, except while ``torch.compile`` traces."""
+
+    fused = False
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def runs_fused(self, x: Tensor) -> bool:
+        return self.fused and x.is_cuda and not torch.compiler.is_compiling()
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
         # 5 kernels, one temporary: the divide and the residual add fused (addcdiv, written over the temporary), and
@@ -91,10 +101,20 @@ class CausalConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, self.num_state_cols) if self.num_state_cols else None
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        if self.num_state_cols:
-            x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
-            ctx.state_out[self.state_key] = gather_tail(x, lengths, self.tail_offsets)  # [B, C, P]
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None) -> tuple[Tensor, Tensor]:
+        """``act``: the Snake before this conv, applied here (fused with the state concatenation when it can)."""
+        if act is not None and act.runs_fused(x):
+            state = ctx.state_in[self.state_key] if self.num_state_cols else None
+            alpha = act.alpha.view(-1)  # [C]
+            x, tail = torch.ops.code2wav.snake_cat(x, state, alpha, alpha, lengths, False)  # [B, C, P + T]
+            if self.num_state_cols:
+                ctx.state_out[self.state_key] = tail  # [B, C, P]
+        else:
+            if act is not None:
+                x, _ = act(x, lengths, ctx)  # [B, C, T]
+            if self.num_state_cols:
+                x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
+                ctx.state_out[self.state_key] = gather_tail(x, lengths, self.tail_offsets)  # [B, C, P]
         depthwise = self.groups > 1 and self.groups == self.in_channels == self.weight.shape[0]  # no multiplier
         if depthwise and torch.compiler.is_compiling():
             return depthwise_taps(x, self.weight, self.bias, self.dilation), lengths  # [B, C, T], fused by Inductor
@@ -171,7 +191,9 @@ class ResidualUnit(nn.Module):
         ])
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        h, _ = self.block(x, lengths, ctx)  # [B, C, T]
+        act1, conv1, act2, conv2 = self.block
+        h, _ = conv1(x, lengths, ctx, act=act1)  # [B, C, T]
+        h, _ = conv2(h, lengths, ctx, act=act2)  # [B, C, T]
         return h.add_(x), lengths
 
 

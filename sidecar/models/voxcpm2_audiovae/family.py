@@ -67,5 +67,8 @@ class VoxCPM2AudioVAEFamily:
     def forward(self, module: VoxCPM2AudioVAEDecoder, inputs: Tensor) -> Tensor:
         return module(inputs)  # [B, 1, T * U], sr_cond at its default
 
+    def use_fused_kernels(self, module: VoxCPM2AudioVAEDecoder, enabled: bool) -> bool:
+        return module.use_fused_kernels(enabled)  # Snake + the next conv's state concatenation
+
 
 VOXCPM2_AUDIOVAE = VoxCPM2AudioVAEFamily()

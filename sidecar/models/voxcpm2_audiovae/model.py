@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ...kernels import snake as snake_kernel
 from .blocks import CausalConv, DecoderBlock, ScaleBias, Snake, StatefulBlock, StreamCtx
 from .config import AudioVAEConfig
 
@@ -43,8 +44,8 @@ class DecoderNet(nn.Module):
         for i in range(self.num_blocks):
             x = self.sr_cond_model[str(2 + i)](x, ctx.sr_bucket)  # [B, Cin_i, T * R_i]
             x, lengths = self.model[2 + i](x, lengths, ctx)  # [B, Cout_i, T * R_{i+1}]
-        x, lengths = self.model[2 + self.num_blocks](x, lengths, ctx)  # [B, C_n, T * U]
-        x, lengths = self.model[3 + self.num_blocks](x, lengths, ctx)  # [B, 1, T * U]
+        act, out_conv = self.model[2 + self.num_blocks], self.model[3 + self.num_blocks]
+        x, lengths = out_conv(x, lengths, ctx, act=act)  # [B, 1, T * U]
         return torch.tanh(x)
 
 
@@ -62,6 +63,16 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
             if isinstance(module, StatefulBlock) and module.state_shape() is not None:
                 module.state_key = name
                 self._stateful[name] = module
+
+    def use_fused_kernels(self, enabled: bool) -> bool:
+        """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: the
+        residual units and the last conv; the transposed convs keep torch ops), or torch ops everywhere. Returns
+        whether the kernel is in use (False without Triton)."""
+        fused = enabled and snake_kernel.available()
+        for module in self.modules():
+            if isinstance(module, Snake):
+                module.fused = fused
+        return fused
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype): conv input tails and the last input

@@ -1,0 +1,142 @@
+"""Snake activation fused with the causal conv's state concatenation: one Triton kernel instead of about ten.
+
+What it computes, for ``x`` ``[B, C, T]``, per-channel parameters and an optional state ``[B, C, P]``:
+
+- ``y = x + inv * sin(x * scale)^2`` with, per channel ``c``, ``scale = exp(alpha_c)`` and
+  ``inv = 1 / (exp(beta_c) + 1e-9)`` (SnakeBeta, ``LOG_PARAMS``), or ``scale = alpha_c`` and
+  ``inv = 1 / (alpha_c + 1e-9)`` (Snake, the parameters used as they are);
+- ``cat = [state, y]`` ``[B, C, P + T]`` (the stateful conv's input);
+- ``tail[b] = cat[b, :, len_b : len_b + P]`` ``[B, C, P]`` (the state the next chunk needs: the ``P`` columns
+  that end at row ``b``'s last valid step, ``len_b`` from ``lengths``), what ``gather_tail`` computes.
+
+Written with torch ops, that is ``mul, sin, square, mul, add`` (each a full pass over the largest tensors of the
+decoder), a ``cat`` and a gather: about ten kernels and as many passes over memory. Here it is one read of ``x``,
+one write of ``cat``, with the math in float32 and one rounding to the output dtype. Rows, channels and column
+blocks are the grid; each program loads its channel's two parameters once.
+
+``snake_cat`` is registered as the torch library op ``code2wav::snake_cat`` (CUDA: the Triton kernel; CPU and
+meta: the torch expression), so eager steps and CUDA graph capture call it like any op and profiles name it.
+Under ``torch.compile`` a decoder keeps its torch expression instead (Inductor fuses it with its neighbours);
+each family's ``use_fused_kernels`` switches its Snake modules to this op. Triton is optional: without it ``available()`` is False and the decoder
+keeps its torch expression everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:  # the CPU wheel of torch does not need Triton; the CUDA wheel ships it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+BLOCK_COLS = 1024
+"""Columns per program: a multiple of the warp size that keeps short chunks (a few hundred samples) one program."""
+
+
+def available() -> bool:
+    """Whether the Triton kernel can run (Triton importable)."""
+    return triton is not None
+
+
+def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+              log_params: bool) -> tuple[Tensor, Tensor]:
+    """The torch expression of ``snake_cat`` in ``x``'s dtype (the CPU and meta implementation, and what the
+    CUDA kernel is tested against). Returns ``(cat [B, C, P + T], tail [B, C, P])``."""
+    if log_params:
+        scale = torch.exp(alpha)[None, :, None]  # [1, C, 1]
+        inv = 1.0 / (torch.exp(beta)[None, :, None] + 1e-9)  # [1, C, 1]
+    else:
+        scale = alpha[None, :, None]  # [1, C, 1]
+        inv = 1.0 / (alpha[None, :, None] + 1e-9)  # [1, C, 1]
+    y = x + inv * torch.sin(x * scale).square()  # [B, C, T]
+    if state is None:
+        return y, y.new_empty((x.shape[0], x.shape[1], 0))
+    cat = torch.cat([state.to(x.dtype), y], dim=2)  # [B, C, P + T]
+    num_cols = state.shape[2]
+    index = lengths.to(x.device)[:, None] + torch.arange(num_cols, device=x.device)[None, :]  # [B, P]
+    tail = torch.gather(cat, 2, index[:, None, :].expand(x.shape[0], x.shape[1], num_cols))  # [B, C, P]
+    return cat, tail
+
+
+if triton is not None:
+    @triton.jit
+    def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr,
+                          num_channels, num_cols_in, num_state_cols,
+                          stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                          LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK: tl.constexpr):
+        block = tl.program_id(0)
+        c = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        total = num_cols_in + num_state_cols
+        cols = block * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] columns of cat
+        inside = cols < total
+        a = tl.load(alpha_ptr + c).to(tl.float32)
+        if LOG_PARAMS:
+            scale = tl.exp(a)
+            inv = 1.0 / (tl.exp(tl.load(beta_ptr + c).to(tl.float32)) + 1e-9)
+        else:
+            scale = a
+            inv = 1.0 / (a + 1e-9)
+        is_new = inside & (cols >= num_state_cols)
+        x = tl.load(x_ptr + b * stride_xb + c * stride_xc + (cols - num_state_cols) * stride_xt, mask=is_new,
+                    other=0.0).to(tl.float32)
+        s = tl.sin(x * scale)
+        y = x + inv * s * s
+        row = (b * num_channels + c) * total
+        if HAS_STATE:
+            old = tl.load(state_ptr + b * stride_sb + c * stride_sc + cols * stride_st,
+                          mask=inside & (cols < num_state_cols), other=0.0).to(tl.float32)
+            y = tl.where(cols < num_state_cols, old, y)
+            k = cols - tl.load(lengths_ptr + b)  # column of the new state
+            in_tail = inside & (k >= 0) & (k < num_state_cols)
+            tl.store(tail_ptr + (b * num_channels + c) * num_state_cols + k,
+                     y.to(tail_ptr.dtype.element_ty), mask=in_tail)
+        tl.store(cat_ptr + row + cols, y.to(cat_ptr.dtype.element_ty), mask=inside)
+
+
+def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+            log_params: bool) -> tuple[Tensor, Tensor]:
+    batch, channels, num_cols_in = x.shape
+    num_state_cols = 0 if state is None else state.shape[2]
+    cat = torch.empty((batch, channels, num_state_cols + num_cols_in), dtype=x.dtype, device=x.device)
+    tail = torch.empty((batch, channels, num_state_cols), dtype=x.dtype, device=x.device)  # [B, C, P]
+    if cat.numel() == 0:
+        return cat, tail
+    has_state = state is not None and num_state_cols > 0
+    src = state if has_state else x  # any valid pointer when there is no state (never read)
+    grid = (triton.cdiv(num_state_cols + num_cols_in, BLOCK_COLS), channels, batch)
+    _snake_cat_kernel[grid](x, src, alpha, beta if log_params else alpha, lengths, cat, tail,
+                            channels, num_cols_in, num_state_cols,
+                            x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2),
+                            LOG_PARAMS=log_params, HAS_STATE=has_state, BLOCK=BLOCK_COLS, num_warps=4)
+    return cat, tail
+
+
+@torch.library.custom_op("code2wav::snake_cat", mutates_args=())
+def snake_cat(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+              log_params: bool) -> tuple[Tensor, Tensor]:
+    """``(cat, tail)``, see the module docstring. ``x`` ``[B, C, T]`` (any strides), ``state`` ``[B, C, P]`` or
+    None (then ``cat`` is the activation alone and ``tail`` is empty), ``alpha``/``beta`` ``[C]`` (``beta``
+    unused unless ``log_params``), ``lengths`` ``[B]`` int64 valid columns of ``x`` per row."""
+    if x.is_cuda and triton is not None:
+        return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params)
+    cat, tail = reference(x, state, alpha, beta, lengths, log_params)
+    return cat.contiguous(), tail.contiguous()
+
+
+@snake_cat.register_fake
+def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+      log_params: bool) -> tuple[Tensor, Tensor]:
+    num_state_cols = 0 if state is None else state.shape[2]
+    cat = x.new_empty((x.shape[0], x.shape[1], num_state_cols + x.shape[2]))  # [B, C, P + T]
+    return cat, x.new_empty((x.shape[0], x.shape[1], num_state_cols))  # [B, C, P]
+
+
+def run_interpreted(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+                    log_params: bool) -> tuple[Tensor, Tensor]:
+    """The Triton kernel itself on CPU tensors, under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+    Triton was imported): what the CPU tests use to check the kernel's indexing without a GPU."""
+    return _launch(x, state, alpha, beta, lengths, log_params)

@@ -1,0 +1,228 @@
+"""The fused Snake + state-concatenation kernel (``sidecar/kernels/snake.py``).
+
+CPU: the kernel's own code under Triton's interpreter (in a subprocess: ``TRITON_INTERPRET`` must be set before
+Triton is imported) against the torch expression, for both parameter forms, with and without state, a strided
+input and rows of every length; the op's CPU implementation is that expression.
+CUDA: the compiled kernel against the expression, then whole decoders with the kernels on against the same
+decoders with torch ops (float32, TF32 off: streamed audio and state within 1e-5; bf16: SNR against float32 not
+worse), eager and in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from code2wav.sidecar.kernels import snake
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+CASES = [  # (log_params, state columns, batch, channels, columns, lengths)
+    (True, 0, 2, 3, 37, [37, 5]),
+    (True, 1, 3, 5, 2100, [2100, 0, 17]),  # more than two column blocks; a padding row (length 0)
+    (True, 6, 2, 4, 9, [9, 1]),
+    (False, 18, 2, 3, 1030, [1030, 1024]),  # the tail crosses a block edge
+    (False, 6, 1, 2, 1, [1]),  # one column: a first chunk at the frame rate
+]
+
+
+def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    log_params, num_state_cols, batch, channels, num_cols, lengths = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, num_cols + 7, generator=gen)[:, :, 3:3 + num_cols]  # strided, not contiguous
+    state = torch.randn(batch, channels, num_state_cols, generator=gen) if num_state_cols else None
+    alpha = torch.randn(channels, generator=gen) * 0.3 + (0.0 if log_params else 1.0)
+    beta = torch.randn(channels, generator=gen) * 0.3
+    to = dict(device=device, dtype=dtype)
+    return (x.to(**to), None if state is None else state.to(**to), alpha.to(**to), beta.to(**to),
+            torch.tensor(lengths, device=device), log_params)
+
+
+def _max_err(got, ref) -> float:
+    return max(((g.float() - r.float()).abs().max().item() if r.numel() else 0.0) for g, r in zip(got, ref))
+
+
+INTERPRETED = """
+import json, sys
+import torch
+from code2wav.sidecar.kernels import snake
+sys.path.insert(0, {tests!r})
+from test_kernels import CASES, _inputs, _max_err
+errors = []
+for case in CASES:
+    args = _inputs(case)
+    got = snake.run_interpreted(*args)
+    ref = snake.reference(*args)
+    shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
+    errors.append([_max_err(got, ref), shapes])
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = INTERPRETED.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(errors) == len(CASES)
+    for case, (err, same_shapes) in zip(CASES, errors):
+        assert same_shapes, case
+        assert err < 5e-6, (case, err)
+
+
+def test_the_cpu_op_is_the_torch_expression_and_the_tail_is_the_next_state():
+    for case in CASES:
+        args = _inputs(case)
+        cat, tail = torch.ops.code2wav.snake_cat(*args)
+        ref_cat, ref_tail = snake.reference(*args)
+        assert torch.equal(cat, ref_cat) and torch.equal(tail, ref_tail)
+        x, state, alpha, beta, lengths, log_params = args
+        num_state_cols = 0 if state is None else state.shape[2]
+        assert cat.shape == (x.shape[0], x.shape[1], num_state_cols + x.shape[2])
+        if state is not None:  # [state, act(x)]; the tail ends at each row's last valid column
+            assert torch.equal(cat[:, :, :num_state_cols], state)
+            for b, n in enumerate(lengths.tolist()):
+                assert torch.equal(tail[b], cat[b, :, n:n + num_state_cols])
+
+
+def test_fused_kernels_are_off_on_cpu_models():
+    from code2wav.sidecar.models import load_model
+
+    model = load_model("default", torch.device("cpu"), "float32")
+    assert model.fused_kernels is False
+
+
+# ----------------------------------------------------------------------------------------------------- CUDA
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture
+def _tf32_off(no_tf32):
+    """float32 tolerances hold only with TF32 off (conftest.no_tf32)."""
+
+
+@cuda
+def test_cuda_kernel_matches_the_torch_expression(_tf32_off):
+    for case in CASES:
+        args = _inputs(case, device="cuda")
+        got = torch.ops.code2wav.snake_cat(*args)
+        ref = snake.reference(*args)
+        assert _max_err(got, ref) < 5e-6, case
+        bf = _inputs(case, device="cuda", dtype=torch.bfloat16)
+        got = torch.ops.code2wav.snake_cat(*bf)  # one rounding, from float32 math
+        exact = snake.reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf))
+        assert _max_err(got, exact) <= 0.0079 * max(1.0, max(t.abs().max().item() for t in exact if t.numel())), case
+
+
+def _stream(model, chunks, num_slots=4):
+    """Stream ``chunks`` (each ``[B, C, T]`` with per-row lengths) through ``forward_stream``; returns the audio
+    of every call and the final state."""
+    from code2wav.sidecar.models import StreamBatch
+
+    state = model.zero_state(chunks[0][0].shape[0])
+    positions = torch.zeros(chunks[0][0].shape[0], dtype=torch.long, device="cuda")
+    audio = []
+    with torch.inference_mode():
+        for inputs, lengths in chunks:
+            wav, state = model.forward_stream(StreamBatch(inputs, lengths, positions, model.zero_options(
+                inputs.shape[0])), state)
+            positions = positions + lengths
+            audio.append(wav)
+    return audio, state
+
+
+def _chunks(model, sizes, seed):
+    from code2wav.loadgen.inputs import InputContract, synthetic_inputs
+
+    contract = InputContract.of(model)
+    chunks = []
+    for i, (num_frames, lengths) in enumerate(sizes):
+        rows = [synthetic_inputs(contract, num_frames, seed=seed + 100 * i + b) for b in range(len(lengths))]
+        inputs = torch.stack(rows).to("cuda")  # [B, C, T]
+        chunks.append((inputs.to(model.input.staged_dtype(model.dtype)),
+                       torch.tensor(lengths, dtype=torch.long, device="cuda")))
+    return chunks
+
+
+@cuda
+@pytest.mark.parametrize("spec, sizes", [
+    ("default", [(1, [1, 1]), (25, [25, 7]), (25, [25, 25])]),
+    ("voxcpm2-default", [(4, [4, 4]), (25, [25, 3]), (4, [4, 4])]),
+])
+def test_decoders_stream_the_same_with_fused_kernels(_tf32_off, spec, sizes):
+    from code2wav.sidecar.models import load_model
+
+    model = load_model(spec, torch.device("cuda"), "float32")
+    assert model.fused_kernels
+    chunks = _chunks(model, sizes, seed=3)
+    fused_audio, fused_state = _stream(model, chunks)
+    model.family.use_fused_kernels(model.module, False)
+    plain_audio, plain_state = _stream(model, chunks)
+    for got, ref in zip(fused_audio, plain_audio):
+        assert (got - ref).abs().max().item() < 1e-5
+    for key, ref in plain_state.items():  # activations up to ~10: float32 rounding relative to their size
+        assert (fused_state[key] - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item()), key
+
+
+@cuda
+def test_bf16_fused_kernels_are_not_less_faithful_than_torch_ops():
+    from code2wav.sidecar.models import load_model
+
+    sizes = [(1, [1, 1]), (25, [25, 25]), (25, [25, 11])]
+    reference = load_model("default", torch.device("cuda"), "float32")
+    reference.family.use_fused_kernels(reference.module, False)
+    ref_audio, _ = _stream(reference, _chunks(reference, sizes, seed=5))
+    model = load_model("default", torch.device("cuda"), "bfloat16")
+    snr = {}
+    for fused in (True, False):
+        model.family.use_fused_kernels(model.module, fused)
+        audio, _ = _stream(model, _chunks(model, sizes, seed=5))
+        err = sum((a - r).pow(2).sum().item() for a, r in zip(audio, ref_audio))
+        snr[fused] = 10 * torch.log10(torch.tensor(sum(r.pow(2).sum().item() for r in ref_audio) / err)).item()
+    assert snr[True] >= snr[False] - 1.0, snr
+
+
+@cuda
+def test_a_graph_with_fused_kernels_equals_the_eager_torch_op_step(_tf32_off):
+    from code2wav.sidecar.engine import DecodeItem, Engine
+    from code2wav.sidecar.graphs.manager import GraphManager
+    from code2wav.sidecar.graphs.plan import BucketKey
+    from code2wav.sidecar.graphs.routine import StreamRoutine
+    from code2wav.sidecar.metrics import Metrics
+    from code2wav.sidecar.models import load_model
+    from code2wav.sidecar.state_store import StateArena
+    from prometheus_client import CollectorRegistry
+
+    model = load_model("default", torch.device("cuda"), "float32")
+    arena = StateArena(model.module.state_layout(), 8, model.dtype, model.device)
+    key = BucketKey("exact", 4, 25)
+    manager = GraphManager({"exact": StreamRoutine(model, arena, 4, 25)}, (key,), model.device,
+                           Metrics(CollectorRegistry()), max_graph_memory_bytes=None)
+    manager.capture_startup()
+    assert manager.is_captured(key)
+    gen = torch.Generator().manual_seed(9)
+    slots = [arena.allocate() for _ in range(3)]  # 3 rows in a 4-row bucket: one padding row
+    codes = [torch.randint(0, model.codebook_size, (model.num_quantizers, n), generator=gen) for n in (25, 25, 9)]
+    items = [DecodeItem(codes=c, slot=s, skip_frames=0) for c, s in zip(codes, slots)]
+    snapshot = {k: t.clone() for k, t in arena.tensors.items()}, arena.positions.clone()
+    graph_audio = [a.clone() for a in manager.run(key, items)]
+    graph_state = {k: t.clone() for k, t in arena.tensors.items()}
+    for k, t in arena.tensors.items():
+        t.copy_(snapshot[0][k])
+    arena.positions.copy_(snapshot[1])
+    model.family.use_fused_kernels(model.module, False)
+    eager_audio = Engine(model, arena).decode(items)
+    for got, ref in zip(graph_audio, eager_audio):
+        assert got.shape == ref.shape and (got - ref).abs().max().item() < 1e-5
+    for k, t in arena.tensors.items():  # activations up to ~10: float32 rounding relative to their size
+        ref = t[slots]
+        assert (graph_state[k][slots] - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item()), k
