@@ -100,6 +100,23 @@ def test_fused_kernels_are_off_on_cpu_models():
     assert model.fused_kernels is False
 
 
+@pytest.mark.parametrize("spec, activation", [("default", "SnakeBeta"), ("voxcpm2-default", "Snake")])
+def test_the_family_switch_reaches_every_snake_and_cpu_tensors_keep_torch_ops(spec, activation):
+    from code2wav.sidecar.models import StreamBatch, load_model
+
+    model = load_model(spec, torch.device("cpu"), "float32")
+    snakes = [m for m in model.module.modules() if type(m).__name__ == activation]
+    assert snakes and not any(m.fused for m in snakes)
+    inputs = torch.zeros(1, model.num_channels, 2, dtype=model.input.staged_dtype(model.dtype))
+    batch = StreamBatch(inputs, torch.tensor([2]), torch.tensor([0]), model.zero_options(1))
+    ref, _ = model.forward_stream(batch, model.zero_state(1))
+    assert model.family.use_fused_kernels(model.module, True) is HAS_TRITON
+    assert all(m.fused is HAS_TRITON for m in snakes)
+    got, _ = model.forward_stream(batch, model.zero_state(1))  # CPU tensors: the torch expression, same audio
+    assert torch.equal(got, ref)
+    assert model.family.use_fused_kernels(model.module, False) is False and not any(m.fused for m in snakes)
+
+
 # ----------------------------------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.cuda

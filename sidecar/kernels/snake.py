@@ -41,6 +41,16 @@ def available() -> bool:
     return triton is not None
 
 
+def set_fused(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
+    """Set ``fused`` on every ``activation`` module (a family's Snake class) under ``module``: the conv after it
+    then calls this kernel on CUDA tensors. Returns whether the kernel is in use (False without Triton)."""
+    fused = enabled and available()
+    for sub in module.modules():
+        if isinstance(sub, activation):
+            sub.fused = fused
+    return fused
+
+
 def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
               log_params: bool) -> tuple[Tensor, Tensor]:
     """The torch expression of ``snake_cat`` in ``x``'s dtype (the CPU and meta implementation, and what the

@@ -117,11 +117,7 @@ class Qwen3TTSDecoder(nn.Module):
     def use_fused_kernels(self, enabled: bool) -> bool:
         """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``), or torch ops. Returns
         whether the kernel is in use (False without Triton)."""
-        fused = enabled and snake_kernel.available()
-        for module in self.modules():
-            if isinstance(module, SnakeBeta):
-                module.fused = fused
-        return fused
+        return snake_kernel.set_fused(self, SnakeBeta, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""

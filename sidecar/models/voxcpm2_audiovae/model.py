@@ -68,11 +68,7 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
         """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: the
         residual units and the last conv; the transposed convs keep torch ops), or torch ops everywhere. Returns
         whether the kernel is in use (False without Triton)."""
-        fused = enabled and snake_kernel.available()
-        for module in self.modules():
-            if isinstance(module, Snake):
-                module.fused = fused
-        return fused
+        return snake_kernel.set_fused(self, Snake, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype): conv input tails and the last input
