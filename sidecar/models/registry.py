@@ -85,6 +85,6 @@ def load_model(spec: str, device: torch.device, dtype: str = "float32", name: st
         raise FamilyError(f"family {family.name!r}: state entries {mixed} differ from the model dtype {dtype}; "
                           "the state arena stores one dtype")
     module = module.to(device=device, dtype=torch_dtype).requires_grad_(False)
-    fused = family.use_fused_kernels(module, fused_kernels and device.type == "cuda")
+    fused = family.use_fused_kernels(module, fused_kernels and torch.device(device).type == "cuda")
     return ModelInfo(name=name or family.default_model_name, family=family, module=module, contract=contract,
                      device=device, dtype=torch_dtype, source=source, fused_kernels=fused)
