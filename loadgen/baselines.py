@@ -18,6 +18,7 @@ than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the defa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from code2wav.sidecar.engine import DecodeItem, Engine
@@ -98,13 +99,20 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
 
     rows = _captured_rows(model, arena, codes, iters, warmup, buckets, name, compile_=False)
     if model.fused_kernels:  # the same graphs with torch ops instead of the family's Triton kernels, same run
-        model.family.use_fused_kernels(model.module, False)
-        try:
+        with _torch_ops(model):
             rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
                                    lambda b, f: name(b, f, "-torchops"), compile_=False)
-        finally:
-            model.family.use_fused_kernels(model.module, True)
     return rows
+
+
+@contextmanager
+def _torch_ops(model: LoadedModel):
+    """The family's fused kernels off inside the block (graphs captured there keep torch ops), on again after."""
+    model.family.use_fused_kernels(model.module, False)
+    try:
+        yield
+    finally:
+        model.family.use_fused_kernels(model.module, True)
 
 
 def _compiled_baselines(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
@@ -154,11 +162,8 @@ def profile_kernels(model: LoadedModel, batch: int, new_frames: int, row_limit: 
     if not model.fused_kernels:
         return _profile_step(model, batch, new_frames, row_limit)
     fused = _profile_step(model, batch, new_frames, row_limit)
-    model.family.use_fused_kernels(model.module, False)
-    try:
+    with _torch_ops(model):
         plain = _profile_step(model, batch, new_frames, row_limit)
-    finally:
-        model.family.use_fused_kernels(model.module, True)
     return f"fused kernels (the default):\n{fused}\ntorch ops (engine.fused_kernels: false):\n{plain}"
 
 
