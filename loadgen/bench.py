@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from .drive import MIN_STREAMS
 from .phases import BaselinesPhase, Phase, Progress, SidecarPhase, run_phases
 from .report import BenchReport, PlotUnavailable, check_plot_available, load, plot, print_table
 
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=101, help="frames per stream (first chunk, then chunks)")
     p.add_argument("--first-chunk-frames", type=int, default=1, help="frames in each stream's first chunk")
     p.add_argument("--chunk-frames", type=int, default=25, help="frames in each later chunk")
+    p.add_argument("--min-streams", type=int, default=MIN_STREAMS,
+                   help="closed loop: streams each level runs at least, in turn per slot (first-chunk samples)")
     p.add_argument("--mode", default="exact", choices=["exact", "window"])
     p.add_argument("--arrival", default="closed", choices=["closed", "realtime"],
                    help="closed: next chunk as soon as the reply is in; realtime: a frame every 80 ms per stream")

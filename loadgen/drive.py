@@ -18,6 +18,10 @@ from .traffic import chunk_sizes
 
 FRAME_S = 0.08  # 12.5 frames per second (Qwen3-TTS); open-loop levels use the served model's frame period
 REALTIME_STAGGER_S = 2.0  # open loop: streams start at random within this long
+MIN_STREAMS = 16
+"""Closed loop, by default: each of the level's ``concurrency`` slots runs streams back to back until the level has
+run at least this many (one per slot above 16), so the first-chunk percentiles at low concurrency are not one
+sample."""
 
 
 def realtime_level_s(num_frames: int) -> float:
@@ -42,6 +46,7 @@ class LevelResult:
     server_ms: dict = field(default_factory=dict)  # mean server-side times from /metrics (a profile)
     error_samples: list[str] = field(default_factory=list)
     refused_streams: int = 0  # the server answered busy (at capacity): refused at this load, not a failure
+    streams: int = 0  # streams opened and run (closed loop: slots x rounds)
     refused_samples: list[str] = field(default_factory=list)
 
     def record_error(self, exc: SidecarError) -> None:
@@ -133,9 +138,24 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
         frames_done += n
 
 
+async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode: str, codes, sizes: list[int],
+                arrival: str, start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float) -> None:
+    """One concurrency slot: ``stream`` (already open), then ``rounds - 1`` more streams, each opened when the
+    previous one ended."""
+    for r in range(rounds):
+        if r:
+            stream = await _open(client, f"{stream_id}-r{r}", mode, result)
+            if stream is None:
+                return
+        result.streams += 1
+        await _one_stream(stream, mode, codes, sizes, arrival, start_at_s, sample_rate_hz, result, frame_s)
+
+
 async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, num_frames: int,
                     first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
-                    tag: str) -> LevelResult:
+                    tag: str, min_streams: int = MIN_STREAMS) -> LevelResult:
+    """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / concurrency)`` in turn
+    per slot."""
     info = clients[0].models[0]
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
@@ -144,6 +164,7 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     # those over its capacity at this load, whatever the timing of the others
     streams = await asyncio.gather(*(_open(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, result)
                                      for i in range(concurrency)))
+    rounds = 1 if arrival == "realtime" else max(1, -(-min_streams // concurrency))
     before = _scrape(metrics_url)
     rng = random.Random(concurrency)
     frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
@@ -155,7 +176,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         if stream is None:
             continue
         codes = synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
-        tasks.append(_one_stream(stream, mode, codes, sizes, arrival, start_at_s, info.sample_rate, result, frame_s))
+        tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, codes, sizes,
+                           arrival, start_at_s, info.sample_rate, result, frame_s))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
     after = _scrape(metrics_url)
@@ -207,7 +229,7 @@ def summarize(result: LevelResult) -> dict:
 
     return {
         "concurrency": result.concurrency, "mode": result.mode, "arrival": result.arrival,
-        "streams": result.concurrency - result.refused_streams, "refused_streams": result.refused_streams,
+        "streams": result.streams, "refused_streams": result.refused_streams,
         "refused_samples": result.refused_samples,
         "chunks": result.chunks, "errors": result.errors, "error_samples": result.error_samples,
         "chunk_latency_ms_p50": ms(50, lat), "chunk_latency_ms_p95": ms(95, lat), "chunk_latency_ms_p99": ms(99, lat),

@@ -224,7 +224,7 @@ class SidecarPhase(Phase):
         chunks_per_stream = len(chunk_sizes(a.frames, a.first_chunk_frames, a.chunk_frames))
         if a.arrival == "realtime":
             return [Step(f"{n} real-time streams", expected_s=realtime_level_s(a.frames)) for n in self.levels]
-        return [Step(f"{n} closed-loop streams", weight=n * chunks_per_stream) for n in self.levels]
+        return [Step(f"{n} closed-loop streams", weight=max(n, a.min_streams) * chunks_per_stream) for n in self.levels]
 
     def __enter__(self) -> SidecarPhase:
         a = self.args
@@ -249,13 +249,14 @@ class SidecarPhase(Phase):
         a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
         run(run_level(self.clients, len(self.clients), a.mode, a.frames, a.first_chunk_frames, a.chunk_frames,
-                      "closed", None, tag="warmup"))
+                      "closed", None, tag="warmup", min_streams=1))
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
         a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
         result = run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
-                                       a.chunk_frames, a.arrival, self.metrics_url, tag="bench"))
+                                       a.chunk_frames, a.arrival, self.metrics_url, tag="bench",
+                                       min_streams=a.min_streams))
         row = summarize(result)
         report.results.append(row)
         return (f"{row['chunks']} chunks, {row['audio_s_per_s']:.4g} audio-s/s, p50 {row['chunk_latency_ms_p50']} ms, "

@@ -1,4 +1,5 @@
-"""The fused Snake + state-concatenation kernel (``sidecar/kernels/snake.py``).
+"""The fused Snake kernels: Snake + state concatenation (``sidecar/kernels/snake.py``) and the last layer, Snake +
+a conv to one channel (``sidecar/kernels/snake_conv.py``).
 
 CPU: the kernel's own code under Triton's interpreter (in a subprocess: ``TRITON_INTERPRET`` must be set before
 Triton is imported) against the torch expression, for both parameter forms, with and without state, a strided
@@ -19,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from code2wav.sidecar.kernels import snake
+from code2wav.sidecar.kernels import snake, snake_conv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -48,10 +49,36 @@ def _max_err(got, ref) -> float:
     return max(((g.float() - r.float()).abs().max().item() if r.numel() else 0.0) for g, r in zip(got, ref))
 
 
+CONV_CASES = [  # (log_params, batch, channels, columns, kernel size, lengths)
+    (True, 2, 40, 300, 7, [300, 3]),  # two channel blocks; a short row (its tail mixes state and input)
+    (False, 3, 5, 1, 7, [1, 0, 1]),  # one column (a first chunk); a padding row (length 0: the tail is the state)
+    (True, 1, 96, 530, 7, [530]),  # the real last layer's width; output blocks past the end
+    (False, 2, 3, 4, 3, [2, 4]),
+]
+
+
+def _conv_inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    log_params, batch, channels, num_cols, ksize, lengths = case
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, num_cols + 5, generator=gen)[:, :, 2:2 + num_cols]  # strided
+    state = torch.randn(batch, channels, ksize - 1, generator=gen)
+    alpha = torch.randn(channels, generator=gen) * 0.3 + (0.0 if log_params else 1.0)
+    beta = torch.randn(channels, generator=gen) * 0.3
+    weight = torch.randn(1, channels, ksize, generator=gen) / (channels * ksize) ** 0.5
+    bias = torch.randn(1, generator=gen)
+    to = dict(device=device, dtype=dtype)
+    return (x.to(**to), state.to(**to), alpha.to(**to), beta.to(**to), torch.tensor(lengths, device=device),
+            log_params, weight.to(**to), bias.to(**to))
+
+
+def _conv_tol(ref, rel: float) -> float:
+    return rel * max(1.0, max(t.abs().max().item() for t in ref if t.numel()))
+
+
 INTERPRETED = """
 import json, sys
 import torch
-from code2wav.sidecar.kernels import snake
+from code2wav.sidecar.kernels import snake, snake_conv
 sys.path.insert(0, {tests!r})
 from test_kernels import CASES, _inputs, _max_err
 errors = []
@@ -62,6 +89,22 @@ for case in CASES:
     shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
     errors.append([_max_err(got, ref), shapes])
 print(json.dumps(errors))
+"""
+
+INTERPRETED_CONV = """
+import json, sys
+import torch
+from code2wav.sidecar.kernels import snake_conv
+sys.path.insert(0, {tests!r})
+from test_kernels import CONV_CASES, _conv_inputs, _max_err, _conv_tol
+out = []
+for case in CONV_CASES:
+    args = _conv_inputs(case)
+    got = snake_conv.run_interpreted(*args)
+    ref = snake_conv.reference(*args)
+    shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
+    out.append([_max_err(got, ref), _conv_tol(ref, 2e-6), shapes])
+print(json.dumps(out))
 """
 
 
@@ -76,6 +119,35 @@ def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter():
     for case, (err, same_shapes) in zip(CASES, errors):
         assert same_shapes, case
         assert err < 5e-6, (case, err)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_last_layer_kernel_matches_snake_then_conv_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = INTERPRETED_CONV.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == len(CONV_CASES)
+    for case, (err, tol, same_shapes) in zip(CONV_CASES, results):
+        assert same_shapes, case
+        assert err < tol, (case, err, tol)
+
+
+def test_the_last_layer_cpu_op_is_snake_cat_then_conv1d_and_rejects_other_shapes():
+    import torch.nn.functional as F
+
+    for case in CONV_CASES:
+        x, state, alpha, beta, lengths, log_params, weight, bias = _conv_inputs(case)
+        y, tail = torch.ops.code2wav.snake_conv_out(x, state, alpha, beta, lengths, log_params, weight, bias)
+        cat, ref_tail = torch.ops.code2wav.snake_cat(x, state, alpha, beta, lengths, log_params)
+        assert torch.equal(y, F.conv1d(cat, weight, bias)) and torch.equal(tail, ref_tail)
+        assert y.shape == (x.shape[0], 1, x.shape[2])
+    x, state, alpha, beta, lengths, log_params, weight, bias = _conv_inputs(CONV_CASES[0])
+    with pytest.raises(ValueError, match=r"\[1, 40, K\] weight"):  # two output channels
+        torch.ops.code2wav.snake_conv_out(x, state, alpha, beta, lengths, log_params, weight.repeat(2, 1, 1), bias)
+    with pytest.raises(ValueError, match="dilation 1"):  # a state that is not K - 1 columns
+        torch.ops.code2wav.snake_conv_out(x, state[:, :, :3], alpha, beta, lengths, log_params, weight, bias)
 
 
 def test_the_cpu_op_is_the_torch_expression_and_the_tail_is_the_next_state():
@@ -138,6 +210,19 @@ def test_cuda_kernel_matches_the_torch_expression(_tf32_off):
         got = torch.ops.code2wav.snake_cat(*bf)  # one rounding, from float32 math
         exact = snake.reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf))
         assert _max_err(got, exact) <= 0.0079 * max(1.0, max(t.abs().max().item() for t in exact if t.numel())), case
+
+
+@cuda
+def test_cuda_last_layer_kernel_matches_snake_then_conv(_tf32_off):
+    for case in CONV_CASES:
+        args = _conv_inputs(case, device="cuda")
+        got = torch.ops.code2wav.snake_conv_out(*args)
+        ref = snake_conv.reference(*args)
+        assert _max_err(got, ref) < _conv_tol(ref, 2e-6), case
+        bf = _conv_inputs(case, device="cuda", dtype=torch.bfloat16)
+        got = torch.ops.code2wav.snake_conv_out(*bf)  # same roundings as snake_cat + a bf16 conv, sums reordered
+        ref = snake_conv.reference(*bf)
+        assert _max_err(got, ref) <= _conv_tol(ref, 2 * 0.0079), case  # 2 ulps: cuDNN rounds its own way
 
 
 def _stream(model, chunks, num_slots=4):

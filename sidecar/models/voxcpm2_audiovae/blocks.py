@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat)
+from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 
 
 @dataclass
@@ -96,6 +97,8 @@ class CausalConv(StatefulBlock):
         self.dilation = dilation
         self.groups = groups
         self.num_state_cols = (kernel_size - 1) * dilation
+        # the last layer (one output channel): Snake and the conv in one kernel (``kernels/snake_conv.py``)
+        self.one_output = out_channels == 1 and dilation == 1 and groups == 1 and kernel_size > 1
         self.register_buffer("tail_offsets", torch.arange(self.num_state_cols), persistent=False)  # [P]
 
     def state_shape(self) -> tuple[int, ...] | None:
@@ -103,6 +106,12 @@ class CausalConv(StatefulBlock):
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None) -> tuple[Tensor, Tensor]:
         """``act``: the Snake before this conv, applied here (fused with the state concatenation when it can)."""
+        if self.one_output and act is not None and act.runs_fused(x):
+            alpha = act.alpha.view(-1)  # [C]
+            y, tail = torch.ops.code2wav.snake_conv_out(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
+                                                        False, self.weight, self.bias)  # [B, 1, T]
+            ctx.state_out[self.state_key] = tail  # [B, C, P]
+            return y, lengths
         if act is not None and act.runs_fused(x):
             state = ctx.state_in[self.state_key] if self.num_state_cols else None
             alpha = act.alpha.view(-1)  # [C]
