@@ -77,8 +77,9 @@ def test_compiled_graph_streams_the_golden_and_matches_eager(golden_cases):
         _restore(arena, snap)
         reference = eager.decode(items)
         worst_vs_eager = max(worst_vs_eager, *((a - r).abs().max().item() for a, r in zip(audio, reference)))
-        for k, t in arena.tensors.items():  # the state feeds every later chunk: held to the golden tolerance
-            torch.testing.assert_close(after_graph[0][k], t, rtol=0, atol=1e-4)
+        for k, t in arena.tensors.items():  # the state feeds every later chunk: held to the golden tolerance, and
+            # relative to the activations' size (up to ~10: Inductor's kernels and the eager step's GEMMs round apart)
+            torch.testing.assert_close(after_graph[0][k], t, rtol=1e-4, atol=1e-4)
         assert torch.equal(after_graph[1], arena.positions)
         for b in range(2):
             outs[b].append(audio[b])

@@ -143,7 +143,7 @@ class ResidualUnit(nn.Module):
     """``x + conv2(act2(conv1(act1(x))))`` with ``conv1`` causal k7 dilation ``d`` and ``conv2`` k1.
 
     ``conv2`` and the residual add run as one batched matmul, ``(x + bias) + W @ act2(h)`` (``baddbmm``: the
-    residual is read in the GEMM's epilogue). On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of a
+    residual is read in the GEMM's epilogue), written over ``x``: the unit consumes its input. On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of a
     step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds."""
 
     def __init__(self, dim: int, dilation: int) -> None:
@@ -158,7 +158,10 @@ class ResidualUnit(nn.Module):
         h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
         conv = self.conv2.conv
         weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
-        return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
+        # in place: x (the previous layer's output, used by nobody after this unit) becomes the output, so the
+        # step's largest activations are not allocated twice (graph pool memory)
+        base = x.add_(conv.bias[None, :, None])  # [B, C, T]
+        return torch.baddbmm(base, weight, h, out=base), lengths  # [B, C, T] (out=: FLOP counters see a baddbmm)
 
 
 class StreamSequential(nn.ModuleList):
