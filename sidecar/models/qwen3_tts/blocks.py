@@ -160,6 +160,8 @@ class ResidualUnit(nn.Module):
         weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         # in place: x (the previous layer's output, used by nobody after this unit) becomes the output, so the
         # step's largest activations are not allocated twice (graph pool memory)
+        if torch.compiler.is_compiling():  # Dynamo refuses a strided out=; Inductor plans the memory itself
+            return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
         base = x.add_(conv.bias[None, :, None])  # [B, C, T]
         return torch.baddbmm(base, weight, h, out=base), lengths  # [B, C, T] (out=: FLOP counters see a baddbmm)
 
