@@ -154,8 +154,8 @@ async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode
 async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, num_frames: int,
                     first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
                     tag: str, min_streams: int = MIN_STREAMS) -> LevelResult:
-    """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / concurrency)`` in turn
-    per slot."""
+    """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / accepted)`` in turn per
+    slot the server accepted (a refused reopen in a later round counts as refused too)."""
     info = clients[0].models[0]
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
@@ -164,7 +164,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     # those over its capacity at this load, whatever the timing of the others
     streams = await asyncio.gather(*(_open(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, result)
                                      for i in range(concurrency)))
-    rounds = 1 if arrival == "realtime" else max(1, -(-min_streams // concurrency))
+    accepted = sum(stream is not None for stream in streams)
+    rounds = 1 if arrival == "realtime" else max(1, -(-min_streams // max(1, accepted)))
     before = _scrape(metrics_url)
     rng = random.Random(concurrency)
     frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period

@@ -224,7 +224,8 @@ class SidecarPhase(Phase):
         chunks_per_stream = len(chunk_sizes(a.frames, a.first_chunk_frames, a.chunk_frames))
         if a.arrival == "realtime":
             return [Step(f"{n} real-time streams", expected_s=realtime_level_s(a.frames)) for n in self.levels]
-        return [Step(f"{n} closed-loop streams", weight=max(n, a.min_streams) * chunks_per_stream) for n in self.levels]
+        return [Step(f"{n} closed-loop streams", weight=max(1, -(-a.min_streams // n)) * n * chunks_per_stream)
+                for n in self.levels]
 
     def __enter__(self) -> SidecarPhase:
         a = self.args

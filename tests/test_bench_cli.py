@@ -45,7 +45,8 @@ def test_plot_without_matplotlib_fails_before_any_work(tmp_path):
 
 def test_busy_streams_are_recorded_as_refused_and_the_run_goes_on(tmp_path):
     """A sidecar with 2 stream slots: at 4 streams, 2 are refused (busy) and the other 2 are measured. Closed loop,
-    each level runs at least --min-streams streams (4), in turn per slot: 2 slots run 2 each, 1 slot runs 4."""
+    each level runs at least --min-streams streams (4), in turn per accepted slot: 2 slots run 2 each (also at 4
+    streams, where 2 were refused), 1 slot runs 4."""
     report_path = tmp_path / "bench.json"
     proc = subprocess.run([*BENCH, "--no-baselines", "--concurrency", "2,4,1", "--frames", "26", "--min-streams", "4",
                            "--serve-arg=--max-streams", "--serve-arg=2", "--json", str(report_path)],
@@ -54,8 +55,8 @@ def test_busy_streams_are_recorded_as_refused_and_the_run_goes_on(tmp_path):
     assert "Traceback" not in proc.stderr
     rows = {r["concurrency"]: r for r in json.loads(report_path.read_text())["results"]}
     assert [(c, rows[c]["streams"], rows[c]["refused_streams"], rows[c]["errors"]) for c in (2, 4, 1)] == [
-        (2, 4, 0, 0), (4, 2, 2, 0), (1, 4, 0, 0)]
-    assert rows[4]["chunks"] == 2 * 2  # the accepted streams ran to the end: 1 + 25 frames each
+        (2, 4, 0, 0), (4, 4, 2, 0), (1, 4, 0, 0)]
+    assert rows[4]["chunks"] == 4 * 2  # the accepted streams ran to the end: 1 + 25 frames each
     assert rows[1]["chunks"] == 4 * 2  # one slot, 4 streams in turn
     assert all(s.startswith("Busy: ") for s in rows[4]["refused_samples"])
     # progress: the phase, each step with what it is, and the time left

@@ -60,13 +60,19 @@ def main() -> None:
     items = [DecodeItem(codes=codes, slot=arena.allocate(), skip_frames=0) for _ in range(BATCH)]
     shapes: dict[str, tuple[nn.Module, torch.Size]] = {}
 
-    def record(name: str):
+    def record(name: str, conv: nn.Module | None = None):
         def hook(mod, args, out) -> None:  # returns None: the output stays
-            shapes.setdefault(name, (mod, args[0].shape))
+            shapes.setdefault(name, (conv or mod, args[0].shape))
         return hook
 
-    hooks = [m.register_forward_hook(record(name))
-             for name, m in model.module.named_modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+    def register() -> list:
+        hooks = [m.register_forward_hook(record(name))
+                 for name, m in model.module.named_modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+        # a residual unit's 1x1 conv runs as a baddbmm, not as its module: recorded from the unit's input [B, C, T]
+        return hooks + [m.register_forward_hook(record(f"{name}.conv2.conv", m.conv2.conv))
+                        for name, m in model.module.named_modules() if type(m).__name__ == "ResidualUnit"]
+
+    hooks = register()
     engine.decode(items)
     for h in hooks:
         h.remove()
@@ -88,8 +94,7 @@ def main() -> None:
         print(f"{e.self_device_time_total / 1e3:9.3f} ms {e.count:5d}x  {e.key[:110]}")
 
     model.family.use_fused_kernels(model.module, False)  # the last layer's conv runs as a module again
-    hooks = [m.register_forward_hook(record(name))
-             for name, m in model.module.named_modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+    hooks = register()
     engine.decode(items[:1])
     for h in hooks:
         h.remove()
@@ -150,7 +155,7 @@ def _convs_alone(shapes, batch: int) -> None:
 def _last_layer(model, shapes, batch: int) -> None:
     out_conv = next(m for m, _ in shapes.values() if m.out_channels == 1)
     in_shape = next(s for m, s in shapes.values() if m is out_conv)
-    act = next(m for m in model.module.modules() if hasattr(m, "runs_fused") and m.alpha.numel() == in_shape[1])
+    act = [m for m in model.module.modules() if hasattr(m, "runs_fused")][-1]  # the last Snake, before the conv
     num_state_cols = out_conv.kernel_size[0] - 1
     x = torch.randn((batch, in_shape[1], in_shape[2] - num_state_cols), device=DEVICE, dtype=out_conv.weight.dtype)
     state = torch.randn((batch, in_shape[1], num_state_cols), device=DEVICE, dtype=x.dtype)

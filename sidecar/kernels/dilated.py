@@ -12,18 +12,26 @@ written down here; instead:
   (``[B * d, C, L / d]``) go through the conv with dilation 1 and the output phases are interleaved back. It costs
   two copies (phases in, audio order out), so it is slower where cuDNN is fine.
 - ``DilatedConvChoice`` times both once per input shape (CUDA events, outside stream capture; graph buckets are
-  warmed up eagerly before capture, so their shapes are measured then) and keeps the faster. CPU tensors, shapes
-  first seen during a capture and ``torch.compile`` tracing use the conv as it is.
+  warmed up eagerly before capture, so their shapes are measured then and captured in the chosen form) and keeps
+  the faster. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing, convs with padding or a
+  stride, and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use the conv as it is. A new
+  shape costs its first step a few milliseconds (eight calls of the conv), tens at batch 64.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+log = logging.getLogger(__name__)
+
 TIMED_ITERS = 3
 """Timed calls per formulation (after one untimed): the minimum is kept."""
+MAX_MEASURED_SHAPES = 32
+"""Shapes measured per conv; later new shapes (eager steps only: graph buckets are measured at start-up) keep cuDNN."""
 
 
 def polyphase_conv(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, groups: int = 1) -> Tensor:
@@ -48,6 +56,8 @@ def polyphase_conv(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int
 
 
 def _min_ms(fn, x: Tensor) -> float:
+    """Minimum device time of ``fn(x)`` on ``x``'s device and its current stream (call it under
+    ``torch.cuda.device(x.device)``)."""
     fn(x)
     times = []
     for _ in range(TIMED_ITERS):
@@ -72,22 +82,29 @@ class DilatedConvChoice:
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d) -> Tensor:
         d = conv.dilation[0]
-        if d == 1 or not x.is_cuda or torch.compiler.is_compiling():
+        if d == 1 or not x.is_cuda or torch.compiler.is_compiling() or not _plain(conv):
             return conv(x)
-        key = (*x.shape, x.dtype)
+        key = (*x.shape, x.dtype, x.device)
         use_phases = self.decisions.get(key)
         if use_phases is None:
-            if torch.cuda.is_current_stream_capturing():
-                return conv(x)  # not timed inside a capture: the conv as it is
+            if torch.cuda.is_current_stream_capturing() or len(self.decisions) >= MAX_MEASURED_SHAPES:
+                return conv(x)  # not timed inside a capture, nor past the cap: the conv as it is
             use_phases = self.measure(x, conv)
         if use_phases:
             return polyphase_conv(x, conv.weight, conv.bias, d, conv.groups)  # [B, C_out, T]
         return conv(x)  # [B, C_out, T]
 
     def measure(self, x: Tensor, conv: torch.nn.Conv1d) -> bool:
-        key = (*x.shape, x.dtype)
-        direct = _min_ms(conv, x)
-        phased = _min_ms(lambda t: polyphase_conv(t, conv.weight, conv.bias, conv.dilation[0], conv.groups), x)
+        key = (*x.shape, x.dtype, x.device)
+        with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
+            direct = _min_ms(conv, x)
+            phased = _min_ms(lambda t: polyphase_conv(t, conv.weight, conv.bias, conv.dilation[0], conv.groups), x)
         self.timings_ms[key] = (direct, phased)
         self.decisions[key] = phased < direct
+        log.debug("dilated conv %s: cuDNN %.3f ms, polyphase %.3f ms", tuple(x.shape), direct, phased)
         return self.decisions[key]
+
+
+def _plain(conv: torch.nn.Conv1d) -> bool:
+    """What ``polyphase_conv`` computes: stride 1, no padding (the causal convs pad with their state instead)."""
+    return conv.stride == (1,) and conv.padding in ((0,), "valid") and conv.padding_mode == "zeros"

@@ -142,7 +142,7 @@ def _launch(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tens
     y = torch.empty((batch, 1, num_cols), dtype=x.dtype, device=x.device)  # [B, 1, T]
     tail = torch.empty((batch, channels, ksize - 1), dtype=x.dtype, device=x.device)  # [B, C, P]
     if batch == 0 or num_cols == 0:
-        return y, tail
+        return y, tail.copy_(state)  # no new columns: the state carries over
     weight = weight.contiguous()  # [1, C, K]: channel c, tap k at c * K + k
     total = num_cols + ksize - 1
     sums = torch.empty((batch, ksize, total), dtype=torch.float32, device=x.device)  # [B, K, P + T]

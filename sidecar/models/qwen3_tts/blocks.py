@@ -143,7 +143,8 @@ class ResidualUnit(nn.Module):
     """``x + conv2(act2(conv1(act1(x))))`` with ``conv1`` causal k7 dilation ``d`` and ``conv2`` k1.
 
     ``conv2`` and the residual add run as one batched matmul, ``(x + bias) + W @ act2(h)`` (``baddbmm``: the
-    residual is read in the GEMM's epilogue), written over ``x``: the unit consumes its input. On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of a
+    residual, with the bias added to it in place first, is read in the GEMM's epilogue), written over ``x``: the
+    unit consumes its input (out of place under ``torch.compile`` and autograd). On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of a
     step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds."""
 
     def __init__(self, dim: int, dilation: int) -> None:
@@ -160,7 +161,8 @@ class ResidualUnit(nn.Module):
         weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         # in place: x (the previous layer's output, used by nobody after this unit) becomes the output, so the
         # step's largest activations are not allocated twice (graph pool memory)
-        if torch.compiler.is_compiling():  # Dynamo refuses a strided out=; Inductor plans the memory itself
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():  # Dynamo refuses a strided out= (Inductor
+            # plans the memory itself), and autograd any out=: the same sum out of place
             return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
         base = x.add_(conv.bias[None, :, None])  # [B, C, T]
         return torch.baddbmm(base, weight, h, out=base), lengths  # [B, C, T] (out=: FLOP counters see a baddbmm)
