@@ -78,58 +78,41 @@ def _conv_tol(ref, rel: float) -> float:
 INTERPRETED = """
 import json, sys
 import torch
-from code2wav.sidecar.kernels import snake, snake_conv
+from code2wav.sidecar.kernels import {module}
 sys.path.insert(0, {tests!r})
-from test_kernels import CASES, _inputs, _max_err
-errors = []
-for case in CASES:
-    args = _inputs(case)
-    got = snake.run_interpreted(*args)
-    ref = snake.reference(*args)
-    shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
-    errors.append([_max_err(got, ref), shapes])
-print(json.dumps(errors))
-"""
-
-INTERPRETED_CONV = """
-import json, sys
-import torch
-from code2wav.sidecar.kernels import snake_conv
-sys.path.insert(0, {tests!r})
-from test_kernels import CONV_CASES, _conv_inputs, _max_err, _conv_tol
+from test_kernels import {cases}, {inputs}, _max_err, _conv_tol
 out = []
-for case in CONV_CASES:
-    args = _conv_inputs(case)
-    got = snake_conv.run_interpreted(*args)
-    ref = snake_conv.reference(*args)
+for case in {cases}:
+    args = {inputs}(case)
+    got = {module}.run_interpreted(*args)
+    ref = {module}.reference(*args)
     shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
-    out.append([_max_err(got, ref), _conv_tol(ref, 2e-6), shapes])
+    out.append([_max_err(got, ref), {tolerance}, shapes])
 print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
-def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter():
+def _interpreted(module: str, cases: str, inputs: str, tolerance: str) -> list:
+    """Run the kernel of ``module`` under Triton's interpreter in a subprocess (``TRITON_INTERPRET`` must be set
+    before Triton is imported): ``[max error, tolerance, same shapes]`` per case."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(tests=os.path.dirname(__file__))
+    code = INTERPRETED.format(module=module, cases=cases, inputs=inputs, tolerance=tolerance,
+                              tests=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(errors) == len(CASES)
-    for case, (err, same_shapes) in zip(CASES, errors):
-        assert same_shapes, case
-        assert err < 5e-6, (case, err)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
-def test_last_layer_kernel_matches_snake_then_conv_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED_CONV.format(tests=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CONV_CASES)
-    for case, (err, tol, same_shapes) in zip(CONV_CASES, results):
+@pytest.mark.parametrize("module, cases, inputs, tolerance", [
+    ("snake", "CASES", "_inputs", "5e-6"),  # Snake + state concatenation
+    ("snake_conv", "CONV_CASES", "_conv_inputs", "_conv_tol(ref, 2e-6)"),  # the last layer: Snake + conv to 1 channel
+])
+def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter(module, cases, inputs, tolerance):
+    results = _interpreted(module, cases, inputs, tolerance)
+    expected = {"CASES": CASES, "CONV_CASES": CONV_CASES}[cases]
+    assert len(results) == len(expected)
+    for case, (err, tol, same_shapes) in zip(expected, results):
         assert same_shapes, case
         assert err < tol, (case, err, tol)
 
