@@ -17,8 +17,8 @@ blocks are the grid; each program loads its channel's two parameters once.
 ``snake_cat`` is registered as the torch library op ``code2wav::snake_cat`` (CUDA: the Triton kernel; CPU and
 meta: the torch expression), so eager steps and CUDA graph capture call it like any op and profiles name it.
 Under ``torch.compile`` a decoder keeps its torch expression instead (Inductor fuses it with its neighbours);
-each family's ``use_fused_kernels`` switches its Snake modules to this op. Triton is optional: without it ``available()`` is False and the decoder
-keeps its torch expression everywhere.
+each family's ``use_fused_kernels`` switches its Snake modules to this op. Triton is optional: without it
+``available()`` is False and the decoder keeps its torch expression everywhere.
 """
 
 from __future__ import annotations

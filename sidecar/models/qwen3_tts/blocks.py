@@ -100,8 +100,8 @@ class SnakeBeta(nn.Module):
     """``x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2`` per channel; stateless.
 
     ``fused`` (set by ``Qwen3TTSDecoder.use_fused_kernels``): the conv after it applies it with the Triton kernel
-    ``code2wav::snake_cat`` on CUDA tensors, except while ``torch.compile`` traces (Inductor fuses the torch
-    expression below with its neighbours itself)."""
+    ``code2wav::snake_cat`` (``code2wav::snake_conv_out`` before the last, one-channel conv) on CUDA tensors,
+    except while ``torch.compile`` traces (Inductor fuses the torch expression below with its neighbours itself)."""
 
     fused = False
 
@@ -144,8 +144,9 @@ class ResidualUnit(nn.Module):
 
     ``conv2`` and the residual add run as one batched matmul, ``(x + bias) + W @ act2(h)`` (``baddbmm``: the
     residual, with the bias added to it in place first, is read in the GEMM's epilogue), written over ``x``: the
-    unit consumes its input (out of place under ``torch.compile`` and autograd). On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of a
-    step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds."""
+    unit consumes its input (out of place under ``torch.compile`` and autograd). ``conv2`` stays a module for its
+    checkpoint names; its ``forward`` is not called. On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of
+    a step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds."""
 
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()

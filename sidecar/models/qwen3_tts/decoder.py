@@ -115,8 +115,9 @@ class Qwen3TTSDecoder(nn.Module):
             self.codebook_table = self.decoder.quantizer.tables().detach()
 
     def use_fused_kernels(self, enabled: bool) -> bool:
-        """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``), or torch ops. Returns
-        whether the kernel is in use (False without Triton)."""
+        """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``; before the last conv,
+        Snake + that conv: ``kernels/snake_conv.py``), or torch ops. Returns whether the kernels are in use (False
+        without Triton)."""
         return snake_kernel.set_fused(self, SnakeBeta, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:

@@ -54,7 +54,7 @@ class Qwen3TTSFamily:
         return module(inputs)  # [B, 1, T * U]
 
     def use_fused_kernels(self, module: Qwen3TTSDecoder, enabled: bool) -> bool:
-        return module.use_fused_kernels(enabled)  # SnakeBeta + the next conv's state concatenation
+        return module.use_fused_kernels(enabled)  # SnakeBeta + the next conv (state concatenation; the last conv)
 
 
 QWEN3_TTS = Qwen3TTSFamily()

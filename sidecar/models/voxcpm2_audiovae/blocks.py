@@ -67,7 +67,8 @@ class Snake(nn.Module):
     """``x + sin(alpha * x)**2 / (alpha + 1e-9)`` with ``alpha`` ``[1, C, 1]`` used as stored (no exp, no beta).
 
     ``fused`` (set by ``VoxCPM2AudioVAEDecoder.use_fused_kernels``): the conv after it applies it with the Triton
-    kernel ``code2wav::snake_cat`` on CUDA tensors, except while ``torch.compile`` traces."""
+    kernel ``code2wav::snake_cat`` (``code2wav::snake_conv_out`` before the last, one-channel conv) on CUDA tensors,
+    except while ``torch.compile`` traces."""
 
     fused = False
 
@@ -106,13 +107,14 @@ class CausalConv(StatefulBlock):
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None) -> tuple[Tensor, Tensor]:
         """``act``: the Snake before this conv, applied here (fused with the state concatenation when it can)."""
-        if self.one_output and act is not None and act.runs_fused(x):
+        fused = act is not None and act.runs_fused(x)
+        if fused and self.one_output:
             alpha = act.alpha.view(-1)  # [C]
             y, tail = torch.ops.code2wav.snake_conv_out(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
                                                         False, self.weight, self.bias)  # [B, 1, T]
             ctx.state_out[self.state_key] = tail  # [B, C, P]
             return y, lengths
-        if act is not None and act.runs_fused(x):
+        if fused:
             state = ctx.state_in[self.state_key] if self.num_state_cols else None
             alpha = act.alpha.view(-1)  # [C]
             x, tail = torch.ops.code2wav.snake_cat(x, state, alpha, alpha, lengths, False)  # [B, C, P + T]

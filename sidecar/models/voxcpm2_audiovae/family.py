@@ -68,7 +68,7 @@ class VoxCPM2AudioVAEFamily:
         return module(inputs)  # [B, 1, T * U], sr_cond at its default
 
     def use_fused_kernels(self, module: VoxCPM2AudioVAEDecoder, enabled: bool) -> bool:
-        return module.use_fused_kernels(enabled)  # Snake + the next conv's state concatenation
+        return module.use_fused_kernels(enabled)  # Snake + the next conv (state concatenation; the last conv)
 
 
 VOXCPM2_AUDIOVAE = VoxCPM2AudioVAEFamily()

@@ -66,8 +66,8 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
 
     def use_fused_kernels(self, enabled: bool) -> bool:
         """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: the
-        residual units and the last conv; the transposed convs keep torch ops), or torch ops everywhere. Returns
-        whether the kernel is in use (False without Triton)."""
+        residual units; the transposed convs keep torch ops), Snake + the last conv (``kernels/snake_conv.py``), or
+        torch ops everywhere. Returns whether the kernels are in use (False without Triton)."""
         return snake_kernel.set_fused(self, Snake, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
