@@ -1,5 +1,6 @@
-"""The fused Snake kernels: Snake + state concatenation (``sidecar/kernels/snake.py``) and the last layer, Snake +
-a conv to one channel (``sidecar/kernels/snake_conv.py``).
+"""The fused Snake kernels: Snake + state concatenation (``sidecar/kernels/snake.py``, also with ``x += bias``), the
+last layer, Snake + a conv to one channel (``sidecar/kernels/snake_conv.py``), and a depthwise conv + Snake
+(``sidecar/kernels/depthwise.py``).
 
 CPU: the kernel's own code under Triton's interpreter (in a subprocess: ``TRITON_INTERPRET`` must be set before
 Triton is imported) against the torch expression, for both parameter forms, with and without state, a strided
@@ -20,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from code2wav.sidecar.kernels import snake, snake_conv
+from code2wav.sidecar.kernels import depthwise, snake, snake_conv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -43,6 +44,33 @@ def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
     to = dict(device=device, dtype=dtype)
     return (x.to(**to), None if state is None else state.to(**to), alpha.to(**to), beta.to(**to),
             torch.tensor(lengths, device=device), log_params)
+
+
+def _bias_inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    """``_inputs`` plus the two per-channel biases of ``snake_cat_add_bias_``: ``bias`` (added to ``x`` in place)
+    and ``in_bias`` (added before the activation, and to ``x`` too)."""
+    args = _inputs(case, device, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    bias, in_bias = torch.randn(2, args[0].shape[1], generator=gen).to(device=device, dtype=dtype)
+    return (*args, bias, in_bias)
+
+
+def _bias_run(run, *args):
+    """``run(*args)`` on a copy of ``x`` (kept strided): ``(cat, tail, x after the call)``."""
+    x = args[0]
+    x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    cat, tail = run(x, *args[1:])
+    return cat, tail, x
+
+
+def _bias_reference(x, state, alpha, beta, lengths, log_params, bias, in_bias):
+    x = x + in_bias[None, :, None]  # [B, C, T]
+    cat, tail = snake.reference(x, state, alpha, beta, lengths, log_params)
+    return cat, tail, x + bias[None, :, None]
+
+
+def _bias_interpreted(*args):
+    return _bias_run(snake.run_interpreted, *args)
 
 
 def _max_err(got, ref) -> float:
@@ -71,6 +99,36 @@ def _conv_inputs(case, device="cpu", dtype=torch.float32, seed=0):
             log_params, weight.to(**to), bias.to(**to))
 
 
+DW_CASES = [  # (log_params, batch, channels, output columns, kernel size, dilation, Snake after)
+    (False, 2, 3, 37, 7, 1, True),
+    (False, 1, 2, 1, 7, 9, True),  # one output column from a 55-column input (a first chunk at dilation 9)
+    (True, 2, 4, 2100, 7, 3, True),  # three column blocks
+    (False, 3, 5, 40, 3, 2, False),  # the conv alone
+]
+
+
+def _dw_inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    log_params, batch, channels, num_cols, ksize, dilation, activate = case
+    gen = torch.Generator().manual_seed(seed)
+    num_in = num_cols + (ksize - 1) * dilation
+    x = torch.randn(batch, channels, num_in + 4, generator=gen)[:, :, 1:1 + num_in]  # strided
+    weight = torch.randn(channels, 1, ksize, generator=gen) / ksize ** 0.5
+    bias = torch.randn(channels, generator=gen)
+    alpha = torch.randn(channels, generator=gen) * 0.3 + (0.0 if log_params else 1.0)
+    beta = torch.randn(channels, generator=gen) * 0.3
+    to = dict(device=device, dtype=dtype)
+    return (x.to(**to), weight.to(**to), bias.to(**to), dilation, alpha.to(**to) if activate else None,
+            beta.to(**to) if activate else None, log_params)
+
+
+def _dw_interpreted(*args):
+    return (depthwise.run_interpreted(*args),)
+
+
+def _dw_reference(*args):
+    return (depthwise.reference(*args),)
+
+
 def _conv_tol(ref, rel: float) -> float:
     return rel * max(1.0, max(t.abs().max().item() for t in ref if t.numel()))
 
@@ -81,22 +139,23 @@ import torch
 from code2wav.sidecar.kernels import {module}
 sys.path.insert(0, {tests!r})
 from test_kernels import {cases}, {inputs}, _max_err, _conv_tol
+from test_kernels import _bias_interpreted, _bias_reference, _dw_interpreted, _dw_reference
 out = []
 for case in {cases}:
     args = {inputs}(case)
-    got = {module}.run_interpreted(*args)
-    ref = {module}.reference(*args)
+    got = {run}(*args)
+    ref = {ref}(*args)
     shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
     out.append([_max_err(got, ref), {tolerance}, shapes])
 print(json.dumps(out))
 """
 
 
-def _interpreted(module: str, cases: str, inputs: str, tolerance: str) -> list:
-    """Run the kernel of ``module`` under Triton's interpreter in a subprocess (``TRITON_INTERPRET`` must be set
-    before Triton is imported): ``[max error, tolerance, same shapes]`` per case."""
+def _interpreted(module: str, cases: str, inputs: str, tolerance: str, run: str, ref: str) -> list:
+    """Run ``run`` (a kernel of ``module`` under Triton's interpreter) against ``ref`` in a subprocess
+    (``TRITON_INTERPRET`` must be set before Triton is imported): ``[max error, tolerance, same shapes]`` per case."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(module=module, cases=cases, inputs=inputs, tolerance=tolerance,
+    code = INTERPRETED.format(module=module, cases=cases, inputs=inputs, tolerance=tolerance, run=run, ref=ref,
                               tests=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -104,13 +163,17 @@ def _interpreted(module: str, cases: str, inputs: str, tolerance: str) -> list:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
-@pytest.mark.parametrize("module, cases, inputs, tolerance", [
-    ("snake", "CASES", "_inputs", "5e-6"),  # Snake + state concatenation
-    ("snake_conv", "CONV_CASES", "_conv_inputs", "_conv_tol(ref, 2e-6)"),  # the last layer: Snake + conv to 1 channel
+@pytest.mark.parametrize("module, cases, inputs, tolerance, run, ref", [
+    ("snake", "CASES", "_inputs", "5e-6", "snake.run_interpreted", "snake.reference"),  # Snake + state concatenation
+    ("snake", "CASES", "_bias_inputs", "5e-6", "_bias_interpreted", "_bias_reference"),  # ... and x += bias in place
+    ("snake_conv", "CONV_CASES", "_conv_inputs", "_conv_tol(ref, 2e-6)",  # the last layer: Snake + conv to 1 channel
+     "snake_conv.run_interpreted", "snake_conv.reference"),
+    ("depthwise", "DW_CASES", "_dw_inputs", "_conv_tol(ref, 2e-6)", "_dw_interpreted", "_dw_reference"),
 ])
-def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter(module, cases, inputs, tolerance):
-    results = _interpreted(module, cases, inputs, tolerance)
-    expected = {"CASES": CASES, "CONV_CASES": CONV_CASES}[cases]
+def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter(module, cases, inputs, tolerance, run,
+                                                                            ref):
+    results = _interpreted(module, cases, inputs, tolerance, run, ref)
+    expected = {"CASES": CASES, "CONV_CASES": CONV_CASES, "DW_CASES": DW_CASES}[cases]
     assert len(results) == len(expected)
     for case, (err, tol, same_shapes) in zip(expected, results):
         assert same_shapes, case
@@ -146,6 +209,35 @@ def test_the_cpu_op_is_the_torch_expression_and_the_tail_is_the_next_state():
             assert torch.equal(cat[:, :, :num_state_cols], state)
             for b, n in enumerate(lengths.tolist()):
                 assert torch.equal(tail[b], cat[b, :, n:n + num_state_cols])
+
+
+def test_the_bias_variant_adds_the_bias_to_x_in_place_and_returns_what_snake_cat_returns():
+    for case in CASES:
+        args = _bias_inputs(case)
+        x_before, bias, in_bias = args[0].clone(), args[6], args[7]
+        cat, tail, x_after = _bias_run(torch.ops.code2wav.snake_cat_add_bias_, *args)
+        ref_cat, ref_tail = torch.ops.code2wav.snake_cat(*args[:6], in_bias)  # of x + in_bias, before the add
+        assert torch.equal(cat, ref_cat) and torch.equal(tail, ref_tail)
+        assert torch.equal(ref_cat, snake.reference(x_before + in_bias[None, :, None], *args[1:6])[0])
+        assert torch.equal(x_after, x_before + in_bias[None, :, None] + bias[None, :, None])
+
+
+def test_the_depthwise_cpu_op_is_conv1d_then_snake_and_rejects_other_shapes():
+    import torch.nn.functional as F
+
+    for case in DW_CASES:
+        x, weight, bias, dilation, alpha, beta, log_params = _dw_inputs(case)
+        y = torch.ops.code2wav.depthwise_snake(x, weight, bias, dilation, alpha, beta, log_params)
+        h = F.conv1d(x, weight, bias, dilation=dilation, groups=x.shape[1])
+        if alpha is None:
+            assert torch.equal(y, h)
+        else:  # the Snake of snake.py (its reference with no state), on the conv's output
+            assert torch.equal(y, snake.reference(h, None, alpha, beta, torch.zeros(1), log_params)[0])
+    x, weight, bias, dilation, alpha, beta, log_params = _dw_inputs(DW_CASES[0])
+    with pytest.raises(ValueError, match=r"weight \[C, 1, K\]"):  # a dense conv's weight
+        torch.ops.code2wav.depthwise_snake(x, weight.repeat(1, 3, 1), bias, 1, alpha, beta, log_params)
+    with pytest.raises(ValueError, match="at least 54 input columns"):
+        torch.ops.code2wav.depthwise_snake(x[:, :, :20], weight, bias, 9, alpha, beta, log_params)
 
 
 def test_fused_kernels_are_off_on_cpu_models():
@@ -193,6 +285,35 @@ def test_cuda_kernel_matches_the_torch_expression(_tf32_off):
         got = torch.ops.code2wav.snake_cat(*bf)  # one rounding, from float32 math
         exact = snake.reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf))
         assert _max_err(got, exact) <= 0.0079 * max(1.0, max(t.abs().max().item() for t in exact if t.numel())), case
+
+
+@cuda
+def test_cuda_bias_variant_adds_in_float32_and_rounds_once(_tf32_off):
+    for case in CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for with_in_bias in (False, True):
+                *args, bias, in_bias = _bias_inputs(case, device="cuda", dtype=dtype)
+                in_bias = in_bias if with_in_bias else None
+                got = _bias_run(torch.ops.code2wav.snake_cat_add_bias_, *args, bias, in_bias)
+                plain = _bias_run(torch.ops.code2wav.snake_cat, *args, in_bias)
+                assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), (case, dtype)
+                expected = args[0].float() + bias.float()[None, :, None]  # float32 sums, one rounding
+                if in_bias is not None:
+                    expected = args[0].float() + in_bias.float()[None, :, None] + bias.float()[None, :, None]
+                assert torch.equal(got[2], expected.to(dtype)), (case, dtype, with_in_bias)
+
+
+@cuda
+def test_cuda_depthwise_kernel_matches_conv1d_then_snake(_tf32_off):
+    for case in DW_CASES:
+        args = _dw_inputs(case, device="cuda")
+        got = torch.ops.code2wav.depthwise_snake(*args)
+        ref = depthwise.reference(*args)
+        assert _max_err([got], [ref]) < _conv_tol([ref], 2e-6), case
+        bf = _dw_inputs(case, device="cuda", dtype=torch.bfloat16)
+        got = torch.ops.code2wav.depthwise_snake(*bf)  # float32 math, one rounding
+        exact = depthwise.reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf))
+        assert _max_err([got], [exact]) <= _conv_tol([exact], 0.0079), case
 
 
 @cuda

@@ -80,19 +80,22 @@ class DilatedConvChoice:
         self.decisions: dict[tuple, bool] = {}
         self.timings_ms: dict[tuple, tuple[float, float]] = {}
 
-    def __call__(self, x: Tensor, conv: torch.nn.Conv1d) -> Tensor:
+    def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True) -> Tensor:
+        """``conv(x)`` (without its bias when ``with_bias`` is False: a caller that adds it later)."""
         d = conv.dilation[0]
+        bias = conv.bias if with_bias else None
         if d == 1 or not x.is_cuda or torch.compiler.is_compiling() or not _plain(conv):
-            return conv(x)
+            return conv._conv_forward(x, conv.weight, bias)  # the module's own call (padding modes included)
         key = (*x.shape, x.dtype, x.device)
         use_phases = self.decisions.get(key)
         if use_phases is None:
             if torch.cuda.is_current_stream_capturing() or len(self.decisions) >= MAX_MEASURED_SHAPES:
-                return conv(x)  # not timed inside a capture, nor past the cap: the conv as it is
-            use_phases = self.measure(x, conv)
+                use_phases = False  # not timed inside a capture, nor past the cap: the conv as it is
+            else:
+                use_phases = self.measure(x, conv)
         if use_phases:
-            return polyphase_conv(x, conv.weight, conv.bias, d, conv.groups)  # [B, C_out, T]
-        return conv(x)  # [B, C_out, T]
+            return polyphase_conv(x, conv.weight, bias, d, conv.groups)  # [B, C_out, T]
+        return F.conv1d(x, conv.weight, bias, dilation=d, groups=conv.groups)  # [B, C_out, T]
 
     def measure(self, x: Tensor, conv: torch.nn.Conv1d) -> bool:
         key = (*x.shape, x.dtype, x.device)

@@ -73,10 +73,11 @@ def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, leng
 
 if triton is not None:
     @triton.jit
-    def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr,
-                          num_channels, num_cols_in, num_state_cols,
+    def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr, bias_ptr,
+                          in_bias_ptr, num_channels, num_cols_in, num_state_cols,
                           stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                          LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK: tl.constexpr):
+                          LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
+                          HAS_IN_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0)
         c = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -91,8 +92,13 @@ if triton is not None:
             scale = a
             inv = 1.0 / (a + 1e-9)
         is_new = inside & (cols >= num_state_cols)
-        x = tl.load(x_ptr + b * stride_xb + c * stride_xc + (cols - num_state_cols) * stride_xt, mask=is_new,
-                    other=0.0).to(tl.float32)
+        x_at = x_ptr + b * stride_xb + c * stride_xc + (cols - num_state_cols) * stride_xt
+        x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32)
+        if HAS_IN_BIAS:  # the previous conv's bias, added here instead of in a pass of its own (not rounded)
+            x = x + tl.load(in_bias_ptr + c).to(tl.float32)
+        if ADD_BIAS:  # x += bias[c] in place, as torch's add_ rounds it (float32 sum, one rounding)
+            shifted = x + tl.load(bias_ptr + c).to(tl.float32)
+            tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
         s = tl.sin(x * scale)
         y = x + inv * s * s
         row = (b * num_channels + c) * total
@@ -108,7 +114,7 @@ if triton is not None:
 
 
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
-            log_params: bool) -> tuple[Tensor, Tensor]:
+            log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     batch, channels, num_cols_in = x.shape
     num_state_cols = 0 if state is None else state.shape[2]
     cat = torch.empty((batch, channels, num_state_cols + num_cols_in), dtype=x.dtype, device=x.device)
@@ -119,34 +125,71 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
     src = state if has_state else x  # any valid pointer when there is no state (never read)
     grid = (triton.cdiv(num_state_cols + num_cols_in, BLOCK_COLS), channels, batch)
     _snake_cat_kernel[grid](x, src, alpha, beta if log_params else alpha, lengths, cat, tail,
+                            alpha if bias is None else bias, alpha if in_bias is None else in_bias,
                             channels, num_cols_in, num_state_cols,
                             x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2),
-                            LOG_PARAMS=log_params, HAS_STATE=has_state, BLOCK=BLOCK_COLS, num_warps=4)
+                            LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=bias is not None,
+                            HAS_IN_BIAS=in_bias is not None, BLOCK=BLOCK_COLS, num_warps=4)
     return cat, tail
 
 
 @torch.library.custom_op("code2wav::snake_cat", mutates_args=())
 def snake_cat(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
-              log_params: bool) -> tuple[Tensor, Tensor]:
+              log_params: bool, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(cat, tail)``, see the module docstring. ``x`` ``[B, C, T]`` (any strides), ``state`` ``[B, C, P]`` or
     None (then ``cat`` is the activation alone and ``tail`` is empty), ``alpha``/``beta`` ``[C]`` (``beta``
-    unused unless ``log_params``), ``lengths`` ``[B]`` int64 valid columns of ``x`` per row."""
+    unused unless ``log_params``), ``lengths`` ``[B]`` int64 valid columns of ``x`` per row. ``in_bias`` ``[C]``:
+    the activation is of ``x + in_bias`` (the bias of the conv that produced ``x``, which then runs without it:
+    PyTorch adds a cuDNN conv's bias in a separate full pass over its output)."""
     if x.is_cuda and triton is not None:
-        return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params)
+        return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params,
+                       None, in_bias)
+    if in_bias is not None:
+        x = x + in_bias[None, :, None]  # [B, C, T]
     cat, tail = reference(x, state, alpha, beta, lengths, log_params)
     return cat.contiguous(), tail.contiguous()
 
 
-@snake_cat.register_fake
-def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
-      log_params: bool) -> tuple[Tensor, Tensor]:
+def _empty_outputs(x: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The outputs' shapes without computing them (the ops' fake implementations)."""
     num_state_cols = 0 if state is None else state.shape[2]
     cat = x.new_empty((x.shape[0], x.shape[1], num_state_cols + x.shape[2]))  # [B, C, P + T]
     return cat, x.new_empty((x.shape[0], x.shape[1], num_state_cols))  # [B, C, P]
 
 
+@snake_cat.register_fake
+def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+      log_params: bool, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _empty_outputs(x, state)
+
+
+@torch.library.custom_op("code2wav::snake_cat_add_bias_", mutates_args=("x",))
+def snake_cat_add_bias_(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+                        log_params: bool, bias: Tensor, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``snake_cat`` of ``x`` (plus ``in_bias``, as there), then ``x += in_bias + bias`` in place (``bias``
+    ``[C]``), in the same pass: the kernel reads ``x`` anyway, so a residual unit whose skip path needs ``x +
+    bias`` (the 1x1 conv's bias, added to the residual before its ``baddbmm``) saves a full read and write of its
+    input."""
+    if x.is_cuda and triton is not None:
+        return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params, bias,
+                       in_bias)
+    if in_bias is not None:
+        x.add_(in_bias[None, :, None])
+    cat, tail = reference(x, state, alpha, beta, lengths, log_params)
+    x.add_(bias[None, :, None])
+    return cat.contiguous(), tail.contiguous()
+
+
+@snake_cat_add_bias_.register_fake
+def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
+      bias: Tensor, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _empty_outputs(x, state)
+
+
 def run_interpreted(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
-                    log_params: bool) -> tuple[Tensor, Tensor]:
+                    log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """The Triton kernel itself on CPU tensors, under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-    Triton was imported): what the CPU tests use to check the kernel's indexing without a GPU."""
-    return _launch(x, state, alpha, beta, lengths, log_params)
+    Triton was imported): what the CPU tests use to check the kernel's indexing without a GPU. With ``bias``,
+    ``x`` is updated in place as ``snake_cat_add_bias_`` does."""
+    return _launch(x, state, alpha, beta, lengths, log_params, bias, in_bias)

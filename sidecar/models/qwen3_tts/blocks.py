@@ -20,16 +20,33 @@ from ...kernels.dilated import DilatedConvChoice
 from .streaming import StatefulBlock, StreamCtx, gather_tail
 
 
+def folds_biases(act: "SnakeBeta", x: Tensor) -> bool:
+    """Whether the kernels before and after ``act`` move conv biases (see ``_activated_cat``): where ``act`` runs
+    fused, without autograd (it writes over a block's input)."""
+    return act.runs_fused(x) and not torch.is_grad_enabled()
+
+
 def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
-                   num_state_cols: int) -> Tensor:
+                   num_state_cols: int, bias_into_x: Tensor | None = None, in_bias: Tensor | None = None) -> Tensor:
     """``[state, act(x)]`` ``[B, C, P + T]`` (just ``act(x)`` without state), the new state tail written to
-    ``ctx.state_out[key]``: one fused kernel (``kernels/snake.py``) when ``act`` runs fused, else torch ops."""
+    ``ctx.state_out[key]``: one fused kernel (``kernels/snake.py``) when ``act`` runs fused, else torch ops.
+
+    Only where ``act`` runs fused: ``in_bias`` ``[C]`` is the bias of the conv that produced ``x`` (run without
+    it: PyTorch adds a cuDNN conv's bias in a full pass of its own), added before the activation; ``bias_into_x``
+    ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path)."""
     if act is not None and act.runs_fused(x):
         state = ctx.state_in[key] if num_state_cols else None
-        x_cat, tail = torch.ops.code2wav.snake_cat(x, state, act.alpha, act.beta, lengths, True)  # [B, C, P + T]
+        if bias_into_x is not None:
+            x_cat, tail = torch.ops.code2wav.snake_cat_add_bias_(x, state, act.alpha, act.beta, lengths, True,
+                                                                 bias_into_x, in_bias)  # [B, C, P + T]
+        else:
+            x_cat, tail = torch.ops.code2wav.snake_cat(x, state, act.alpha, act.beta, lengths, True,
+                                                       in_bias)  # [B, C, P + T]
         if num_state_cols:
             ctx.state_out[key] = tail  # [B, C, P]
         return x_cat
+    if bias_into_x is not None or in_bias is not None:
+        raise ValueError("bias_into_x and in_bias need the fused kernel (act.runs_fused(x))")
     if act is not None:
         x, _ = act(x, lengths, ctx)  # [B, C, T]
     if not num_state_cols:
@@ -55,17 +72,23 @@ class CausalConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
-                act: "SnakeBeta | None" = None) -> tuple[Tensor, Tensor]:
-        """``act``: the activation before this conv, applied here (fused with the state concatenation)."""
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: "SnakeBeta | None" = None,
+                bias_into_x: Tensor | None = None, in_bias: Tensor | None = None,
+                bias_later: bool = False) -> tuple[Tensor, Tensor]:
+        """``act``: the activation before this conv, applied here (fused with the state concatenation);
+        ``bias_into_x``, ``in_bias``: see ``_activated_cat``; ``bias_later``: the output without this conv's bias
+        (the caller hands it to the next kernel as its ``in_bias``)."""
         if self.one_output and act is not None and act.runs_fused(x):
             y, tail = torch.ops.code2wav.snake_conv_out(x, ctx.state_in[self.state_key], act.alpha, act.beta,
                                                         lengths, True, self.conv.weight, self.conv.bias)  # [B, 1, T]
             ctx.state_out[self.state_key] = tail  # [B, C, P]
             return y, lengths
-        x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols)  # [B, C, P + T]
+        x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols,
+                               bias_into_x, in_bias)  # [B, C, P + T]
         if self.dilated is not None:
-            return self.dilated(x_cat, self.conv), lengths  # [B, C_out, T]
+            return self.dilated(x_cat, self.conv, with_bias=not bias_later), lengths  # [B, C_out, T]
+        if bias_later:
+            return self.conv._conv_forward(x_cat, self.conv.weight, None), lengths  # [B, C_out, T]
         return self.conv(x_cat), lengths  # [B, C_out, T]
 
 
@@ -85,13 +108,15 @@ class CausalTransConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
-                act: "SnakeBeta | None" = None) -> tuple[Tensor, Tensor]:
-        """``act``: the activation before this conv, applied here (fused with the state concatenation)."""
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: "SnakeBeta | None" = None,
+                in_bias: Tensor | None = None, bias_later: bool = False) -> tuple[Tensor, Tensor]:
+        """``act``: the activation before this conv, applied here (fused with the state concatenation);
+        ``in_bias``, ``bias_later``: as for ``CausalConv``."""
         num_in = x.shape[2]
         num_prev = self.num_state_cols
-        x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev)  # [B, C, P + T]
-        y = self.conv(x)  # [B, C_out, (P + T - 1) * s + k]
+        x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev, in_bias=in_bias)  # [B, C, P + T]
+        y = self.conv(x) if not bias_later else F.conv_transpose1d(
+            x, self.conv.weight, None, stride=self.stride)  # [B, C_out, (P + T - 1) * s + k]
         start = num_prev * self.stride
         return y[:, :, start:start + num_in * self.stride], lengths * self.stride  # [B, C_out, T * s]
 
@@ -146,7 +171,10 @@ class ResidualUnit(nn.Module):
     residual, with the bias added to it in place first, is read in the GEMM's epilogue), written over ``x``: the
     unit consumes its input (out of place under ``torch.compile`` and autograd). ``conv2`` stays a module for its
     checkpoint names; its ``forward`` is not called. On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of
-    a step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds."""
+    a step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds. Where
+    ``act1`` runs fused, its kernel (which reads ``x`` anyway) adds the bias to ``x`` in the same pass
+    (``code2wav::snake_cat_add_bias_``): the separate in-place add was a full read and write of the unit's input,
+    PyTorch's generic ``add`` kernel on a strided tensor, the top kernel of the batch-16 profile (3.73 ms)."""
 
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
@@ -155,18 +183,25 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        h, _ = self.conv1(x, lengths, ctx, act=self.act1)  # [B, C, T]
-        h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
+                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``in_bias``: the bias of the conv that produced ``x`` (only where ``folds_biases``), still to add."""
         conv = self.conv2.conv
-        weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         # in place: x (the previous layer's output, used by nobody after this unit) becomes the output, so the
-        # step's largest activations are not allocated twice (graph pool memory)
-        if torch.compiler.is_compiling() or torch.is_grad_enabled():  # Dynamo refuses a strided out= (Inductor
-            # plans the memory itself), and autograd any out=: the same sum out of place
+        # step's largest activations are not allocated twice (graph pool memory). Dynamo refuses a strided out=
+        # (Inductor plans the memory itself), and autograd any out=: there the same sum runs out of place.
+        in_place = not (torch.compiler.is_compiling() or torch.is_grad_enabled())
+        bias_in_kernel = in_place and folds_biases(self.act1, x)
+        h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias if bias_in_kernel else None,
+                          in_bias=in_bias, bias_later=bias_in_kernel)  # [B, C, T] (without conv1's bias if later)
+        h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0,
+                           in_bias=self.conv1.conv.bias if bias_in_kernel else None)  # [B, C, T] (k1: no state)
+        weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
+        if not in_place:
             return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
-        base = x.add_(conv.bias[None, :, None])  # [B, C, T]
-        return torch.baddbmm(base, weight, h, out=base), lengths  # [B, C, T] (out=: FLOP counters see a baddbmm)
+        if not bias_in_kernel:
+            x.add_(conv.bias[None, :, None])  # [B, C, T]
+        return torch.baddbmm(x, weight, h, out=x), lengths  # [B, C, T] (out=: FLOP counters see a baddbmm)
 
 
 class StreamSequential(nn.ModuleList):
@@ -191,9 +226,14 @@ class DecoderBlock(nn.Module):
             ResidualUnit(out_dim, 9),
         ])
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
+                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``in_bias``: the bias of the conv before this block (only where ``folds_biases``), still to add."""
         act, upsample, *units = self.block
-        x, lengths = upsample(x, lengths, ctx, act=act)  # [B, C_out, T * r]
+        fold = folds_biases(act, x)
+        x, lengths = upsample(x, lengths, ctx, act=act, in_bias=in_bias, bias_later=fold)  # [B, C_out, T * r]
+        pending = upsample.conv.bias if fold else None  # added by the first unit's first kernel
         for unit in units:
-            x, lengths = unit(x, lengths, ctx)
+            x, lengths = unit(x, lengths, ctx, in_bias=pending)
+            pending = None
         return x, lengths

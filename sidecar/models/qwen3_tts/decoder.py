@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels import snake as snake_kernel
-from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
+from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential, folds_biases
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
 from .transformer import PreTransformer
@@ -146,9 +146,13 @@ class Qwen3TTSDecoder(nn.Module):
         x = net.pre_transformer(x.transpose(1, 2), start_positions, lengths, ctx).transpose(1, 2)  # [B, latent, T]
         for stage in net.upsample:
             x, lengths = stage(x, lengths, ctx)  # [B, latent, T * r]
-        *body, act, out_conv = net.decoder
-        for layer in body:
-            x, lengths = layer(x, lengths, ctx)  # [B, C, T * r]
+        first_conv, *blocks, act, out_conv = net.decoder
+        fold = folds_biases(act, x)  # the first conv's bias added by the first block's first kernel
+        x, lengths = first_conv(x, lengths, ctx, bias_later=fold)  # [B, decoder_dim, T]
+        pending = first_conv.conv.bias if fold else None
+        for block in blocks:
+            x, lengths = block(x, lengths, ctx, in_bias=pending)  # [B, C, T * r]
+            pending = None
         wav, _ = out_conv(x, lengths, ctx, act=act)  # [B, 1, T * U]
         return wav.clamp(-1.0, 1.0).float()[:, 0], ctx.state_out  # [B, T * U]
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
 from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 
@@ -52,6 +53,12 @@ def depthwise_taps(x: Tensor, weight: Tensor, bias: Tensor, dilation: int) -> Te
     for k in range(1, kernel_size):
         y = y + taps[:, k] * x[:, :, k * dilation:k * dilation + num_out]  # [B, C, T]
     return y
+
+
+def folds_biases(act: "Snake", x: Tensor) -> bool:
+    """Whether a block runs its fused form (the ``code2wav::*`` kernels, conv biases moved into the next kernel,
+    the residual written over the unit's input): where ``act`` runs fused, without autograd."""
+    return act.runs_fused(x) and not torch.is_grad_enabled()
 
 
 class StatefulBlock(nn.Module):
@@ -153,9 +160,27 @@ class CausalTransConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, 1)
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None,
+                bias_later: bool = False) -> tuple[Tensor, Tensor]:
+        """``act``: the Snake before this conv, applied here. Where it runs fused (``snake_cat``, which also puts
+        the state in front), the conv runs over ``[prev, x]`` in one call and drops the partial first and last
+        output frames (one input frame more of work, two kernels fewer than the "add" form below), and
+        ``bias_later`` leaves its bias out (the next kernel adds it: PyTorch adds a cuDNN conv's bias in a full
+        pass of its own)."""
         s = self.stride
         num_in = x.shape[2]
+        if act is not None and act.runs_fused(x):
+            alpha = act.alpha.view(-1)  # [C]
+            x_cat, tail = torch.ops.code2wav.snake_cat(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
+                                                       False)  # [B, Cin, 1 + L]
+            ctx.state_out[self.state_key] = tail  # [B, Cin, 1]
+            y = F.conv_transpose1d(x_cat, self.weight, None if bias_later else self.bias,
+                                   stride=s)  # [B, Cout, (L + 2) * s]
+            return y[:, :, s:(num_in + 1) * s], lengths * s  # [B, Cout, L * s]
+        if bias_later:
+            raise ValueError("bias_later needs the fused Snake (act.runs_fused(x))")
+        if act is not None:
+            x, _ = act(x, lengths, ctx)  # [B, Cin, L]
         prev = ctx.state_in[self.state_key].to(x.dtype)  # [B, Cin, 1]
         x_cat = torch.cat([prev, x], dim=2)  # [B, Cin, 1 + L]
         ctx.state_out[self.state_key] = gather_tail(x_cat, lengths, self.tail_offsets)  # [B, Cin, 1]
@@ -190,7 +215,13 @@ class Sequence(nn.ModuleList):
 
 class ResidualUnit(nn.Module):
     """``x + conv2(snake2(conv1(snake1(x))))``: ``block.0`` Snake, ``block.1`` depthwise causal k7 dilation ``d``,
-    ``block.2`` Snake, ``block.3`` full 1x1 conv."""
+    ``block.2`` Snake, ``block.3`` full 1x1 conv.
+
+    Where the Snakes run fused (CUDA, no autograd, not under ``torch.compile``) the unit is three kernels, written
+    over ``x`` (the unit consumes its input): ``snake_cat_add_bias_`` (Snake 1 with the depthwise conv's state in
+    front, and ``x += conv2's bias`` in the same pass), ``depthwise_snake`` (the depthwise conv with Snake 2 applied
+    to its output: PyTorch's generic depthwise kernel was about 16 ms of the 64 x 25-frame step on the H200) and
+    one ``baddbmm`` (the 1x1 conv with the residual read in the GEMM's epilogue, as the Qwen3-TTS unit does)."""
 
     def __init__(self, channels: int, dilation: int) -> None:
         super().__init__()
@@ -201,11 +232,29 @@ class ResidualUnit(nn.Module):
             CausalConv(channels, channels, 1),
         ])
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
+                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``in_bias``: the bias of the conv that produced ``x`` (only where ``folds_biases``), still to add."""
         act1, conv1, act2, conv2 = self.block
+        if folds_biases(act1, x):
+            return self._fused(x, lengths, ctx, in_bias), lengths
+        if in_bias is not None:
+            raise ValueError("in_bias needs the fused path (folds_biases)")
         h, _ = conv1(x, lengths, ctx, act=act1)  # [B, C, T]
         h, _ = conv2(h, lengths, ctx, act=act2)  # [B, C, T]
         return h.add_(x), lengths
+
+    def _fused(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, in_bias: Tensor | None) -> Tensor:
+        act1, conv1, act2, conv2 = self.block
+        alpha1, alpha2 = act1.alpha.view(-1), act2.alpha.view(-1)  # [C], [C]
+        x_cat, tail = torch.ops.code2wav.snake_cat_add_bias_(
+            x, ctx.state_in[conv1.state_key], alpha1, alpha1, lengths, False, conv2.bias,
+            in_bias)  # [B, C, P + T] of x + in_bias; x += in_bias + b2
+        ctx.state_out[conv1.state_key] = tail  # [B, C, P]
+        h = torch.ops.code2wav.depthwise_snake(x_cat, conv1.weight, conv1.bias, conv1.dilation, alpha2, alpha2,
+                                               False)  # [B, C, T], Snake 2 applied
+        weight = conv2.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
+        return torch.baddbmm(x, weight, h, out=x)  # [B, C, T]: (x + b2) + W2 @ h
 
 
 class DecoderBlock(nn.Module):
@@ -222,4 +271,11 @@ class DecoderBlock(nn.Module):
         ])
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
-        return self.block(x, lengths, ctx)  # [B, Cout, T * s]
+        act, upsample, *units = self.block
+        fold = folds_biases(act, x)
+        x, lengths = upsample(x, lengths, ctx, act=act, bias_later=fold)  # [B, Cout, T * s]
+        pending = upsample.bias if fold else None  # added by the first unit's first kernel
+        for unit in units:
+            x, lengths = unit(x, lengths, ctx, in_bias=pending)
+            pending = None
+        return x, lengths

@@ -65,9 +65,10 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
                 self._stateful[name] = module
 
     def use_fused_kernels(self, enabled: bool) -> bool:
-        """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: the
-        residual units; the transposed convs keep torch ops), Snake + the last conv (``kernels/snake_conv.py``), or
-        torch ops everywhere. Returns whether the kernels are in use (False without Triton)."""
+        """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: before
+        the residual units' depthwise convs and the transposed convs), the depthwise conv + Snake
+        (``kernels/depthwise.py``), Snake + the last conv (``kernels/snake_conv.py``), or torch ops everywhere.
+        Returns whether the kernels are in use (False without Triton)."""
         return snake_kernel.set_fused(self, Snake, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:

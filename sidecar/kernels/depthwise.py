@@ -1,0 +1,134 @@
+"""A depthwise conv (one filter per channel, any dilation), optionally followed by Snake, as one Triton kernel.
+
+What it computes, for ``x`` ``[B, C, P + T]`` (the stateful conv's input, state columns in front, as ``snake_cat``
+writes it), ``weight`` ``[C, 1, K]``, ``bias`` ``[C]`` and dilation ``d`` with ``P = (K - 1) * d``:
+
+- ``h[b, c, t] = bias[c] + sum_k weight[c, 0, k] * x[b, c, t + k * d]`` ``[B, C, T]`` (``F.conv1d(..., groups=C)``);
+- with Snake parameters: ``y = h + inv * sin(h * scale)^2`` per channel, ``scale``/``inv`` as in ``snake.py``
+  (``LOG_PARAMS``: SnakeBeta's ``exp`` form; else the parameters as stored), else ``y = h``;
+- float32 math, one rounding to ``x``'s dtype.
+
+Why: PyTorch runs a dilated depthwise ``conv1d`` with its generic depthwise kernel
+(``conv_depthwise2d_forward_kernel_generic``), which took about 16 ms of VoxCPM2's 64 x 25-frame step on the H200,
+where the conv is a memory-bound pass (seven loads per output that hit the cache, seven FMAs). The Snake after
+it is the only reader of ``h`` in a residual unit, so applying it here saves a write and a read of ``h`` and the
+Snake kernel's launch. Rows, channels and column blocks are the grid, as in ``snake.py``.
+
+Registered as ``code2wav::depthwise_snake`` (CUDA: the kernel; CPU and meta: ``F.conv1d`` and the torch
+expression of Snake), so CUDA graphs capture it and profiles name it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # optional, as for snake.py
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+BLOCK_COLS = 1024
+"""Output columns per program (as ``snake.BLOCK_COLS``)."""
+
+
+def reference(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None, beta: Tensor | None,
+              log_params: bool) -> Tensor:
+    """The torch expression in ``x``'s dtype (CPU and meta implementation; what the kernel is tested against):
+    ``[B, C, T]``."""
+    h = F.conv1d(x, weight.to(x.dtype), bias.to(x.dtype), dilation=dilation, groups=x.shape[1])  # [B, C, T]
+    if alpha is None:
+        return h
+    if log_params:
+        scale = torch.exp(alpha)[None, :, None]  # [1, C, 1]
+        inv = 1.0 / (torch.exp(beta)[None, :, None] + 1e-9)  # [1, C, 1]
+    else:
+        scale = alpha[None, :, None]  # [1, C, 1]
+        inv = 1.0 / (alpha[None, :, None] + 1e-9)  # [1, C, 1]
+    return h + inv * torch.sin(h * scale).square()  # [B, C, T]
+
+
+def check_shapes(x: Tensor, weight: Tensor, bias: Tensor, dilation: int) -> None:
+    """A depthwise filter per channel, an input at least one receptive field long."""
+    channels = x.shape[1]
+    if x.dim() != 3 or weight.shape != (channels, 1, weight.shape[2]) or bias.shape != (channels,):
+        raise ValueError(f"depthwise_snake needs x [B, C, L], weight [C, 1, K] and bias [C], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}, bias {tuple(bias.shape)}")
+    if dilation < 1 or x.shape[2] < (weight.shape[2] - 1) * dilation:
+        raise ValueError(f"depthwise_snake: dilation {dilation} and kernel size {weight.shape[2]} need at least "
+                         f"{(weight.shape[2] - 1) * dilation} input columns, got {x.shape[2]}")
+
+
+if triton is not None:
+    @triton.jit
+    def _depthwise_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, beta_ptr, y_ptr, num_channels, num_cols_out,
+                          stride_xb, stride_xc, stride_xt,
+                          KSIZE: tl.constexpr, DILATION: tl.constexpr, ACTIVATE: tl.constexpr,
+                          LOG_PARAMS: tl.constexpr, BLOCK: tl.constexpr):
+        block = tl.program_id(0)
+        c = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        cols = block * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output columns
+        inside = cols < num_cols_out
+        row = x_ptr + b * stride_xb + c * stride_xc
+        acc = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(b_ptr + c).to(tl.float32)
+        for k in tl.static_range(KSIZE):  # the taps' loads overlap: after the first, from the cache
+            w = tl.load(w_ptr + c * KSIZE + k).to(tl.float32)
+            acc += w * tl.load(row + (cols + k * DILATION) * stride_xt, mask=inside, other=0.0).to(tl.float32)
+        if ACTIVATE:
+            a = tl.load(alpha_ptr + c).to(tl.float32)
+            if LOG_PARAMS:
+                scale = tl.exp(a)
+                inv = 1.0 / (tl.exp(tl.load(beta_ptr + c).to(tl.float32)) + 1e-9)
+            else:
+                scale = a
+                inv = 1.0 / (a + 1e-9)
+            s = tl.sin(acc * scale)
+            acc = acc + inv * s * s
+        tl.store(y_ptr + (b * num_channels + c) * num_cols_out + cols, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None, beta: Tensor | None,
+            log_params: bool) -> Tensor:
+    batch, channels, num_cols_in = x.shape
+    ksize = weight.shape[2]
+    num_cols_out = num_cols_in - (ksize - 1) * dilation
+    y = torch.empty((batch, channels, num_cols_out), dtype=x.dtype, device=x.device)  # [B, C, T]
+    if y.numel() == 0:
+        return y
+    activate = alpha is not None
+    params = alpha if activate else bias  # any valid pointer when there is no Snake (never read)
+    grid = (triton.cdiv(num_cols_out, BLOCK_COLS), channels, batch)
+    _depthwise_kernel[grid](x, weight.contiguous(), bias, params, beta if log_params and activate else params, y,
+                            channels, num_cols_out, x.stride(0), x.stride(1), x.stride(2),
+                            KSIZE=ksize, DILATION=dilation, ACTIVATE=activate, LOG_PARAMS=log_params,
+                            BLOCK=BLOCK_COLS, num_warps=4)
+    return y
+
+
+@torch.library.custom_op("code2wav::depthwise_snake", mutates_args=())
+def depthwise_snake(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
+                    beta: Tensor | None, log_params: bool) -> Tensor:
+    """``y`` ``[B, C, T]``, see the module docstring: ``x`` ``[B, C, P + T]`` (any strides), ``weight``
+    ``[C, 1, K]``, ``bias`` ``[C]``; ``alpha``/``beta`` ``[C]`` the Snake after the conv (``alpha`` None: none;
+    ``beta`` unused unless ``log_params``)."""
+    check_shapes(x, weight, bias, dilation)
+    if x.is_cuda and triton is not None:
+        return _launch(x, weight, bias, dilation, alpha, beta, log_params)
+    return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
+
+
+@depthwise_snake.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None, beta: Tensor | None,
+      log_params: bool) -> Tensor:
+    check_shapes(x, weight, bias, dilation)
+    return x.new_empty((x.shape[0], x.shape[1], x.shape[2] - (weight.shape[2] - 1) * dilation))  # [B, C, T]
+
+
+def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
+                    beta: Tensor | None, log_params: bool) -> Tensor:
+    """The Triton kernel itself on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton
+    was imported), for the CPU tests."""
+    return _launch(x, weight, bias, dilation, alpha, beta, log_params)
