@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from .snake import activate
 
 try:  # optional, as for snake.py
     import triton
@@ -39,15 +42,7 @@ def reference(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Ten
     """The torch expression in ``x``'s dtype (CPU and meta implementation; what the kernel is tested against):
     ``[B, C, T]``."""
     h = F.conv1d(x, weight.to(x.dtype), bias.to(x.dtype), dilation=dilation, groups=x.shape[1])  # [B, C, T]
-    if alpha is None:
-        return h
-    if log_params:
-        scale = torch.exp(alpha)[None, :, None]  # [1, C, 1]
-        inv = 1.0 / (torch.exp(beta)[None, :, None] + 1e-9)  # [1, C, 1]
-    else:
-        scale = alpha[None, :, None]  # [1, C, 1]
-        inv = 1.0 / (alpha[None, :, None] + 1e-9)  # [1, C, 1]
-    return h + inv * torch.sin(h * scale).square()  # [B, C, T]
+    return h if alpha is None else activate(h, alpha, beta, log_params)  # [B, C, T]
 
 
 def check_shapes(x: Tensor, weight: Tensor, bias: Tensor, dilation: int) -> None:
@@ -98,12 +93,12 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
     y = torch.empty((batch, channels, num_cols_out), dtype=x.dtype, device=x.device)  # [B, C, T]
     if y.numel() == 0:
         return y
-    activate = alpha is not None
-    params = alpha if activate else bias  # any valid pointer when there is no Snake (never read)
+    has_act = alpha is not None
+    params = alpha if has_act else bias  # any valid pointer when there is no Snake (never read)
     grid = (triton.cdiv(num_cols_out, BLOCK_COLS), channels, batch)
-    _depthwise_kernel[grid](x, weight.contiguous(), bias, params, beta if log_params and activate else params, y,
+    _depthwise_kernel[grid](x, weight.contiguous(), bias, params, beta if log_params and has_act else params, y,
                             channels, num_cols_out, x.stride(0), x.stride(1), x.stride(2),
-                            KSIZE=ksize, DILATION=dilation, ACTIVATE=activate, LOG_PARAMS=log_params,
+                            KSIZE=ksize, DILATION=dilation, ACTIVATE=has_act, LOG_PARAMS=log_params,
                             BLOCK=BLOCK_COLS, num_warps=4)
     return y
 
@@ -126,6 +121,12 @@ def _(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | No
     check_shapes(x, weight, bias, dilation)
     return x.new_empty((x.shape[0], x.shape[1], x.shape[2] - (weight.shape[2] - 1) * dilation))  # [B, C, T]
 
+
+
+@register_flop_formula(torch.ops.code2wav.depthwise_snake)
+def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """Multiply-adds of the depthwise conv, as ``FlopCounterMode`` counts a grouped conv."""
+    return 2 * out_shape[0] * out_shape[1] * out_shape[2] * w_shape[2]
 
 def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
                     beta: Tensor | None, log_params: bool) -> Tensor:

@@ -51,17 +51,23 @@ def set_fused(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
     return fused
 
 
-def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
-              log_params: bool) -> tuple[Tensor, Tensor]:
-    """The torch expression of ``snake_cat`` in ``x``'s dtype (the CPU and meta implementation, and what the
-    CUDA kernel is tested against). Returns ``(cat [B, C, P + T], tail [B, C, P])``."""
+def activate(x: Tensor, alpha: Tensor, beta: Tensor | None, log_params: bool) -> Tensor:
+    """Snake's torch expression over ``x`` ``[B, C, T]`` with per-channel ``alpha``/``beta`` ``[C]`` (the two
+    forms of the module docstring), in ``x``'s dtype: what every kernel's CPU implementation applies."""
     if log_params:
         scale = torch.exp(alpha)[None, :, None]  # [1, C, 1]
         inv = 1.0 / (torch.exp(beta)[None, :, None] + 1e-9)  # [1, C, 1]
     else:
         scale = alpha[None, :, None]  # [1, C, 1]
         inv = 1.0 / (alpha[None, :, None] + 1e-9)  # [1, C, 1]
-    y = x + inv * torch.sin(x * scale).square()  # [B, C, T]
+    return x + inv * torch.sin(x * scale).square()  # [B, C, T]
+
+
+def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+              log_params: bool) -> tuple[Tensor, Tensor]:
+    """The torch expression of ``snake_cat`` in ``x``'s dtype (the CPU and meta implementation, and what the
+    CUDA kernel is tested against). Returns ``(cat [B, C, P + T], tail [B, C, P])``."""
+    y = activate(x, alpha, beta, log_params)  # [B, C, T]
     if state is None:
         return y, y.new_empty((x.shape[0], x.shape[1], 0))
     cat = torch.cat([state.to(x.dtype), y], dim=2)  # [B, C, P + T]

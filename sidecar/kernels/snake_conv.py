@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from .snake import reference as snake_cat_reference
 
@@ -175,6 +176,14 @@ def _(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, lo
     y = x.new_empty((x.shape[0], 1, x.shape[2]))  # [B, 1, T]
     return y, x.new_empty((x.shape[0], x.shape[1], weight.shape[2] - 1))  # [B, C, P]
 
+
+
+@register_flop_formula(torch.ops.code2wav.snake_conv_out)
+def _flops(x_shape, *args, out_shape=None, **kwargs) -> int:
+    """Multiply-adds of the conv to one channel, as ``FlopCounterMode`` counts a conv."""
+    batch, channels, num_cols = x_shape
+    ksize = out_shape[1][2] + 1  # the tail is K - 1 columns
+    return 2 * batch * num_cols * channels * ksize
 
 def run_interpreted(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
                     weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
-from ...kernels.dilated import DilatedConvChoice
+from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
+from ...kernels.conv_choice import ConvChoice
 from .streaming import StatefulBlock, StreamCtx, gather_tail
 
 
@@ -66,18 +67,21 @@ class CausalConv(StatefulBlock):
         self.num_state_cols = (kernel_size - 1) * dilation
         # the last layer (one output channel): Snake and the conv in one kernel (``kernels/snake_conv.py``)
         self.one_output = out_channels == 1 and dilation == 1 and groups == 1 and kernel_size > 1
-        # dilated: cuDNN as it is or the polyphase form, whichever is faster per shape (``kernels/dilated.py``)
-        self.dilated = DilatedConvChoice() if dilation > 1 else None
+        # dense k > 1: cuDNN, the polyphase form (dilated) or the implicit-GEMM kernel, whichever measured fastest
+        # per shape (``kernels/conv_choice.py``)
+        self.choice = ConvChoice() if groups == 1 and kernel_size > 1 and not self.one_output else None
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: "SnakeBeta | None" = None,
-                bias_into_x: Tensor | None = None, in_bias: Tensor | None = None,
-                bias_later: bool = False) -> tuple[Tensor, Tensor]:
+                bias_into_x: Tensor | None = None, in_bias: Tensor | None = None, bias_later: bool = False,
+                then_act: "SnakeBeta | None" = None) -> tuple[Tensor, Tensor]:
         """``act``: the activation before this conv, applied here (fused with the state concatenation);
         ``bias_into_x``, ``in_bias``: see ``_activated_cat``; ``bias_later``: the output without this conv's bias
-        (the caller hands it to the next kernel as its ``in_bias``)."""
+        (the caller hands it to the next kernel as its ``in_bias``); ``then_act`` (only where ``folds_biases``, on
+        a conv with a ``choice``): return ``then_act(conv(x) + bias)``, in the conv's epilogue where the chosen
+        form has one."""
         if self.one_output and act is not None and act.runs_fused(x):
             y, tail = torch.ops.code2wav.snake_conv_out(x, ctx.state_in[self.state_key], act.alpha, act.beta,
                                                         lengths, True, self.conv.weight, self.conv.bias)  # [B, 1, T]
@@ -85,8 +89,13 @@ class CausalConv(StatefulBlock):
             return y, lengths
         x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols,
                                bias_into_x, in_bias)  # [B, C, P + T]
-        if self.dilated is not None:
-            return self.dilated(x_cat, self.conv, with_bias=not bias_later), lengths  # [B, C_out, T]
+        if then_act is not None:
+            if self.choice is None:
+                raise ValueError("then_act needs a conv with a ConvChoice (dense, k > 1)")
+            params = (then_act.alpha, then_act.beta, True)
+            return self.choice(x_cat, self.conv, act=params), lengths  # [B, C_out, T], activated
+        if self.choice is not None:
+            return self.choice(x_cat, self.conv, with_bias=not bias_later), lengths  # [B, C_out, T]
         if bias_later:
             return self.conv._conv_forward(x_cat, self.conv.weight, None), lengths  # [B, C_out, T]
         return self.conv(x_cat), lengths  # [B, C_out, T]
@@ -192,10 +201,12 @@ class ResidualUnit(nn.Module):
         # (Inductor plans the memory itself), and autograd any out=: there the same sum runs out of place.
         in_place = not (torch.compiler.is_compiling() or torch.is_grad_enabled())
         bias_in_kernel = in_place and folds_biases(self.act1, x)
-        h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias if bias_in_kernel else None,
-                          in_bias=in_bias, bias_later=bias_in_kernel)  # [B, C, T] (without conv1's bias if later)
-        h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0,
-                           in_bias=self.conv1.conv.bias if bias_in_kernel else None)  # [B, C, T] (k1: no state)
+        if bias_in_kernel:  # act2(conv1(act1(x))), x += in_bias + conv2's bias on the way
+            h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias, in_bias=in_bias,
+                              then_act=self.act2)  # [B, C, T]
+        else:
+            h, _ = self.conv1(x, lengths, ctx, act=self.act1, in_bias=in_bias)  # [B, C, T]
+            h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
         weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         if not in_place:
             return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]

@@ -1,0 +1,138 @@
+"""Which form each conv runs in, per input shape, measured once on the device (policy; the forms are mechanism).
+
+A dense stride-1 conv of the decoders can run three ways: cuDNN as PyTorch calls it, ``dilated.polyphase_conv``
+(a dilated conv as one undilated conv over its input's phases) and ``conv_gemm``'s implicit-GEMM Triton kernel
+(bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is fastest depends on the shape, cuDNN's
+version and the GPU (on the H200, cuDNN picked a kernel without tensor cores for one dilated conv, and wraps the
+others in layout conversions), so nothing is written down: ``ConvChoice`` times every form once per input shape
+(CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed) and keeps the fastest.
+Graph buckets are warmed up eagerly before capture, so their shapes are measured then and captured in the chosen
+form. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing, convs with padding or a stride,
+and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN. A new shape costs its first
+step some milliseconds (four calls per form), tens at batch 64.
+
+With ``act`` (a Snake's ``(alpha, beta, log_params)``), the call returns ``act(conv(x) + bias)``: the GEMM kernel
+applies it in its epilogue, the other forms run the conv without its bias and then ``code2wav::snake_cat`` with
+``in_bias`` (one pass); each form is timed with its Snake, so the comparison is of what the step would run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import conv_gemm, snake  # noqa: F401  (snake registers torch.ops.code2wav.snake_cat)
+from .dilated import polyphase_conv
+
+log = logging.getLogger(__name__)
+
+TIMED_ITERS = 3
+"""Timed calls per form (after one untimed): the minimum is kept."""
+MAX_MEASURED_SHAPES = 32
+"""Shapes measured per conv; later new shapes (eager steps only: graph buckets are measured at start-up) keep cuDNN."""
+
+Act = tuple[Tensor, Tensor, bool]
+"""A Snake applied after the conv: per-channel ``alpha``, ``beta`` and ``log_params`` (``snake.py``)."""
+
+
+def plain(conv: torch.nn.Conv1d) -> bool:
+    """What the other forms compute: stride 1, no padding (the causal convs pad with their state instead)."""
+    return conv.stride == (1,) and conv.padding in ((0,), "valid") and conv.padding_mode == "zeros"
+
+
+def _min_ms(fn, x: Tensor) -> float:
+    """Minimum device time of ``fn(x)`` on ``x``'s device and its current stream (call it under
+    ``torch.cuda.device(x.device)``)."""
+    fn(x)
+    times = []
+    for _ in range(TIMED_ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
+
+
+class ConvChoice:
+    """For one conv module: the form each input shape runs in, measured on first sight.
+
+    ``decisions`` maps ``(batch, channels, length, dtype, device, with Snake)`` to a form name (``"cudnn"``,
+    ``"polyphase"``, ``"gemm<i>"`` for ``conv_gemm.CONFIGS[i]``); ``timings_ms`` keeps every form's measurement
+    for logs and probes."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple, str] = {}
+        self.timings_ms: dict[tuple, dict[str, float]] = {}
+        self._gemm_weight: tuple[tuple, Tensor] | None = None  # (weight identity, tap-major copy)
+        self._no_lengths: Tensor | None = None  # snake_cat's lengths where there is no state (never read)
+
+    def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None) -> Tensor:
+        """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
+        or with ``act``, ``act(conv(x) + bias)``."""
+        if not x.is_cuda or torch.compiler.is_compiling() or not plain(conv):
+            return self.run("cudnn", x, conv, with_bias, act)
+        key = (*x.shape, x.dtype, x.device, act is not None)
+        form = self.decisions.get(key)
+        if form is None:
+            forms = self.forms(x, conv)
+            if len(forms) == 1 or torch.cuda.is_current_stream_capturing() or \
+                    len(self.decisions) >= MAX_MEASURED_SHAPES:
+                form = "cudnn"  # nothing to choose, not timed inside a capture, nor past the cap
+            else:
+                form = self.measure(key, forms, x, conv, with_bias, act)
+        return self.run(form, x, conv, with_bias, act)
+
+    def forms(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
+        """The forms that can run ``conv`` on ``x``."""
+        names = ["cudnn"]
+        if conv.dilation[0] > 1:
+            names.append("polyphase")
+        if conv.groups == 1 and conv_gemm.triton is not None and x.dtype in (torch.bfloat16, torch.float16):
+            names += [f"gemm{i}" for i in range(len(conv_gemm.CONFIGS))]
+        return names
+
+    def run(self, form: str, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None) -> Tensor:
+        """``form``'s output for ``x`` (see ``__call__``)."""
+        d = conv.dilation[0]
+        if form.startswith("gemm"):
+            alpha, beta, log_params = act if act is not None else (None, None, False)
+            config = list(conv_gemm.CONFIGS[int(form[4:])])
+            bias = conv.bias if with_bias or act is not None else None
+            return torch.ops.code2wav.conv_snake(x, self.gemm_weight(conv), bias, d, alpha, beta, log_params,
+                                                 config)  # [B, C_out, T]
+        bias = conv.bias if with_bias and act is None else None
+        if form == "polyphase":
+            y = polyphase_conv(x, conv.weight, bias, d, conv.groups)  # [B, C_out, T]
+        else:
+            y = conv._conv_forward(x, conv.weight, bias)  # [B, C_out, T] (the module's own call)
+        if act is None:
+            return y
+        if self._no_lengths is None or self._no_lengths.device != x.device:
+            self._no_lengths = torch.zeros(1, dtype=torch.long, device=x.device)
+        alpha, beta, log_params = act
+        y, _ = torch.ops.code2wav.snake_cat(y, None, alpha, beta, self._no_lengths, log_params, conv.bias)
+        return y  # [B, C_out, T]
+
+    def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:
+        """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept while the
+        weight's storage, dtype and version stay the same."""
+        w = conv.weight
+        identity = (w.data_ptr(), w.dtype, w.device, w._version)
+        if self._gemm_weight is None or self._gemm_weight[0] != identity:
+            self._gemm_weight = (identity, conv_gemm.kernel_weight(w))
+        return self._gemm_weight[1]
+
+    def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
+                act: Act | None) -> str:
+        with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
+            timings = {form: _min_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act), x) for form in forms}
+        best = min(timings, key=timings.get)
+        self.timings_ms[key] = timings
+        self.decisions[key] = best
+        log.debug("conv %s: %s -> %s", tuple(x.shape), {f: round(ms, 3) for f, ms in timings.items()}, best)
+        return best

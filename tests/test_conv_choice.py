@@ -1,0 +1,191 @@
+"""The forms a dense conv can run in and the measured choice between them (``sidecar/kernels/conv_choice.py``):
+cuDNN, a dilated conv as one undilated conv over its phases (``dilated.py``) and the implicit-GEMM Triton kernel
+with its Snake epilogue (``conv_gemm.py``).
+
+CPU: ``polyphase_conv`` equals ``F.conv1d`` with the dilation for lengths that the dilation divides and that it
+does not, grouped convs and a single output column; the whole decoder with every dilated conv in the polyphase form
+streams the golden; the GEMM kernel's indexing under Triton's interpreter equals conv1d (+ Snake); the choice leaves
+CPU tensors to cuDNN and returns ``act(conv + bias)`` when asked. CUDA: every form equals the conv, the choice times
+the forms once per shape and keeps the result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from code2wav.sidecar.kernels import conv_choice, conv_gemm, snake
+from code2wav.sidecar.kernels.conv_choice import ConvChoice
+from code2wav.sidecar.kernels.dilated import polyphase_conv
+
+HAS_TRITON = conv_gemm.triton is not None
+
+
+@pytest.mark.parametrize("batch, channels, out_channels, ksize, dilation, num_in, groups", [
+    (2, 6, 4, 7, 9, 4054, 1),  # the length is not a multiple of the dilation
+    (1, 5, 5, 7, 3, 18 + 300, 1),  # a multiple
+    (3, 8, 8, 7, 3, 18 + 1, 8),  # depthwise; one output column
+    (2, 4, 6, 3, 2, 11, 2),
+])
+def test_polyphase_conv_equals_the_dilated_conv(batch, channels, out_channels, ksize, dilation, num_in, groups):
+    gen = torch.Generator().manual_seed(dilation + num_in)
+    x = torch.randn(batch, channels, num_in, generator=gen)
+    weight = torch.randn(out_channels, channels // groups, ksize, generator=gen)
+    bias = torch.randn(out_channels, generator=gen)
+    ref = F.conv1d(x, weight, bias, dilation=dilation, groups=groups)
+    got = polyphase_conv(x, weight, bias, dilation, groups)
+    assert got.shape == ref.shape == (batch, out_channels, num_in - (ksize - 1) * dilation)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_the_choice_leaves_cpu_tensors_to_cudnn_and_applies_the_snake_it_is_given():
+    choice = ConvChoice()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 40, generator=gen)
+    alpha, beta = torch.randn(2, 4, generator=gen) * 0.3
+    for conv in (torch.nn.Conv1d(4, 4, 7, dilation=3), torch.nn.Conv1d(4, 4, 7)):
+        assert torch.equal(choice(x, conv), conv(x))
+        no_bias = choice(x, conv, with_bias=False)
+        assert torch.allclose(no_bias + conv.bias[None, :, None], conv(x), atol=1e-6)
+        activated = choice(x, conv, act=(alpha, beta, True))
+        assert torch.allclose(activated, snake.activate(conv(x), alpha, beta, True), atol=1e-6)
+    assert choice.decisions == {}  # nothing measured on the CPU
+
+
+GEMM_CASES = [  # (batch, C_in, C_out, output columns, kernel size, dilation, Snake after: None | log_params)
+    (2, 20, 36, 70, 7, 3, True),  # partial tiles on every edge
+    (1, 8, 16, 1, 7, 9, False),  # one output column (a first chunk)
+    (3, 33, 17, 40, 3, 1, None),  # the conv alone, an input-channel count no tile divides
+]
+
+
+def _gemm_inputs(case):
+    batch, c_in, c_out, num_cols, ksize, dilation, act = case
+    gen = torch.Generator().manual_seed(num_cols)
+    num_in = num_cols + (ksize - 1) * dilation
+    x = torch.randn(batch, c_in, num_in + 3, generator=gen)[:, :, 2:2 + num_in]  # strided
+    weight = torch.randn(c_out, c_in, ksize, generator=gen) / (c_in * ksize) ** 0.5
+    bias = torch.randn(c_out, generator=gen)
+    alpha, beta = torch.randn(2, c_out, generator=gen) * 0.3 + (0.0 if act else 1.0)
+    params = (None, None, False) if act is None else (alpha, beta, act)
+    return x, weight, bias, dilation, *params
+
+
+GEMM_INTERPRETED = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_conv_choice import GEMM_CASES, _gemm_inputs
+from code2wav.sidecar.kernels import conv_gemm
+out = []
+for case in GEMM_CASES:
+    x, weight, *rest = _gemm_inputs(case)
+    got = conv_gemm.run_interpreted(x, conv_gemm.kernel_weight(weight), *rest)
+    ref = conv_gemm.reference(x, weight, *rest)
+    out.append([list(got.shape) == list(ref.shape), (got - ref).abs().max().item()])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_the_gemm_kernel_indexing_matches_conv1d_under_the_interpreter():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = GEMM_INTERPRETED.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == len(GEMM_CASES)
+    for case, (same_shape, err) in zip(GEMM_CASES, results):
+        assert same_shape and err < 1e-5, (case, err)
+
+
+def test_the_gemm_cpu_op_is_conv1d_then_snake_and_rejects_other_shapes():
+    for case in GEMM_CASES:
+        x, weight, bias, dilation, alpha, beta, log_params = _gemm_inputs(case)
+        y = torch.ops.code2wav.conv_snake(x, weight, bias, dilation, alpha, beta, log_params, [16, 16, 16, 1, 1])
+        assert torch.equal(y, conv_gemm.reference(x, weight, bias, dilation, alpha, beta, log_params))
+    x, weight, bias, *rest = _gemm_inputs(GEMM_CASES[0])
+    with pytest.raises(ValueError, match=r"weight \[C_out, C_in, K\]"):  # a grouped conv's weight
+        torch.ops.code2wav.conv_snake(x, weight[:, :10], bias, *rest, [16, 16, 16, 1, 1])
+    with pytest.raises(ValueError, match="at least 18 input columns"):
+        torch.ops.code2wav.conv_snake(x[:, :, :10], weight, bias, *rest, [16, 16, 16, 1, 1])
+
+
+def test_only_unpadded_stride_1_convs_are_polyphase_candidates():
+    assert conv_choice.plain(torch.nn.Conv1d(4, 4, 7, dilation=3))
+    assert not conv_choice.plain(torch.nn.Conv1d(4, 4, 7, dilation=3, padding=9))
+    assert not conv_choice.plain(torch.nn.Conv1d(4, 4, 7, dilation=3, stride=2))
+    assert not conv_choice.plain(torch.nn.Conv1d(4, 4, 7, dilation=3, padding=9, padding_mode="reflect"))
+
+
+def test_the_decoder_streams_the_golden_with_every_dilated_conv_polyphase(monkeypatch, golden_cases):
+    """What a GPU whose measurements all favour the polyphase form runs, on the CPU: forced for every dilated conv
+    (the choice never picks on CPU tensors), the golden streamed in chunks 1, 16, 23 within 1e-5."""
+    from test_exact_streaming import make_engine, stream_interleaved
+
+    from code2wav.sidecar.models import load_model
+    from conftest import TINY
+
+    calls = []
+
+    def always_polyphase(self, x, conv, with_bias=True, act=None):
+        if conv.dilation[0] == 1:
+            return self.run("cudnn", x, conv, with_bias, act)
+        calls.append(tuple(x.shape))
+        return self.run("polyphase", x, conv, with_bias, act)
+
+    monkeypatch.setattr(ConvChoice, "__call__", always_polyphase)
+    engine = make_engine(load_model(str(TINY), torch.device("cpu"), "float32"))
+    full = golden_cases["full"][:, 0]  # [2, T * U]
+    num_frames = golden_cases["codes"].shape[2]
+    plan = [1, 16, num_frames - 17]
+    with torch.inference_mode():
+        out_a, out_b = stream_interleaved(engine, golden_cases["codes"], [plan, plan])
+    assert calls  # the dilated convs ran through the polyphase form
+    assert (out_a - full[0]).abs().max().item() <= 1e-5
+    assert (out_b - full[1]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.cuda
+def test_every_form_equals_the_conv_on_cuda(no_tf32):
+    """fp32 (TF32 off): cuDNN and the polyphase form; bf16: the GEMM kernel's tile configs too, with and without
+    its Snake epilogue, against the float32 conv."""
+    conv = torch.nn.Conv1d(96, 80, 7, dilation=3).cuda()
+    alpha, beta = (torch.randn(2, 80, device="cuda") * 0.3).unbind(0)
+    choice = ConvChoice()
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        x = torch.randn(3, 96, 18 + 301, device="cuda")
+        ref = conv(x)
+        ref_act = snake.activate(ref, alpha, beta, True)
+        layer = torch.nn.Conv1d(96, 80, 7, dilation=3).cuda().to(dtype)
+        layer.load_state_dict(conv.state_dict())
+        forms = choice.forms(x.to(dtype), layer)
+        assert ("gemm0" in forms) == (dtype == torch.bfloat16) and "polyphase" in forms
+        with torch.inference_mode():
+            for form in forms:
+                got = choice.run(form, x.to(dtype), layer, True, None)
+                assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item(), (dtype, form)
+                got = choice.run(form, x.to(dtype), layer, True, (alpha.to(dtype), beta.to(dtype), True))
+                assert (got.float() - ref_act).abs().max().item() < tol * ref_act.abs().max().item(), (dtype, form)
+
+
+@pytest.mark.cuda
+def test_the_choice_is_measured_once_per_shape_and_keeps_the_output(no_tf32):
+    choice = ConvChoice()
+    conv = torch.nn.Conv1d(64, 64, 7, dilation=9).cuda().to(torch.bfloat16)
+    with torch.inference_mode():
+        for num_in in (54 + 400, 54 + 401, 54 + 400):
+            x = torch.randn(4, 64, num_in, device="cuda", dtype=torch.bfloat16)
+            got = choice(x, conv)
+            ref = conv(x).float()
+            assert (got.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert len(choice.decisions) == 2 and len(choice.timings_ms) == 2  # the repeated shape was not timed again
+    for timings in choice.timings_ms.values():
+        assert set(timings) == {"cudnn", "polyphase", *(f"gemm{i}" for i in range(len(conv_gemm.CONFIGS)))}
+        assert all(ms > 0 for ms in timings.values())
