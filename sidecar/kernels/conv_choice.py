@@ -5,7 +5,8 @@ A dense stride-1 conv of the decoders can run three ways: cuDNN as PyTorch calls
 (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is fastest depends on the shape, cuDNN's
 version and the GPU (on the H200, cuDNN picked a kernel without tensor cores for one dilated conv, and wraps the
 others in layout conversions), so nothing is written down: ``ConvChoice`` times every form once per input shape
-(CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed) and keeps the fastest.
+(CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed, each queued behind a short
+GPU spin so that host overhead, which a captured graph does not have, stays out of the time) and keeps the fastest.
 Graph buckets are warmed up eagerly before capture, so their shapes are measured then and captured in the chosen
 form. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing, convs with padding or a stride,
 and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN. A new shape costs its first
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 TIMED_ITERS = 3
 """Timed calls per form (after one untimed): the minimum is kept."""
+HEAD_START_CYCLES = 2_000_000
+"""GPU clock cycles (about 1 ms) the stream spins before each timed call, so the call's host-side work (cuDNN's
+plan setup, Triton's launcher: tens of microseconds, none of it in a CUDA graph) is queued before the GPU gets
+there and the events time the device alone, as a captured graph runs it."""
 MAX_MEASURED_SHAPES = 32
 """Shapes measured per conv; later new shapes (eager steps only: graph buckets are measured at start-up) keep cuDNN."""
 
@@ -45,11 +50,12 @@ def plain(conv: torch.nn.Conv1d) -> bool:
 
 def _min_ms(fn, x: Tensor) -> float:
     """Minimum device time of ``fn(x)`` on ``x``'s device and its current stream (call it under
-    ``torch.cuda.device(x.device)``)."""
+    ``torch.cuda.device(x.device)``), host overhead excluded (``HEAD_START_CYCLES``)."""
     fn(x)
     times = []
     for _ in range(TIMED_ITERS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HEAD_START_CYCLES)
         start.record()
         fn(x)
         end.record()
