@@ -41,7 +41,7 @@ def flops_per_audio_s(model) -> float:
     batch = StreamBatch(inputs.to(model.input.staged_dtype(model.dtype)), num_frames, positions,
                         model.zero_options(rows))
     with torch.inference_mode():
-        # once uncounted first: a layer that measures its formulations on a new shape (kernels/dilated.py) does
+        # once uncounted first: a layer that measures its formulations on a new shape (kernels/conv_choice.py) does
         # it then, so the counted call is the step as it runs
         model.forward_stream(batch, model.module.zero_state(rows))
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:

@@ -430,6 +430,6 @@ def test_a_graph_with_fused_kernels_equals_the_eager_torch_op_step(_tf32_off):
     for got, ref in zip(graph_audio, eager_audio):
         assert got.shape == ref.shape and (got - ref).abs().max().item() < 1e-5
     for k, t in arena.tensors.items():  # activations up to ~10: float32 rounding relative to their size (the
-        # 4-row graph and the 3-row eager step may run a dilated conv in different forms: kernels/dilated.py)
+        # 4-row graph and the 3-row eager step may run a conv in different forms: kernels/conv_choice.py)
         ref = t[slots]
         assert (graph_state[k][slots] - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item()), k

@@ -12,12 +12,16 @@ Each program owns a ``[BLOCK_CO, BLOCK_T]`` output tile of one row and walks the
 ``[BLOCK_CI, BLOCK_T]`` read straight from ``x`` at the tap's shift (no im2col copy), on tensor cores
 (``tl.dot``). Why: cuDNN runs these convs (bf16, the residual units' ``k7`` convs) through NHWC kernels with a
 layout conversion of the input, the weight and the output around each call (about 2.6 ms of a 15 ms batch-16
-step on the H200), and PyTorch adds the bias in another pass; here the input is read in place, and the Snake after
-the conv (in a residual unit its only reader) comes for free in the epilogue.
+step on the H200) at a small fraction of the tensor cores' rate, and PyTorch adds the bias in another pass; here
+the input is read in place, and the Snake after the conv (in a residual unit its only reader) comes in the
+epilogue. Measured (``loadgen/probes/conv_forms.py``, H200, bf16): as tuned so far it is 1.5-2.4x slower than
+cuDNN at batch 16 and 64, and faster only at batch 1 for some shapes, so ``ConvChoice`` (``conv_choice.py``),
+which keeps it only where it measured fastest, rarely picks it yet; better tiles (TMA loads, Hopper-sized tiles)
+are the open work.
 
-Float32 inputs multiply in IEEE float32 (``input_precision="ieee"``: no TF32, as the server's float32 promises);
-that is slow, so ``ConvChoice`` (``conv_choice.py``) only keeps this kernel for the shapes where it measured
-faster than cuDNN. ``Config`` is the tile shape; ``CONFIGS`` the candidates a choice measures.
+Float32 inputs would multiply in IEEE float32 (``input_precision="ieee"``: no TF32, as the server's float32
+promises); that is slow, so ``ConvChoice`` offers this kernel for bf16/fp16 only. ``Config`` is the tile shape;
+``CONFIGS`` the candidates a choice measures.
 
 Registered as ``code2wav::conv_snake`` (CUDA: the kernel; CPU and meta: ``F.conv1d`` and Snake's torch expression).
 """

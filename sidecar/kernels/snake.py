@@ -6,6 +6,8 @@ What it computes, for ``x`` ``[B, C, T]``, per-channel parameters and an optiona
   ``inv = 1 / (exp(beta_c) + 1e-9)`` (SnakeBeta, ``LOG_PARAMS``), or ``scale = alpha_c`` and
   ``inv = 1 / (alpha_c + 1e-9)`` (Snake, the parameters used as they are);
 - ``cat = [state, y]`` ``[B, C, P + T]`` (the stateful conv's input);
+- optionally, ``x + in_bias`` in place of ``x`` (the bias of the conv before, left out of that conv), and
+  ``x += in_bias + bias`` written back over ``x`` (``snake_cat_add_bias_``: a residual unit's skip path);
 - ``tail[b] = cat[b, :, len_b : len_b + P]`` ``[B, C, P]`` (the state the next chunk needs: the ``P`` columns
   that end at row ``b``'s last valid step, ``len_b`` from ``lengths``), what ``gather_tail`` computes.
 
