@@ -10,9 +10,9 @@ writes it), ``weight`` ``[C, 1, K]``, ``bias`` ``[C]`` and dilation ``d`` with `
 
 Why: PyTorch runs a dilated depthwise ``conv1d`` with its generic depthwise kernel
 (``conv_depthwise2d_forward_kernel_generic``), which took about 16 ms of a 64 x 25-frame step of the 2048-wide
-latent decoder on the H200, where the conv is a memory-bound pass (seven loads per output that hit the cache, seven FMAs). The Snake after
-it is the only reader of ``h`` in a residual unit, so applying it here saves a write and a read of ``h`` and the
-Snake kernel's launch. Rows, channels and column blocks are the grid, as in ``snake.py``.
+latent decoder on the H200, where the conv is a memory-bound pass (seven loads per output that hit the cache, seven
+FMAs). The Snake after it is the only reader of ``h`` in a residual unit, so applying it here saves a write and a
+read of ``h`` and the Snake kernel's launch. Rows, channels and column blocks are the grid, as in ``snake.py``.
 
 Registered as ``code2wav::depthwise_snake`` (CUDA: the kernel; CPU and meta: ``F.conv1d`` and the torch
 expression of Snake), so CUDA graphs capture it and profiles name it.
