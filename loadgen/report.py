@@ -93,19 +93,34 @@ def print_compute(compute: dict) -> None:
              "ceil% = audio-s/s / ceiling" if ceiling else f"peak {compute['peak_source']}"))
 
 
+def upstream_twin(report: BenchReport, row: dict) -> dict | None:
+    """The upstream baseline (vLLM-Omni's stock Code2Wav, or VoxCPM2's own module) measured at ``row``'s batch and
+    frame count in the same run, if any: what an in-process row's latency is a ratio to."""
+    for b in report.baselines:
+        upstream = b["name"].startswith(("vllm-omni-stock", "voxcpm2-upstream"))
+        if upstream and b is not row and b["batch"] == row["batch"] and b["new_frames"] == row["new_frames"]:
+            return b
+    return None
+
+
 def print_table(report: BenchReport) -> None:
     baselines, rows, ref = report.baselines, report.results, report.reference()
     compute = report.compute
     print_compute(compute)
     if baselines:
-        print("\nin-process baselines (same device, model, dtype)")
+        print("\nin-process baselines (same device, model, dtype)"
+              + (f"; x_thru = audio-s/s / {ref['name']}'s" if ref else "")
+              + "; x_p50 = p50 / the upstream row of the same batch and frames")
         width = max(18, *(len(b["name"]) for b in baselines))
         print(f"{'baseline':<{width}} {'batch':>5} {'frames':>6} {'p50_ms':>8} {'p95_ms':>8} {'audio_s/s':>10} "
-              f"{'ceil%':>6}")
+              f"{'x_thru':>7} {'x_p50':>6} {'ceil%':>6}")
         for b in baselines:
+            x_thru = b["audio_s_per_s"] / ref["audio_s_per_s"] if ref and ref["audio_s_per_s"] else None
+            twin = upstream_twin(report, b)
+            x_p50 = b["latency_ms_p50"] / twin["latency_ms_p50"] if twin and twin["latency_ms_p50"] else None
             print(f"{b['name']:<{width}} {b['batch']:>5} {b['new_frames']:>6} {b['latency_ms_p50']:>8.2f} "
-                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g} "
-                  f"{_fmt(_ceiling_pct(b['audio_s_per_s'], compute), '6.2f')}")
+                  f"{b['latency_ms_p95']:>8.2f} {b['audio_s_per_s']:>10.4g} {_fmt(x_thru, '7.2f')} "
+                  f"{_fmt(x_p50, '6.2f')} {_fmt(_ceiling_pct(b['audio_s_per_s'], compute), '6.2f')}")
     if not rows:
         print("\nno sidecar level finished")
         return

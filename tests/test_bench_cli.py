@@ -16,7 +16,7 @@ import pytest
 
 from code2wav.loadgen.drive import FRAME_S
 from code2wav.loadgen.phases import Progress, Step
-from code2wav.loadgen.report import draw, load
+from code2wav.loadgen.report import draw, load, print_table, upstream_twin
 from conftest import ROOT, TINY
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -129,6 +129,21 @@ def test_plot_draws_the_real_time_lines():
     (per_stream,) = realtime[throughput_ax]
     conc = [r["concurrency"] for r in report.results]
     assert list(per_stream.get_xdata()) == list(per_stream.get_ydata()) == [min(conc), max(conc)]
+
+
+def test_in_process_rows_are_ratios_to_the_upstream_baselines(capsys):
+    """Issue 21: every figure also as a ratio to stock in the same run. The bf16 run of this session: the graph
+    step's 25-frame chunk at batch 1 against stock's (3.224 / 6.099 ms), throughput against stock's batch-1 runner."""
+    report = load(str(ROOT / "deploy" / "k8s" / "bench" / "h200-bfloat16-fold.json"))
+    by_name = {b["name"]: b for b in report.baselines}
+    assert upstream_twin(report, by_name["exact-graph-b1"])["name"] == "vllm-omni-stock-b1"
+    assert upstream_twin(report, by_name["exact-graph-b1-t1"])["name"] == "vllm-omni-stock-b1-t1"
+    assert upstream_twin(report, by_name["exact-graph-b16"]) is None  # stock ran no batch 16
+    print_table(report)
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    graph_b1, graph_b64 = lines["exact-graph-b1"], lines["exact-graph-b64"]
+    assert graph_b1[7] == f"{3.224 / 6.099:.2f}" == "0.53"  # x_p50
+    assert graph_b64[6] == f"{2374.0 / 327.9:.2f}" and graph_b64[7] == "-"  # x_thru; no stock row at batch 64
 
 
 def test_no_sidecar_runs_only_the_baselines(tmp_path):
