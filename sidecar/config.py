@@ -57,8 +57,9 @@ class EngineConfig(_Section):
     max_forward_frames: int = Field(256, ge=1, description="longer chunks are decoded in exact slices")
     fused_kernels: bool = Field(True, description="on CUDA, the decoder family's hand-written Triton kernels "
                                 "(sidecar/kernels/: Snake fused with the next conv's state concatenation and the "
-                                "previous conv's bias, with the last one-channel conv and with depthwise convs; "
-                                "residual units written in place) in eager steps and CUDA graphs; false = torch ops "
+                                "previous conv's bias, with the last one-channel conv and with depthwise convs; a "
+                                "dense conv as an implicit GEMM where it measures fastest) in eager steps and CUDA "
+                                "graphs; false = torch ops "
                                 "(ignored on CPU and under graphs.compile, where Inductor fuses the same ops)")
 
 

@@ -53,6 +53,27 @@ def test_the_choice_leaves_cpu_tensors_to_cudnn_and_applies_the_snake_it_is_give
     assert choice.decisions == {}  # nothing measured on the CPU
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_the_gemm_kernel_is_a_form_only_with_the_kernels_on_and_autograd_off():
+    from code2wav.sidecar.models import load_model
+
+    conv = torch.nn.Conv1d(8, 8, 7, dilation=3).to(torch.bfloat16)
+    x = torch.zeros(1, 8, 30, dtype=torch.bfloat16)
+    choice = ConvChoice()
+    with torch.inference_mode():
+        assert choice.forms(x, conv) == ["cudnn", "polyphase"]  # engine.fused_kernels off (the default here)
+        choice.kernels = True
+        assert "gemm0" in choice.forms(x, conv) and "gemm0" not in choice.forms(x.float(), conv.float())
+    assert choice.forms(x, conv) == ["cudnn", "polyphase"]  # autograd on: the kernel has no backward
+    model = load_model("default", torch.device("cpu"), "float32")
+    choices = [m.choice for m in model.module.modules() if isinstance(getattr(m, "choice", None), ConvChoice)]
+    assert len(choices) == 14  # pre_conv, the first decoder conv, the 12 residual units' dilated convs
+    model.family.use_fused_kernels(model.module, True)
+    assert all(c.kernels for c in choices)
+    model.family.use_fused_kernels(model.module, False)
+    assert not any(c.kernels for c in choices)
+
+
 GEMM_CASES = [  # (batch, C_in, C_out, output columns, kernel size, dilation, Snake after: None | log_params)
     (2, 20, 36, 70, 7, 3, True),  # partial tiles on every edge
     (1, 8, 16, 1, 7, 9, False),  # one output column (a first chunk)
@@ -81,9 +102,10 @@ from code2wav.sidecar.kernels import conv_gemm
 out = []
 for case in GEMM_CASES:
     x, weight, *rest = _gemm_inputs(case)
-    got = conv_gemm.run_interpreted(x, conv_gemm.kernel_weight(weight), *rest)
-    ref = conv_gemm.reference(x, weight, *rest)
-    out.append([list(got.shape) == list(ref.shape), (got - ref).abs().max().item()])
+    for layout in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):  # columns strided, then channels last
+        got = conv_gemm.run_interpreted(layout, conv_gemm.kernel_weight(weight), *rest)
+        ref = conv_gemm.reference(layout, weight, *rest)
+        out.append([list(got.shape) == list(ref.shape), (got - ref).abs().max().item()])
 print(json.dumps(out))
 """
 
@@ -100,8 +122,8 @@ def test_the_gemm_kernel_indexing_matches_conv1d_under_the_interpreter():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == len(GEMM_CASES)
-    for case, (same_shape, err) in zip(GEMM_CASES, results):
+    assert len(results) == 2 * len(GEMM_CASES)  # each case in two layouts
+    for case, (same_shape, err) in zip([c for c in GEMM_CASES for _ in range(2)], results):
         assert same_shape and err < 1e-5, (case, err)
 
 
@@ -159,16 +181,17 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
     conv = torch.nn.Conv1d(96, 80, 7, dilation=3).cuda()
     alpha, beta = (torch.randn(2, 80, device="cuda") * 0.3).unbind(0)
     choice = ConvChoice()
+    choice.kernels = True
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
         x = torch.randn(3, 96, 18 + 301, device="cuda")
         ref = conv(x)
         ref_act = snake.activate(ref, alpha, beta, True)
         layer = torch.nn.Conv1d(96, 80, 7, dilation=3).cuda().to(dtype)
         layer.load_state_dict(conv.state_dict())
-        forms = choice.forms(x.to(dtype), layer)
-        assert ("gemm0" in forms) == (dtype == torch.bfloat16) and "polyphase" in forms
+        assert "gemm0" not in choice.forms(x.to(dtype), layer)  # autograd on: no kernel without a backward
         with torch.inference_mode():
-            for form in forms:
+            assert ("gemm0" in choice.forms(x.to(dtype), layer)) == (dtype == torch.bfloat16)
+            for form in choice.forms(x.to(dtype), layer):
                 got = choice.run(form, x.to(dtype), layer, True, None)
                 assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item(), (dtype, form)
                 got = choice.run(form, x.to(dtype), layer, True, (alpha.to(dtype), beta.to(dtype), True))
@@ -178,6 +201,7 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
 @pytest.mark.cuda
 def test_the_choice_is_measured_once_per_shape_and_keeps_the_output(no_tf32):
     choice = ConvChoice()
+    choice.kernels = True
     conv = torch.nn.Conv1d(64, 64, 7, dilation=9).cuda().to(torch.bfloat16)
     with torch.inference_mode():
         for num_in in (54 + 400, 54 + 401, 54 + 400):

@@ -142,11 +142,15 @@ from test_kernels import {cases}, {inputs}, _max_err, _conv_tol
 from test_kernels import _bias_interpreted, _bias_reference, _dw_interpreted, _dw_reference
 out = []
 for case in {cases}:
-    args = {inputs}(case)
-    got = {run}(*args)
-    ref = {ref}(*args)
-    shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
-    out.append([_max_err(got, ref), {tolerance}, shapes])
+    made = {inputs}(case)
+    x = made[0]
+    # as made (the columns strided), then the channels-last layout (the channels contiguous, columns C apart)
+    for layout in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):
+        args = (layout, *made[1:])
+        got = {run}(*args)
+        ref = {ref}(*args)
+        shapes = [list(t.shape) for t in got] == [list(t.shape) for t in ref]
+        out.append([_max_err(got, ref), {tolerance}, shapes])
 print(json.dumps(out))
 """
 
@@ -174,8 +178,8 @@ def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter(modu
                                                                             ref):
     results = _interpreted(module, cases, inputs, tolerance, run, ref)
     expected = {"CASES": CASES, "CONV_CASES": CONV_CASES, "DW_CASES": DW_CASES}[cases]
-    assert len(results) == len(expected)
-    for case, (err, tol, same_shapes) in zip(expected, results):
+    assert len(results) == 2 * len(expected)  # each case in two layouts
+    for case, (err, tol, same_shapes) in zip([c for c in expected for _ in range(2)], results):
         assert same_shapes, case
         assert err < tol, (case, err, tol)
 

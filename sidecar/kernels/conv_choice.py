@@ -9,8 +9,15 @@ others in layout conversions), so nothing is written down: ``ConvChoice`` times 
 GPU spin so that host overhead, which a captured graph does not have, stays out of the time) and keeps the fastest.
 Graph buckets are warmed up eagerly before capture, so their shapes are measured then and captured in the chosen
 form. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing, convs with padding or a stride,
-and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN. A new shape costs its first
-step some milliseconds (four calls per form), tens at batch 64.
+and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN. A new shape costs its first step
+the measurement: per conv and form one untimed call and three timed ones, each behind a 1 ms spin, so for a whole
+step of the 12 Hz codes decoder (14 dense convs, up to 6 forms) on the order of 0.2-0.3 s, more at batch 64, plus
+Triton's compile the first time a kernel variant runs. Graph buckets pay it at start-up; an eager step of a new
+shape pays it once. A form that fails (a kernel that does not compile or launch on this GPU) is logged and left out.
+
+The GEMM kernel is a candidate only where the family switched its kernels on (``kernels``, set by
+``set_kernels`` from ``use_fused_kernels``; ``engine.fused_kernels: false`` keeps it out) and autograd is off (it
+has no backward); the decision key records both, so a choice made with the kernel is never reused without it.
 
 With ``act`` (a Snake's ``(alpha, beta, log_params)``), the call returns ``act(conv(x) + bias)``: the GEMM kernel
 applies it in its epilogue, the other forms run the conv without its bias and then ``code2wav::snake_cat`` with
@@ -71,6 +78,9 @@ class ConvChoice:
     ``"polyphase"``, ``"gemm<i>"`` for ``conv_gemm.CONFIGS[i]``); ``timings_ms`` keeps every form's measurement
     for logs and probes."""
 
+    kernels = False
+    """Whether the hand-written GEMM kernel may be measured and used (the family's ``use_fused_kernels``)."""
+
     def __init__(self) -> None:
         self.decisions: dict[tuple, str] = {}
         self.timings_ms: dict[tuple, dict[str, float]] = {}
@@ -82,7 +92,7 @@ class ConvChoice:
         or with ``act``, ``act(conv(x) + bias)``."""
         if not x.is_cuda or torch.compiler.is_compiling() or not plain(conv):
             return self.run("cudnn", x, conv, with_bias, act)
-        key = (*x.shape, x.dtype, x.device, act is not None)
+        key = (*x.shape, x.dtype, x.device, act is not None, self.kernels_allowed())
         form = self.decisions.get(key)
         if form is None:
             forms = self.forms(x, conv)
@@ -93,12 +103,16 @@ class ConvChoice:
                 form = self.measure(key, forms, x, conv, with_bias, act)
         return self.run(form, x, conv, with_bias, act)
 
+    def kernels_allowed(self) -> bool:
+        """The GEMM kernel may run now: switched on, Triton present, autograd off."""
+        return self.kernels and conv_gemm.triton is not None and not torch.is_grad_enabled()
+
     def forms(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
         """The forms that can run ``conv`` on ``x``."""
         names = ["cudnn"]
         if conv.dilation[0] > 1:
             names.append("polyphase")
-        if conv.groups == 1 and conv_gemm.triton is not None and x.dtype in (torch.bfloat16, torch.float16):
+        if conv.groups == 1 and self.kernels_allowed() and x.dtype in (torch.bfloat16, torch.float16):
             names += [f"gemm{i}" for i in range(len(conv_gemm.CONFIGS))]
         return names
 
@@ -126,7 +140,8 @@ class ConvChoice:
 
     def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:
         """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept while the
-        weight's storage, dtype and version stay the same."""
+        weight's storage, dtype and version stay the same (weights are fixed after load: a ``.data.copy_`` would not
+        be seen). Dropped again after a measurement if no decision uses the kernel."""
         w = conv.weight
         identity = (w.data_ptr(), w.dtype, w.device, w._version)
         if self._gemm_weight is None or self._gemm_weight[0] != identity:
@@ -135,10 +150,29 @@ class ConvChoice:
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
                 act: Act | None) -> str:
+        timings: dict[str, float] = {}
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
-            timings = {form: _min_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act), x) for form in forms}
+            for form in forms:
+                try:
+                    timings[form] = _min_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act), x)
+                except Exception as exc:  # noqa: BLE001  (cuDNN, the first form, has no fallback: re-raised)
+                    if form == "cudnn":
+                        raise
+                    log.warning("conv %s: form %s failed (%s: %s); left out", tuple(x.shape), form,
+                                type(exc).__name__, exc)
         best = min(timings, key=timings.get)
         self.timings_ms[key] = timings
         self.decisions[key] = best
+        if not any(f.startswith("gemm") for f in self.decisions.values()):
+            self._gemm_weight = None  # measured, not used: no second copy of the weight
         log.debug("conv %s: %s -> %s", tuple(x.shape), {f: round(ms, 3) for f, ms in timings.items()}, best)
         return best
+
+
+def set_kernels(module: torch.nn.Module, enabled: bool) -> None:
+    """Set ``kernels`` on every ``ConvChoice`` held by a submodule of ``module`` (as ``.choice``): a family's
+    ``use_fused_kernels`` calls it with what it switched its Snake kernels to."""
+    for sub in module.modules():
+        choice = getattr(sub, "choice", None)
+        if isinstance(choice, ConvChoice):
+            choice.kernels = enabled

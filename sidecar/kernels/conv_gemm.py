@@ -15,9 +15,9 @@ layout conversion of the input, the weight and the output around each call (abou
 step on the H200) at a small fraction of the tensor cores' rate, and PyTorch adds the bias in another pass; here
 the input is read in place, and the Snake after the conv (in a residual unit its only reader) comes in the
 epilogue. Measured (``loadgen/probes/conv_forms.py``, H200, bf16): as tuned so far it is 1.5-2.4x slower than
-cuDNN at batch 16 and 64, and faster only at batch 1 for some shapes, so ``ConvChoice`` (``conv_choice.py``),
-which keeps it only where it measured fastest, rarely picks it yet; better tiles (TMA loads, Hopper-sized tiles)
-are the open work.
+cuDNN at batch 16 and 64 on the residual units' convs, and faster only at batch 1 for some shapes (5 of the 14
+dense convs of a step) and for the small ``pre_conv``, so ``ConvChoice`` (``conv_choice.py``), which keeps it only
+where it measured fastest, picks it there; better tiles (TMA loads, Hopper-sized tiles) are the open work.
 
 Float32 inputs would multiply in IEEE float32 (``input_precision="ieee"``: no TF32, as the server's float32
 promises); that is slow, so ``ConvChoice`` offers this kernel for bf16/fp16 only. ``Config`` is the tile shape;

@@ -104,7 +104,7 @@ if triton is not None:
         x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32)
         if HAS_IN_BIAS:  # the previous conv's bias, added here instead of in a pass of its own (not rounded)
             x = x + tl.load(in_bias_ptr + c).to(tl.float32)
-        if ADD_BIAS:  # x += bias[c] in place, as torch's add_ rounds it (float32 sum, one rounding)
+        if ADD_BIAS:  # x += bias[c] in place: a float32 sum, one rounding (the CPU expression rounds per add)
             shifted = x + tl.load(bias_ptr + c).to(tl.float32)
             tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
         s = tl.sin(x * scale)

@@ -204,8 +204,10 @@ class ResidualUnit(nn.Module):
         if bias_in_kernel:  # act2(conv1(act1(x))), x += in_bias + conv2's bias on the way
             h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias, in_bias=in_bias,
                               then_act=self.act2)  # [B, C, T]
+        elif in_bias is not None:  # its skip path would need it too: only the in-kernel form adds it there
+            raise ValueError("in_bias needs the in-place fused form (folds_biases, autograd off)")
         else:
-            h, _ = self.conv1(x, lengths, ctx, act=self.act1, in_bias=in_bias)  # [B, C, T]
+            h, _ = self.conv1(x, lengths, ctx, act=self.act1)  # [B, C, T]
             h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
         weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         if not in_place:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ...kernels import conv_choice
 from ...kernels import snake as snake_kernel
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential, folds_biases
 from .config import DecoderConfig
@@ -118,7 +119,9 @@ class Qwen3TTSDecoder(nn.Module):
         """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``; before the last conv,
         Snake + that conv: ``kernels/snake_conv.py``), or torch ops. Returns whether the kernels are in use (False
         without Triton)."""
-        return snake_kernel.set_fused(self, SnakeBeta, enabled)
+        fused = snake_kernel.set_fused(self, SnakeBeta, enabled)
+        conv_choice.set_kernels(self, fused)  # the GEMM conv kernel, where a conv measures it fastest
+        return fused
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""
@@ -147,7 +150,7 @@ class Qwen3TTSDecoder(nn.Module):
         for stage in net.upsample:
             x, lengths = stage(x, lengths, ctx)  # [B, latent, T * r]
         first_conv, *blocks, act, out_conv = net.decoder
-        fold = folds_biases(act, x)  # the first conv's bias added by the first block's first kernel
+        fold = folds_biases(act, x) and bool(blocks)  # the first conv's bias added by the first block's first kernel
         x, lengths = first_conv(x, lengths, ctx, bias_later=fold)  # [B, decoder_dim, T]
         pending = first_conv.conv.bias if fold else None
         for block in blocks:
