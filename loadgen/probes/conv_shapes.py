@@ -65,9 +65,18 @@ def main() -> None:
             shapes.setdefault(name, (conv or mod, args[0].shape))
         return hook
 
+    def record_choice(name: str, block: nn.Module):
+        def hook(mod, args, out) -> None:  # the block's input [B, C, T]; its conv sees [B, C, P + T]
+            batch, channels, num_cols = args[0].shape
+            shapes.setdefault(name, (block.conv, torch.Size((batch, channels, num_cols + block.num_state_cols))))
+        return hook
+
     def register() -> list:
         hooks = [m.register_forward_hook(record(name))
                  for name, m in model.module.named_modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+        # a conv with a ConvChoice runs through it (F.conv1d, not the module's __call__): recorded from its block
+        hooks += [m.register_forward_hook(record_choice(f"{name}.conv", m))
+                  for name, m in model.module.named_modules() if getattr(m, "choice", None) is not None]
         # a residual unit's 1x1 conv runs as a baddbmm, not as its module: recorded from the unit's input [B, C, T]
         return hooks + [m.register_forward_hook(record(f"{name}.conv2.conv", m.conv2.conv))
                         for name, m in model.module.named_modules() if type(m).__name__ == "ResidualUnit"]
