@@ -278,17 +278,26 @@ def _tf32_off(no_tf32):
     """float32 tolerances hold only with TF32 off (conftest.no_tf32)."""
 
 
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
 @cuda
-def test_cuda_kernel_matches_the_torch_expression(_tf32_off):
-    for case in CASES:
-        args = _inputs(case, device="cuda")
-        got = torch.ops.code2wav.snake_cat(*args)
-        ref = snake.reference(*args)
-        assert _max_err(got, ref) < 5e-6, case
-        bf = _inputs(case, device="cuda", dtype=torch.bfloat16)
-        got = torch.ops.code2wav.snake_cat(*bf)  # one rounding, from float32 math
-        exact = snake.reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf))
-        assert _max_err(got, exact) <= 0.0079 * max(1.0, max(t.abs().max().item() for t in exact if t.numel())), case
+@pytest.mark.parametrize("op, inputs, reference, cases, fp32_rel", [
+    ("snake_cat", _inputs, snake.reference, CASES, 5e-6),
+    ("depthwise_snake", _dw_inputs, depthwise.reference, DW_CASES, 2e-6),
+])
+def test_cuda_kernel_matches_its_torch_expression(_tf32_off, op, inputs, reference, cases, fp32_rel):
+    """float32: the kernel against its expression; bf16: float32 math and one rounding, so within a bf16 step of
+    the float32 expression of the same bf16 inputs."""
+    kernel = getattr(torch.ops.code2wav, op)
+    for case in cases:
+        args = inputs(case, device="cuda")
+        ref = _as_tuple(reference(*args))
+        assert _max_err(_as_tuple(kernel(*args)), ref) < _conv_tol(ref, fp32_rel), case
+        bf = inputs(case, device="cuda", dtype=torch.bfloat16)
+        exact = _as_tuple(reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf)))
+        assert _max_err(_as_tuple(kernel(*bf)), exact) <= _conv_tol(exact, 0.0079), case
 
 
 @cuda
@@ -305,19 +314,6 @@ def test_cuda_bias_variant_adds_in_float32_and_rounds_once(_tf32_off):
                 if in_bias is not None:
                     expected = args[0].float() + in_bias.float()[None, :, None] + bias.float()[None, :, None]
                 assert torch.equal(got[2], expected.to(dtype)), (case, dtype, with_in_bias)
-
-
-@cuda
-def test_cuda_depthwise_kernel_matches_conv1d_then_snake(_tf32_off):
-    for case in DW_CASES:
-        args = _dw_inputs(case, device="cuda")
-        got = torch.ops.code2wav.depthwise_snake(*args)
-        ref = depthwise.reference(*args)
-        assert _max_err([got], [ref]) < _conv_tol([ref], 2e-6), case
-        bf = _dw_inputs(case, device="cuda", dtype=torch.bfloat16)
-        got = torch.ops.code2wav.depthwise_snake(*bf)  # float32 math, one rounding
-        exact = depthwise.reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in bf))
-        assert _max_err([got], [exact]) <= _conv_tol([exact], 0.0079), case
 
 
 @cuda

@@ -42,6 +42,8 @@ try:  # optional, as for snake.py
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
+else:
+    from .snake import snake_apply, snake_scale_inv
 
 
 class Config(NamedTuple):
@@ -114,15 +116,9 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + co, mask=co_in, other=0.0).to(tl.float32)[:, None]
         if ACTIVATE:
-            a = tl.load(alpha_ptr + co, mask=co_in, other=0.0).to(tl.float32)
-            if LOG_PARAMS:
-                scale = tl.exp(a)
-                inv = 1.0 / (tl.exp(tl.load(beta_ptr + co, mask=co_in, other=0.0).to(tl.float32)) + 1e-9)
-            else:
-                scale = a
-                inv = 1.0 / (a + 1e-9)
-            s = tl.sin(acc * scale[:, None])
-            acc = acc + inv[:, None] * s * s
+            scale, inv = snake_scale_inv(tl.load(alpha_ptr + co, mask=co_in, other=0.0).to(tl.float32),
+                                         tl.load(beta_ptr + co, mask=co_in, other=0.0).to(tl.float32), LOG_PARAMS)
+            acc = snake_apply(acc, scale[:, None], inv[:, None])
         y_at = y_ptr + (b * c_out + co[:, None]) * num_cols_out + t[None, :]
         tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=co_in[:, None] & t_in[None, :])
 

@@ -32,6 +32,8 @@ try:  # optional, as for snake.py
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
+else:
+    from .snake import snake_apply, snake_scale_inv
 
 BLOCK_COLS = 1024
 """Output columns per program (as ``snake.BLOCK_COLS``)."""
@@ -73,15 +75,9 @@ if triton is not None:
             w = tl.load(w_ptr + c * KSIZE + k).to(tl.float32)
             acc += w * tl.load(row + (cols + k * DILATION) * stride_xt, mask=inside, other=0.0).to(tl.float32)
         if ACTIVATE:
-            a = tl.load(alpha_ptr + c).to(tl.float32)
-            if LOG_PARAMS:
-                scale = tl.exp(a)
-                inv = 1.0 / (tl.exp(tl.load(beta_ptr + c).to(tl.float32)) + 1e-9)
-            else:
-                scale = a
-                inv = 1.0 / (a + 1e-9)
-            s = tl.sin(acc * scale)
-            acc = acc + inv * s * s
+            scale, inv = snake_scale_inv(tl.load(alpha_ptr + c).to(tl.float32),
+                                         tl.load(beta_ptr + c).to(tl.float32), LOG_PARAMS)
+            acc = snake_apply(acc, scale, inv)
         tl.store(y_ptr + (b * num_channels + c) * num_cols_out + cols, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 

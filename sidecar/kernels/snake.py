@@ -81,6 +81,25 @@ def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, leng
 
 if triton is not None:
     @triton.jit
+    def snake_scale_inv(a, b, LOG_PARAMS: tl.constexpr):
+        """Snake's ``(scale, inv)`` from the loaded float32 parameters ``a`` (alpha) and ``b`` (beta, unused unless
+        ``LOG_PARAMS``): ``(e^a, 1 / (e^b + 1e-9))`` (SnakeBeta) or ``(a, 1 / (a + 1e-9))`` (Snake). Every kernel
+        of this package that applies Snake calls it (and ``snake_apply``)."""
+        if LOG_PARAMS:
+            scale = tl.exp(a)
+            inv = 1.0 / (tl.exp(b) + 1e-9)
+        else:
+            scale = a
+            inv = 1.0 / (a + 1e-9)
+        return scale, inv
+
+    @triton.jit
+    def snake_apply(x, scale, inv):
+        """``x + inv * sin(x * scale)^2`` in float32."""
+        s = tl.sin(x * scale)
+        return x + inv * s * s
+
+    @triton.jit
     def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr, bias_ptr,
                           in_bias_ptr, num_channels, num_cols_in, num_state_cols,
                           stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
@@ -92,13 +111,8 @@ if triton is not None:
         total = num_cols_in + num_state_cols
         cols = block * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] columns of cat
         inside = cols < total
-        a = tl.load(alpha_ptr + c).to(tl.float32)
-        if LOG_PARAMS:
-            scale = tl.exp(a)
-            inv = 1.0 / (tl.exp(tl.load(beta_ptr + c).to(tl.float32)) + 1e-9)
-        else:
-            scale = a
-            inv = 1.0 / (a + 1e-9)
+        scale, inv = snake_scale_inv(tl.load(alpha_ptr + c).to(tl.float32), tl.load(beta_ptr + c).to(tl.float32),
+                                     LOG_PARAMS)
         is_new = inside & (cols >= num_state_cols)
         x_at = x_ptr + b * stride_xb + c * stride_xc + (cols - num_state_cols) * stride_xt
         x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32)
@@ -107,8 +121,7 @@ if triton is not None:
         if ADD_BIAS:  # x += bias[c] in place: a float32 sum, one rounding (the CPU expression rounds per add)
             shifted = x + tl.load(bias_ptr + c).to(tl.float32)
             tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
-        s = tl.sin(x * scale)
-        y = x + inv * s * s
+        y = snake_apply(x, scale, inv)
         row = (b * num_channels + c) * total
         if HAS_STATE:
             old = tl.load(state_ptr + b * stride_sb + c * stride_sc + cols * stride_st,

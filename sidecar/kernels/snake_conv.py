@@ -36,6 +36,8 @@ try:  # optional, as for snake.py
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
+else:
+    from .snake import snake_apply, snake_scale_inv
 
 BLOCK_SAMPLES = 256
 """Output samples per program."""
@@ -62,11 +64,6 @@ def check_shapes(x: Tensor, state: Tensor, weight: Tensor) -> None:
 
 if triton is not None:
     @triton.jit
-    def _snake(x, scale, inv):
-        s = tl.sin(x * scale)
-        return x + inv * s * s
-
-    @triton.jit
     def _tap_sums_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, w_ptr, sums_ptr, tail_ptr,
                          num_channels, num_cols,
                          stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
@@ -92,16 +89,11 @@ if triton is not None:
         for c0 in range(0, num_channels, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
             c_in = c < num_channels
-            a = tl.load(alpha_ptr + c, mask=c_in, other=0.0).to(tl.float32)
-            if LOG_PARAMS:
-                scale = tl.exp(a)
-                inv = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=c_in, other=0.0).to(tl.float32)) + 1e-9)
-            else:
-                scale = a
-                inv = 1.0 / (a + 1e-9)
+            scale, inv = snake_scale_inv(tl.load(alpha_ptr + c, mask=c_in, other=0.0).to(tl.float32),
+                                         tl.load(beta_ptr + c, mask=c_in, other=0.0).to(tl.float32), LOG_PARAMS)
             xv = tl.load(x_row + c[:, None] * stride_xc + col[None, :] * stride_xt,
                          mask=c_in[:, None] & from_x[None, :], other=0.0).to(tl.float32)
-            v = _snake(xv, scale[:, None], inv[:, None])
+            v = snake_apply(xv, scale[:, None], inv[:, None])
             v = v.to(tail_ptr.dtype.element_ty).to(tl.float32)  # what snake_cat would have stored
             old = tl.load(s_row + c[:, None] * stride_sc + u[None, :] * stride_st,
                           mask=c_in[:, None] & (col < 0)[None, :], other=0.0).to(tl.float32)
@@ -115,7 +107,7 @@ if triton is not None:
                 keep = c_in[:, None] & (i < num_state_cols)[None, :]
                 tail_x = tl.load(x_row + c[:, None] * stride_xc + tail_col[None, :] * stride_xt,
                                  mask=keep & (tail_col >= 0)[None, :], other=0.0).to(tl.float32)
-                tail_v = _snake(tail_x, scale[:, None], inv[:, None])
+                tail_v = snake_apply(tail_x, scale[:, None], inv[:, None])
                 tail_old = tl.load(s_row + c[:, None] * stride_sc + tail_u[None, :] * stride_st,
                                    mask=keep & (tail_col < 0)[None, :], other=0.0).to(tl.float32)
                 tail_v = tl.where((tail_col < 0)[None, :], tail_old, tail_v)

@@ -1,0 +1,78 @@
+"""Every Triton kernel of ``sidecar/kernels/`` compiles for the H200 (sm_90), on a machine without a GPU.
+
+Triton's interpreter (``test_kernels.py``, ``test_conv_choice.py``) runs a kernel's Python on CPU tensors: it checks
+the indexing and the math, but not what only the compiler rejects (a variable redefined with another type inside an
+``if``, a ``tl.dot`` on tiles smaller than 16, an unsupported dtype in a constexpr branch). Here each kernel is
+compiled ahead of time (``triton.compile`` with a ``GPUTarget("cuda", 90, 32)``: Triton's own LLVM and ``ptxas``,
+no driver) in every constexpr variant the ops launch, with the dtypes the server runs (bf16 and fp32 activations),
+and must give a cubin. The GPU machine's Triton may be another version, so this is a gate, not a proof.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="Triton is not installed (the CUDA wheel of torch ships it)")
+
+POINTER_TYPES = {"lengths_ptr": "*i64", "sums_ptr": "*fp32"}
+"""Pointer arguments that are not of the activation dtype."""
+
+
+def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for param in kernel.params:
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):
+            signature[param.name] = POINTER_TYPES.get(param.name, f"*{dtype}")
+        else:
+            signature[param.name] = "i32"
+    missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
+    assert not missing, f"constexprs not given: {missing}"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _variants():
+    from code2wav.sidecar.kernels import conv_gemm, depthwise, snake, snake_conv
+
+    for dtype in ("bf16", "fp32"):
+        for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
+                                             (True, True, False), (False, False, False)):
+            for log_params in (True, False):
+                yield (f"snake_cat-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-log{log_params:d}",
+                       snake._snake_cat_kernel, dtype,
+                       dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
+                            BLOCK=snake.BLOCK_COLS), {})
+        yield (f"snake_conv_out-taps-{dtype}", snake_conv._tap_sums_kernel, dtype,
+               dict(LOG_PARAMS=True, KSIZE=7, BLOCK_C=snake_conv.BLOCK_CHANNELS, BLOCK_T=snake_conv.BLOCK_SAMPLES,
+                    BLOCK_P=8), {})
+        yield (f"snake_conv_out-sum-{dtype}", snake_conv._shifted_sum_kernel, dtype,
+               dict(KSIZE=7, BLOCK_T=snake_conv.BLOCK_SAMPLES), {})
+        for activate in (True, False):
+            yield (f"depthwise-{dtype}-act{activate:d}", depthwise._depthwise_kernel, dtype,
+                   dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, BLOCK=depthwise.BLOCK_COLS), {})
+    for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
+        for has_bias, activate in ((True, True), (False, False), (True, False)):
+            yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",
+                   dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, IEEE=False, BLOCK_CO=config.block_co,
+                        BLOCK_T=config.block_t, BLOCK_CI=config.block_ci),
+                   dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+VARIANTS = list(_variants()) if importlib.util.find_spec("triton") else []
+
+
+@pytest.mark.parametrize("name, kernel, dtype, constexprs, launch", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_the_kernel_compiles_for_sm90(name, kernel, dtype, constexprs, launch):
+    compiled = _compile(kernel, dtype, constexprs, **launch)
+    assert len(compiled.asm["cubin"]) > 0
+    assert ".target sm_90" in compiled.asm["ptx"]
