@@ -213,6 +213,10 @@ def test_the_cpu_op_is_the_torch_expression_and_the_tail_is_the_next_state():
             assert torch.equal(cat[:, :, :num_state_cols], state)
             for b, n in enumerate(lengths.tolist()):
                 assert torch.equal(tail[b], cat[b, :, n:n + num_state_cols])
+            with pytest.raises(ValueError, match="needs lengths"):  # None only without a state
+                torch.ops.code2wav.snake_cat(x, state, alpha, beta, None, log_params)
+        else:
+            assert torch.equal(torch.ops.code2wav.snake_cat(x, None, alpha, beta, None, log_params)[0], cat)
 
 
 def test_the_bias_variant_adds_the_bias_to_x_in_place_and_returns_what_snake_cat_returns():

@@ -20,10 +20,10 @@ import statistics
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.kernels.dilated import polyphase_conv
 from code2wav.sidecar.models import load_model
 from code2wav.sidecar.state_store import StateArena
 from code2wav.loadgen.inputs import InputContract, synthetic_inputs
@@ -114,20 +114,6 @@ def main() -> None:
             _last_layer(model, shapes, batch)
 
 
-def polyphase_conv(x: torch.Tensor, mod: nn.Conv1d) -> torch.Tensor:
-    """A dilated conv (dilation ``d``) as one undilated conv over ``d`` interleaved phases stacked on the batch:
-    ``y[r + d m] = sum_k W_k x[r + d (m + k)]``. Two copies (phases in, phases out)."""
-    d = mod.dilation[0]
-    batch, channels, num_in = x.shape
-    num_out = num_in - (mod.kernel_size[0] - 1) * d
-    padded = -(-num_in // d) * d
-    phases = F.pad(x, (0, padded - num_in)).view(batch, channels, padded // d, d)  # [B, C, L/d, d]
-    phases = phases.permute(0, 3, 1, 2).reshape(batch * d, channels, padded // d)  # [B*d, C, L/d]
-    y = F.conv1d(phases, mod.weight, mod.bias)  # [B*d, C_out, M]
-    y = y.view(batch, d, mod.out_channels, -1).permute(0, 2, 3, 1).reshape(batch, mod.out_channels, -1)
-    return y[:, :, :num_out]  # [B, C_out, T]
-
-
 def _convs_alone(shapes, batch: int) -> None:
     print(f"\nconvs alone at batch {batch} (the step's shapes, median of {ITERS}, ms): cudnn heuristics | cudnn "
           f"benchmark | dilated as polyphase | 1x1 as baddbmm with the residual")
@@ -143,10 +129,10 @@ def _convs_alone(shapes, batch: int) -> None:
         poly = mm = float("nan")
         if isinstance(mod, nn.Conv1d) and mod.dilation[0] > 1:
             ref = mod(x)
-            got = polyphase_conv(x, mod)
+            got = polyphase_conv(x, mod.weight, mod.bias, mod.dilation[0], mod.groups)
             assert got.shape == ref.shape and (got.float() - ref.float()).abs().max().item() < 0.05 * max(
                 1.0, ref.abs().max().item()), name
-            poly = _time_ms(lambda: polyphase_conv(x, mod))
+            poly = _time_ms(lambda: polyphase_conv(x, mod.weight, mod.bias, mod.dilation[0], mod.groups))
         if isinstance(mod, nn.Conv1d) and mod.kernel_size[0] == 1 and mod.groups == 1:
             w = mod.weight[:, :, 0].expand(batch, -1, -1)  # [B, C_out, C_in]
             res = torch.randn(batch, mod.out_channels, in_shape[2], device=DEVICE, dtype=x.dtype)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import conv_gemm, snake  # noqa: F401  (snake registers torch.ops.code2wav.snake_cat)
@@ -85,7 +84,6 @@ class ConvChoice:
         self.decisions: dict[tuple, str] = {}
         self.timings_ms: dict[tuple, dict[str, float]] = {}
         self._gemm_weight: tuple[tuple, Tensor] | None = None  # (weight identity, tap-major copy)
-        self._no_lengths: Tensor | None = None  # snake_cat's lengths where there is no state (never read)
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
@@ -132,10 +130,8 @@ class ConvChoice:
             y = conv._conv_forward(x, conv.weight, bias)  # [B, C_out, T] (the module's own call)
         if act is None:
             return y
-        if self._no_lengths is None or self._no_lengths.device != x.device:
-            self._no_lengths = torch.zeros(1, dtype=torch.long, device=x.device)
         alpha, beta, log_params = act
-        y, _ = torch.ops.code2wav.snake_cat(y, None, alpha, beta, self._no_lengths, log_params, conv.bias)
+        y, _ = torch.ops.code2wav.snake_cat(y, None, alpha, beta, None, log_params, conv.bias)  # no state: no lengths
         return y  # [B, C_out, T]
 
     def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:

@@ -43,6 +43,14 @@ def available() -> bool:
     return triton is not None
 
 
+def folds_biases(act, x: Tensor) -> bool:
+    """Whether a family's blocks around ``act`` (a Snake module with ``runs_fused``) take their fused, in-place form:
+    conv biases moved into the next kernel (``in_bias``), a residual unit's skip path written over its input
+    (``snake_cat_add_bias_``, then ``baddbmm(out=x)``). Where ``act`` runs fused (CUDA, not under ``torch.compile``)
+    and autograd is off (in-place writes)."""
+    return act.runs_fused(x) and not torch.is_grad_enabled()
+
+
 def set_fused(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
     """Set ``fused`` on every ``activation`` module (a family's Snake class) under ``module``: the conv after it
     then calls this kernel on CUDA tensors. Returns whether the kernel is in use (False without Triton)."""
@@ -65,13 +73,15 @@ def activate(x: Tensor, alpha: Tensor, beta: Tensor | None, log_params: bool) ->
     return x + inv * torch.sin(x * scale).square()  # [B, C, T]
 
 
-def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
               log_params: bool) -> tuple[Tensor, Tensor]:
     """The torch expression of ``snake_cat`` in ``x``'s dtype (the CPU and meta implementation, and what the
     CUDA kernel is tested against). Returns ``(cat [B, C, P + T], tail [B, C, P])``."""
     y = activate(x, alpha, beta, log_params)  # [B, C, T]
     if state is None:
         return y, y.new_empty((x.shape[0], x.shape[1], 0))
+    if lengths is None:
+        raise ValueError("snake_cat with a state needs lengths (where each row's tail ends)")
     cat = torch.cat([state.to(x.dtype), y], dim=2)  # [B, C, P + T]
     num_cols = state.shape[2]
     index = lengths.to(x.device)[:, None] + torch.arange(num_cols, device=x.device)[None, :]  # [B, P]
@@ -134,7 +144,7 @@ if triton is not None:
         tl.store(cat_ptr + row + cols, y.to(cat_ptr.dtype.element_ty), mask=inside)
 
 
-def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
             log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     batch, channels, num_cols_in = x.shape
     num_state_cols = 0 if state is None else state.shape[2]
@@ -143,9 +153,11 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
     if cat.numel() == 0:
         return cat, tail
     has_state = state is not None and num_state_cols > 0
+    if has_state and lengths is None:
+        raise ValueError("snake_cat with a state needs lengths (where each row's tail ends)")
     src = state if has_state else x  # any valid pointer when there is no state (never read)
     grid = (triton.cdiv(num_state_cols + num_cols_in, BLOCK_COLS), channels, batch)
-    _snake_cat_kernel[grid](x, src, alpha, beta if log_params else alpha, lengths, cat, tail,
+    _snake_cat_kernel[grid](x, src, alpha, beta if log_params else alpha, lengths if has_state else src, cat, tail,
                             alpha if bias is None else bias, alpha if in_bias is None else in_bias,
                             channels, num_cols_in, num_state_cols,
                             x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2),
@@ -155,11 +167,12 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
 
 
 @torch.library.custom_op("code2wav::snake_cat", mutates_args=())
-def snake_cat(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+def snake_cat(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
               log_params: bool, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(cat, tail)``, see the module docstring. ``x`` ``[B, C, T]`` (any strides), ``state`` ``[B, C, P]`` or
     None (then ``cat`` is the activation alone and ``tail`` is empty), ``alpha``/``beta`` ``[C]`` (``beta``
-    unused unless ``log_params``), ``lengths`` ``[B]`` int64 valid columns of ``x`` per row. ``in_bias`` ``[C]``:
+    unused unless ``log_params``), ``lengths`` ``[B]`` int64 valid columns of ``x`` per row (needed with a state
+    only: it places the tail; None without one). ``in_bias`` ``[C]``:
     the activation is of ``x + in_bias`` (the bias of the conv that produced ``x``, which then runs without it:
     PyTorch adds a cuDNN conv's bias in a separate full pass over its output)."""
     if x.is_cuda and triton is not None:
@@ -179,13 +192,13 @@ def _empty_outputs(x: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
 
 
 @snake_cat.register_fake
-def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
       log_params: bool, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return _empty_outputs(x, state)
 
 
 @torch.library.custom_op("code2wav::snake_cat_add_bias_", mutates_args=("x",))
-def snake_cat_add_bias_(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+def snake_cat_add_bias_(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
                         log_params: bool, bias: Tensor, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``snake_cat`` of ``x`` (plus ``in_bias``, as there), then ``x += in_bias + bias`` in place (``bias``
     ``[C]``), in the same pass: the kernel reads ``x`` anyway, so a residual unit whose skip path needs ``x +
@@ -202,12 +215,12 @@ def snake_cat_add_bias_(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Te
 
 
 @snake_cat_add_bias_.register_fake
-def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
+def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None, log_params: bool,
       bias: Tensor, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return _empty_outputs(x, state)
 
 
-def run_interpreted(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor,
+def run_interpreted(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
                     log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None
                     ) -> tuple[Tensor, Tensor]:
     """The Triton kernel itself on CPU tensors, under Triton's interpreter (``TRITON_INTERPRET=1`` set before

@@ -14,17 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
 from ...kernels.conv_choice import ConvChoice
+from ...kernels.snake import folds_biases  # (importing it registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx, gather_tail
-
-
-def folds_biases(act: "SnakeBeta", x: Tensor) -> bool:
-    """Whether the kernels before and after ``act`` move conv biases (see ``_activated_cat``): where ``act`` runs
-    fused, without autograd (it writes over a block's input)."""
-    return act.runs_fused(x) and not torch.is_grad_enabled()
 
 
 def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
@@ -89,16 +83,14 @@ class CausalConv(StatefulBlock):
             return y, lengths
         x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols,
                                bias_into_x, in_bias)  # [B, C, P + T]
+        if self.choice is None:
+            if then_act is not None or bias_later:
+                raise ValueError("then_act and bias_later need a conv with a ConvChoice (dense, k > 1)")
+            return self.conv(x_cat), lengths  # [B, C_out, T]
         if then_act is not None:
-            if self.choice is None:
-                raise ValueError("then_act needs a conv with a ConvChoice (dense, k > 1)")
             params = (then_act.alpha, then_act.beta, True)
             return self.choice(x_cat, self.conv, act=params), lengths  # [B, C_out, T], activated
-        if self.choice is not None:
-            return self.choice(x_cat, self.conv, with_bias=not bias_later), lengths  # [B, C_out, T]
-        if bias_later:
-            return self.conv._conv_forward(x_cat, self.conv.weight, None), lengths  # [B, C_out, T]
-        return self.conv(x_cat), lengths  # [B, C_out, T]
+        return self.choice(x_cat, self.conv, with_bias=not bias_later), lengths  # [B, C_out, T]
 
 
 class CausalTransConv(StatefulBlock):
@@ -200,7 +192,7 @@ class ResidualUnit(nn.Module):
         # step's largest activations are not allocated twice (graph pool memory). Dynamo refuses a strided out=
         # (Inductor plans the memory itself), and autograd any out=: there the same sum runs out of place.
         in_place = not (torch.compiler.is_compiling() or torch.is_grad_enabled())
-        bias_in_kernel = in_place and folds_biases(self.act1, x)
+        bias_in_kernel = folds_biases(self.act1, x)  # implies in_place
         if bias_in_kernel:  # act2(conv1(act1(x))), x += in_bias + conv2's bias on the way
             h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias, in_bias=in_bias,
                               then_act=self.act2)  # [B, C, T]

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from ...kernels import conv_choice
 from ...kernels import snake as snake_kernel
-from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential, folds_biases
+from ...kernels.snake import folds_biases
+from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
 from .transformer import PreTransformer

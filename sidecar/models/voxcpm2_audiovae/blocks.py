@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
-from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
+from ...kernels.snake import folds_biases  # (importing it registers torch.ops.code2wav.snake_cat*)
 
 
 @dataclass
@@ -53,12 +53,6 @@ def depthwise_taps(x: Tensor, weight: Tensor, bias: Tensor, dilation: int) -> Te
     for k in range(1, kernel_size):
         y = y + taps[:, k] * x[:, :, k * dilation:k * dilation + num_out]  # [B, C, T]
     return y
-
-
-def folds_biases(act: "Snake", x: Tensor) -> bool:
-    """Whether a block runs its fused form (the ``code2wav::*`` kernels, conv biases moved into the next kernel,
-    the residual written over the unit's input): where ``act`` runs fused, without autograd."""
-    return act.runs_fused(x) and not torch.is_grad_enabled()
 
 
 class StatefulBlock(nn.Module):
