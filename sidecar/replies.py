@@ -14,12 +14,46 @@ from torch import Tensor
 from code2wav import proto
 from code2wav.proto import ErrorCode
 
+from .metrics import Metrics
+
 
 @dataclass
 class Outbound:
     identity: bytes
     message: Any
     buffers: list = field(default_factory=list)
+
+
+class Outbox:
+    """The messages a loop turn leaves to send, in order; typed errors among them are counted by code."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.messages: list[Outbound] = []
+
+    def take(self) -> list[Outbound]:
+        """The messages to send, in order; the outbox is empty afterwards."""
+        messages, self.messages = self.messages, []
+        return messages
+
+    def send(self, identity: bytes, message: Any, buffers: list | None = None) -> None:
+        self.messages.append(Outbound(identity, message, buffers or []))
+
+    def error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str) -> None:
+        """A message-level typed error to ``identity``."""
+        self.metrics.errors.labels(code=code.value).inc()
+        self.send(identity, proto.Error(request_id=request_id, code=code, message=message))
+
+    def reject(self, reply: PendingReply, index: int, stream_id: str, seq: int, code: ErrorCode,
+               message: str) -> None:
+        """One chunk of ``reply`` failed with a typed error (the rest of the reply is unaffected)."""
+        self.metrics.errors.labels(code=code.value).inc()
+        reply.reject(index, stream_id, seq, code, message)
+
+    def emit_if_done(self, reply: PendingReply) -> None:
+        """``reply`` goes out once every chunk of it has an outcome."""
+        if reply.done:
+            self.messages.append(reply.to_outbound())
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ sessions, transport); this module owns the socket and the loop (draining input i
 replies, reaping idle streams, running region opens/closes on the engine thread, draining on stop); the
 ``stepper`` forms batches, runs them and replies. They talk through small public interfaces: the stepper sees
 this loop as a ``LoopIO`` (poll, flush, wait for work), the loop sees the sessions' ``on_message``,
-``take_outbox`` and their ``regions`` (region opens/closes).
+``out.take()`` and their ``regions`` (region opens/closes).
 
 Busy polling (``busy_poll_us``, on by default on CUDA): for that long after any input or step, the step loop
 polls the socket instead of sleeping, and handles what arrives itself (no descriptor wake-up, no hand-off to
@@ -172,7 +172,7 @@ class Server:
     def flush(self) -> None:
         """Send what the sessions have to send; start region opens/closes waiting for the engine thread."""
         assert self.transport is not None and self.sessions is not None
-        outbox = self.sessions.take_outbox()
+        outbox = self.sessions.out.take()
         for out in outbox:
             self.transport.send(out.identity, out.message, out.buffers)
         if outbox and self.transport.readable():  # sending may have consumed the descriptor's signal
@@ -201,7 +201,7 @@ class Server:
                 self.sessions.on_message(identity, frames, self.transport.last_user_id)
             except Exception:  # a bug must not stop the server; the client gets an internal error
                 log.exception("internal error while handling a message")
-                self.sessions.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
+                self.sessions.out.error(identity, None, ErrorCode.INTERNAL, "internal error handling the message")
         else:
             asyncio.get_running_loop().call_soon(self._on_readable)  # more waiting: after other loop work
         if not count:

@@ -1,11 +1,11 @@
 """Sessions: turn decoded client messages into stream operations and engine jobs; collect replies.
 
-Sans-IO: takes ``(identity, frames)`` in, leaves ``Outbound`` messages in ``outbox``; never touches a
-socket or the model. Every failure is a typed error scoped to the message or chunk that caused it.
+Sans-IO: takes ``(identity, frames)`` in, leaves ``Outbound`` messages in ``out`` (``replies.Outbox``); never
+touches a socket or the model. Every failure is a typed error scoped to the message or chunk that caused it.
 
 Over 300 lines: the per-connection stream state machine (open, decode, commit after success, fail, close, reap)
 kept in one place so its commit rules read in one sitting; what to reap is decided in ``reaping.py``, the
-welcome's model entry is built in ``welcome.py``.
+welcome's model entry is built in ``welcome.py``, and what goes out is collected by ``replies.Outbox``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ from .metrics import Metrics
 from .models import FamilyError, ModelInfo
 from .modes import get_mode
 from .reaping import plan_reap
-from .replies import Outbound, PendingReply
+from .replies import Outbox, PendingReply
 from .welcome import model_entry
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
@@ -75,13 +75,13 @@ class Sessions:
         self.model_info = model_entry(model)  # the welcome's entry: the model's contract, the same for every client
         self.clients: dict[bytes, ClientState] = {}
         self.streams: dict[tuple[bytes, str], Stream] = {}
-        self.outbox: list[Outbound] = []
+        self.out = Outbox(metrics)  # what this turn leaves to send (replies.py)
         self.draining = False
         self.connlog = ConnLog(log)  # connect/disconnect lines, rate-limited
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
         self.owners = SessionOwners(metrics)
         self.close_backlog: collections.deque[tuple[Stream, str]] = collections.deque()  # detached, to free
-        self.regions = RegionService(ipc_device, host_id, metrics, self._send, self.error, ipc_off_reason,
+        self.regions = RegionService(ipc_device, host_id, metrics, self.out.send, self.out.error, ipc_off_reason,
                                      session_of=self.clients.get)
 
     def _pending_added(self, stream: Stream) -> None:
@@ -108,22 +108,22 @@ class Sessions:
         try:
             msg = proto.decode_client_message(frames, self.limits)
         except ProtocolError as exc:
-            self.error(identity, exc.request_id, exc.code, exc.message)
+            self.out.error(identity, exc.request_id, exc.code, exc.message)
             return
         client = self.clients.get(identity)
         if client is not None and not isinstance(msg, proto.Hello) and not self.owners.owns(client.owner, user_id):
             self.owners.refused(identity, client.client_id, "a message from a CURVE key that does not own the session")
-            return self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, "this routing id has a "
+            return self.out.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, "this routing id has a "
                               "session owned by another CURVE client key; connect with a fresh routing id")
         if client is not None:
             client.last_seen_s = self.clock()
         if isinstance(msg, proto.Hello):
             self._hello(identity, msg, user_id)
         elif client is None:
-            self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
+            self.out.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
                         f"{msg.TYPE} before the handshake: send hello first")
         elif isinstance(msg, proto.Ping):
-            self._send(identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.boot_epoch))
+            self.out.send(identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.boot_epoch))
         elif isinstance(msg, proto.OpenStream):
             self._open(identity, client, msg)
         elif isinstance(msg, proto.Decode):
@@ -145,14 +145,14 @@ class Sessions:
             why = self.owners.rehandshake_refusal(old.owner, old.secret, user_id, msg.session_secret)
             if why is not None:  # the session stays as it is
                 self.owners.refused(identity, msg.client_id, why)
-                return self.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, why)
+                return self.out.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT, why)
             self.drop_client(identity, reason="rehandshake")
         secret = new_session_secret()
         self.clients[identity] = ClientState(client_id=msg.client_id, last_seen_s=self.clock(), secret=secret,
                                              owner=user_id)
         self.metrics.clients.set(len(self.clients))
         self.connlog.connected(msg.client_id, len(self.clients))
-        self._send(identity, proto.Welcome(
+        self.out.send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
             boot_epoch=self.boot_epoch, models=(self.model_info,), default_model=self.model.name, limits=self.limits,
             heartbeat_interval_s=self.cfg.heartbeat_interval_s, capabilities=self.regions.capabilities(),
@@ -161,32 +161,32 @@ class Sessions:
     def _open(self, identity: bytes, client: ClientState, msg: proto.OpenStream) -> None:
         rid = msg.request_id
         if self.draining:
-            return self.error(identity, rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
+            return self.out.error(identity, rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
         if msg.model not in (None, self.model.name):
-            return self.error(identity, rid, ErrorCode.NOT_FOUND,
+            return self.out.error(identity, rid, ErrorCode.NOT_FOUND,
                                f"model '{msg.model}' is not served here; available: {self.model.name}")
         mode = get_mode(msg.mode)
         try:
             options = self.model.contract.check_options(msg.options)
         except FamilyError as exc:
-            return self.error(identity, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
+            return self.out.error(identity, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
         left = mode.left_context_frames(msg.left_context_frames)
         existing = self.streams.get((identity, msg.stream_id))
         if existing is not None:
             if not is_repeat_open(existing, self.model.name, mode, left, options):
-                return self.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already "
+                return self.out.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is already "
                                   "open (with other parameters, or it has taken chunks)")
             existing.last_active_s = self.clock()  # just said open: not reaped as idle right after
             return self._send_opened(identity, rid, existing)
         if len(client.streams) >= self.cfg.limits.max_streams_per_client:
-            return self.error(identity, rid, ErrorCode.BUSY,
+            return self.out.error(identity, rid, ErrorCode.BUSY,
                                f"this client has {len(client.streams)} open streams (limit max_streams_per_client)")
         slot = None
         if mode.stateful:
             try:
                 slot = self.arena.allocate()
             except ArenaFull as exc:
-                return self.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
+                return self.out.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
             self._update_arena_metrics()
         stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
                         left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
@@ -197,7 +197,7 @@ class Sessions:
         self._send_opened(identity, rid, stream)
 
     def _send_opened(self, identity: bytes, rid: int, stream: Stream) -> None:
-        self._send(identity, proto.Opened(
+        self.out.send(identity, proto.Opened(
             request_id=rid, stream_id=stream.stream_id, model=stream.model, mode=stream.mode.name,
             left_context_frames=stream.left_context_frames, samples_per_frame=self.model.samples_per_frame,
             num_quantizers=self.model.num_quantizers))
@@ -243,17 +243,18 @@ class Sessions:
                 if chunk.final:
                     stream.closing = "final"
             except ChunkRejected as exc:
-                self._reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message)
+                self.out.reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message)
         self.metrics.queue_depth.set(len(self.scheduler))
-        self._maybe_emit(reply)
+        self.out.emit_if_done(reply)
 
     def _finish(self, identity: bytes, msg: proto.Finish) -> None:
         stream = self.streams.get((identity, msg.stream_id))
         if stream is None:
-            return self.error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
+            return self.out.error(identity, msg.request_id, ErrorCode.NOT_FOUND,
+                                  f"stream '{msg.stream_id}' is not open")
         if stream.num_pending == 0:
             self._close(stream, "finish")
-            self._send(identity, proto.Finished(request_id=msg.request_id, stream_id=msg.stream_id))
+            self.out.send(identity, proto.Finished(request_id=msg.request_id, stream_id=msg.stream_id))
         else:
             stream.closing = stream.closing or "finish"
             stream.finish_waiters.append(msg.request_id)
@@ -261,9 +262,10 @@ class Sessions:
     def _abort(self, identity: bytes, msg: proto.Abort) -> None:
         stream = self.streams.get((identity, msg.stream_id))
         if stream is None:
-            return self.error(identity, msg.request_id, ErrorCode.NOT_FOUND, f"stream '{msg.stream_id}' is not open")
+            return self.out.error(identity, msg.request_id, ErrorCode.NOT_FOUND,
+                                  f"stream '{msg.stream_id}' is not open")
         self.abort_stream(stream, "abort")
-        self._send(identity, proto.Aborted(request_id=msg.request_id, stream_id=msg.stream_id))
+        self.out.send(identity, proto.Aborted(request_id=msg.request_id, stream_id=msg.stream_id))
 
     # ------------------------------------------------------------------ engine side
     def build_items(self, batch: list[ChunkJob]) -> list[DecodeItem]:
@@ -288,7 +290,7 @@ class Sessions:
                 audio.numel() / self.model.sample_rate_hz)
             self.metrics.chunk_latency.labels(mode=mode).observe(self.clock() - job.arrived_s)
         job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames, ipc)
-        self._maybe_emit(job.reply)
+        self.out.emit_if_done(job.reply)
         if job.final or (stream.closing and stream.num_pending == 0):
             self._close(stream, stream.closing or "final")
 
@@ -302,11 +304,11 @@ class Sessions:
                 stream.closing = None
             for later in self.scheduler.remove_stream(stream):
                 self._job_done(later)
-                self._reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
+                self.out.reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
                              f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
-                self._maybe_emit(later.reply)
-        self._reject(job.reply, job.index, stream.stream_id, job.seq, code, message)
-        self._maybe_emit(job.reply)
+                self.out.emit_if_done(later.reply)
+        self.out.reject(job.reply, job.index, stream.stream_id, job.seq, code, message)
+        self.out.emit_if_done(job.reply)
         if stream.closing and stream.num_pending == 0 and not stream.closed:
             self._close(stream, stream.closing)
 
@@ -314,9 +316,9 @@ class Sessions:
     def abort_stream(self, stream: Stream, reason: str) -> None:
         for job in self.scheduler.remove_stream(stream) if stream.num_pending else ():  # (no queue scan if idle)
             self._job_done(job)
-            self._reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
+            self.out.reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
                          f"stream '{stream.stream_id}' was aborted ({reason})")
-            self._maybe_emit(job.reply)
+            self.out.emit_if_done(job.reply)
         self._close(stream, reason)
 
     def _close(self, stream: Stream, reason: str) -> None:
@@ -328,7 +330,7 @@ class Sessions:
             self.arena.release(stream.slot)
             stream.slot = None
         for rid in stream.finish_waiters:
-            self._send(stream.client, proto.Finished(request_id=rid, stream_id=stream.stream_id))
+            self.out.send(stream.client, proto.Finished(request_id=rid, stream_id=stream.stream_id))
         stream.finish_waiters.clear()
         self.metrics.streams_closed.labels(reason=reason).inc()
         self.metrics.active_streams.set(len(self.streams))
@@ -396,27 +398,6 @@ class Sessions:
             self.abort_stream(stream, reason)
         return bool(self.close_backlog)
 
-    # ------------------------------------------------------------------ output
+    # ------------------------------------------------------------------ metrics
     def _update_arena_metrics(self) -> None:
         self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(self.arena.num_used)
-
-    def take_outbox(self) -> list[Outbound]:
-        """The messages to send, in order; the outbox is empty afterwards."""
-        outbox, self.outbox = self.outbox, []
-        return outbox
-
-    def _send(self, identity: bytes, message: Any, buffers: list | None = None) -> None:
-        self.outbox.append(Outbound(identity, message, buffers or []))
-
-    def error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str) -> None:
-        """A message-level typed error to ``identity`` (counted by code)."""
-        self.metrics.errors.labels(code=code.value).inc()
-        self._send(identity, proto.Error(request_id=request_id, code=code, message=message))
-
-    def _reject(self, reply: PendingReply, index: int, stream_id: str, seq: int, code: ErrorCode, message: str) -> None:
-        self.metrics.errors.labels(code=code.value).inc()
-        reply.reject(index, stream_id, seq, code, message)
-
-    def _maybe_emit(self, reply: PendingReply) -> None:
-        if reply.done:
-            self.outbox.append(reply.to_outbound())
