@@ -49,7 +49,8 @@ class StreamsConfig(_Section):
 
 class SchedulerConfig(_Section):
     max_batch_size: int = Field(64, ge=1)
-    batch_window_us: int = Field(200, ge=0, description="how long a lone chunk waits for company")
+    batch_window_us: int = Field(200, ge=0, description="how long a lone chunk waits for company "
+                                 "(none when every open stream has a chunk queued)")
     max_pending_chunks: int = Field(4096, ge=1, description="queued chunks beyond this get a busy error")
 
 

@@ -5,12 +5,14 @@
   stream (a stream's next chunk needs the state its previous chunk commits), at most ``max_batch_size``.
 - A bounded queue: past ``max_pending_chunks`` a chunk is refused at once (the caller answers busy).
 - Batching window: a batch that is not full waits until its oldest chunk is ``batch_window_s`` old, so a
-  lone chunk is delayed by at most that.
+  lone chunk is delayed by at most that; except when no company can come: every open stream (the caller's count)
+  already has a chunk queued (one stream alone, or a closed loop whose every stream waits), so the wait would be
+  pure latency.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,7 @@ class Scheduler:
         self.batch_window_s = batch_window_s
         self.max_pending_chunks = max_pending_chunks
         self._queue: deque[ChunkJob] = deque()
+        self._queued_per_stream: Counter[int] = Counter()  # id(stream) -> its chunks in the queue
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -70,15 +73,29 @@ class Scheduler:
         if len(self._queue) >= self.max_pending_chunks:
             return False
         self._queue.append(job)
+        self._queued_per_stream[id(job.stream)] += 1
         return True
 
-    def seconds_until_ready(self, now_s: float) -> float | None:
-        """None when nothing is queued; 0 when a batch should run now; else how long to wait for company."""
+    def seconds_until_ready(self, now_s: float, num_open_streams: int | None = None) -> float | None:
+        """None when nothing is queued; 0 when a batch should run now; else how long to wait for company.
+        ``num_open_streams``: streams that may send chunks (None: unknown); when every one of them has a chunk
+        queued already, no other stream can join the batch and it runs now."""
         if not self._queue:
             return None
         if len(self._queue) >= self.max_batch_size:
             return 0.0
+        if num_open_streams is not None and len(self._queued_per_stream) >= num_open_streams:
+            return 0.0
         return max(0.0, self._queue[0].arrived_s + self.batch_window_s - now_s)
+
+    def _forget(self, jobs) -> None:
+        """Count ``jobs`` (just taken out of the queue) out of the per-stream counts."""
+        counts = self._queued_per_stream
+        for job in jobs:
+            key = id(job.stream)
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
 
     def take_batch(self) -> list[ChunkJob]:
         """Remove and return the next batch (FIFO, one key, one chunk per stream)."""
@@ -99,15 +116,19 @@ class Scheduler:
                     break
         kept.extend(self._queue)
         self._queue = kept
+        self._forget(batch)
         return batch
 
     def requeue(self, jobs: list[ChunkJob]) -> None:
         """Put jobs taken by ``take_batch`` back at the front, in their order (their inputs were not ready)."""
         self._queue.extendleft(reversed(jobs))
+        for job in jobs:
+            self._queued_per_stream[id(job.stream)] += 1
 
     def remove_stream(self, stream: Stream) -> list[ChunkJob]:
         """Drop and return every queued chunk of ``stream`` (abort, or an earlier chunk failed)."""
         dropped = [j for j in self._queue if j.stream is stream]
         if dropped:
             self._queue = deque(j for j in self._queue if j.stream is not stream)
+            self._forget(dropped)
         return dropped

@@ -70,15 +70,19 @@ class Stepper:
         """Nothing queued and no step in flight (the server may stop)."""
         return not len(self.scheduler) and not self.busy
 
+    def seconds_until_ready(self, now_s: float) -> float | None:
+        """The scheduler's answer, told how many streams could still add a chunk (the open ones)."""
+        return self.scheduler.seconds_until_ready(now_s, len(self.sessions.streams))
+
     def batch_ready(self) -> bool:
-        return self.scheduler.seconds_until_ready(time.monotonic()) == 0
+        return self.seconds_until_ready(time.monotonic()) == 0
 
     async def run(self) -> None:
         """The step loop: until cancelled."""
         io = self.io
         while True:
             now = time.monotonic()
-            wait_s = self.scheduler.seconds_until_ready(now)
+            wait_s = self.seconds_until_ready(now)
             if wait_s is None or wait_s > 0:
                 if now < io.poll_until:  # traffic flows: poll, and take what arrives on this thread
                     await io.poll(self.batch_ready, io.poll_until if wait_s is None else now + wait_s)

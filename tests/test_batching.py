@@ -96,3 +96,35 @@ def test_stalled_stream_and_unread_replies_do_not_block_others(sidecar, golden_c
         assert time.monotonic() - t0 < 20
         assert (torch.cat(pieces) - full[1]).abs().max().item() <= TOL
         assert all(f.result(30).numel() == 48 for f in unread)
+
+
+def test_batching_window_waits_only_while_an_open_stream_can_still_join(tmp_path, golden_cases):
+    """The window (here a minute, longer than any timeout below) is skipped when every open stream has a chunk
+    queued: a lone stream's chunk runs at once, and so does a pair once the second chunk is there."""
+    config = tmp_path / "sidecar.yaml"
+    config.write_text("scheduler:\n  batch_window_us: 60000000\n")
+    running = start_sidecar(tmp_path, "--config", str(config))
+    codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
+    try:
+        with SidecarClient(running.address, timeout_s=20) as client:
+            a = client.open_stream("a")
+            first_a = a.decode(codes[0, :, :10])  # alone: no waiting for company (else a timeout)
+            b = client.open_stream("b")
+            pending_a = a.submit(codes[0, :, 10:20])  # b is open and idle: this chunk waits for it
+            time.sleep(1.0)
+            assert not pending_a.done()
+            first_b = b.decode(codes[1, :, :20])  # now both streams have a chunk queued: they run together
+            second_a = pending_a.result(20)
+            last_b = b.submit(codes[1, :, 20:], final=True)  # b's last chunk waits for a (open, idle) ...
+            time.sleep(1.0)
+            assert not last_b.done()
+            last_a = a.decode(codes[0, :, 20:30])  # ... until a sends
+            last_b = last_b.result(20)
+            last_a = torch.cat([last_a, a.decode(codes[0, :, 30:], final=True)])  # b closed: a alone again
+        assert (torch.cat([first_a, second_a, last_a]) - full[0]).abs().max().item() <= TOL
+        assert (torch.cat([first_b, last_b]) - full[1]).abs().max().item() <= TOL
+        text = running.scrape()
+        assert _metric(text, "code2wav_sidecar_batch_size_sum") == 6  # a, a+b, a+b, a: 4 steps, 6 chunks
+        assert _metric(text, "code2wav_sidecar_batch_size_count") == 4
+    finally:
+        running.stop()

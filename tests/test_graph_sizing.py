@@ -39,15 +39,16 @@ class FakeDevice:
         return FIXED + PER_ROW_FRAME * key.batch * -(-key.frames // num_slices)
 
     def install(self, manager: GraphManager) -> None:
-        def warmup(routine, key, num_slices):
-            if (routine, key, num_slices) in self.fail:
-                raise RuntimeError(f"forced failure of {key.label} in {num_slices}")
+        def warmup(routine, state, num_slices):
+            if (routine, state.key, num_slices) in self.fail:
+                raise RuntimeError(f"forced failure of {state.key.label} in {num_slices}")
 
-        def profile(routine, key, num_slices):
-            self.profiles.append((key, num_slices))
-            return self.need(key, num_slices)
+        def profile(routine, state, num_slices):
+            self.profiles.append((state.key, num_slices))
+            return self.need(state.key, num_slices)
 
-        def capture_into_pool(routine, key, num_slices):
+        def capture_into_pool(routine, state):
+            key, num_slices = state.key, state.num_slices
             before = self.pool_reserved
             self.pool_reserved = max(self.pool_reserved, self.need(key, num_slices) + self.extra_on_capture.get(key, 0))
             self.captured.append((key, num_slices))

@@ -63,6 +63,28 @@ def test_queue_bound_and_window():
     assert not sched.submit(_job(_stream("c"), 0))  # bounded: the caller answers busy
 
 
+def test_window_is_skipped_when_no_other_open_stream_can_join():
+    sched = Scheduler(max_batch_size=8, batch_window_s=0.010, max_pending_chunks=100)
+    a, b = _stream("a"), _stream("b")
+    sched.submit(_job(a, 0, arrived_s=1.0))
+    assert sched.seconds_until_ready(1.0, num_open_streams=1) == 0.0  # one stream alone: nobody to wait for
+    assert sched.seconds_until_ready(1.0, num_open_streams=2) == pytest.approx(0.010)  # b may still send
+    assert sched.seconds_until_ready(1.0) == pytest.approx(0.010)  # count unknown: the window as before
+    sched.submit(_job(a, 1, arrived_s=1.001))  # a's next chunk cannot join a's batch: b still may
+    assert sched.seconds_until_ready(1.002, num_open_streams=2) == pytest.approx(0.008)
+    sched.submit(_job(b, 0, arrived_s=1.002))
+    assert sched.seconds_until_ready(1.002, num_open_streams=2) == 0.0
+    assert [(j.stream.stream_id, j.seq) for j in sched.take_batch()] == [("a", 0), ("b", 0)]
+    # left: a/1 alone; b (its chunk taken) may send its next one
+    assert sched.seconds_until_ready(1.003, num_open_streams=2) == pytest.approx(0.008)
+    sched.requeue([_job(b, 1, arrived_s=1.003)])  # put back (its inputs were not ready): counted again
+    assert sched.seconds_until_ready(1.003, num_open_streams=2) == 0.0
+    assert len(sched.remove_stream(b)) == 1  # b aborted: its chunk no longer counts
+    assert sched.seconds_until_ready(1.003, num_open_streams=2) == pytest.approx(0.008)
+    sched.take_batch()
+    assert sched.seconds_until_ready(1.003, num_open_streams=0) is None
+
+
 def test_remove_stream_keeps_others_in_order():
     sched = Scheduler(4, 0.0, 10)
     a, b = _stream("a"), _stream("b")

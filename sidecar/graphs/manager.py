@@ -11,6 +11,11 @@ bucket states and the one pool; split, each half would reach into the other's st
   blocks), measuring again until it fits (``plan.refine_slices``); a bucket that would still push the pool
   past the budget is dropped, with a message naming it (what its capture grew stays in the shared pool, and
   stays counted in ``pool_bytes``).
+- One block for the step's tensors: warm-up measures the step's live peak (the most bytes its tensors hold at
+  once), and a capture into a pool smaller than that (the temporary profile pool; the shared pool's first, largest
+  bucket, or a bucket in time slices beside smaller ones) first allocates and frees one block of that size, so
+  the step's tensors are carved out of it and freed ones merge back. Without it each upsampling stage's tensors, larger than anything freed before them, took
+  fresh blocks: the pool held about three times the live peak.
 - A capture failure leaves that bucket eager, logged with the reason and counted. Nothing captures while
   another stream capture is active on the device.
 - ``run`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
@@ -56,6 +61,7 @@ class BucketState:
     profile_bytes: int = 0  # standalone, measured in a temporary pool (of the step as captured)
     num_slices: int = 1  # the step in this many exact-streaming time slices (plan.time_slices), to fit the budget
     pool_bytes: int = 0  # what it added to the shared pool
+    live_peak: tuple[int, int] = (0, 0)  # (num_slices, bytes): the step's live peak, measured at its last warm-up
     graph: Any = None
     output: Tensor | None = None
 
@@ -139,8 +145,8 @@ class GraphManager:
         try:
             with torch.inference_mode():
                 if whole_bytes is None:
-                    self._warmup(routine, key, 1)
-                    whole_bytes = self._profile(routine, key, 1)
+                    self._warmup(routine, state, 1)
+                    whole_bytes = self._profile(routine, state, 1)
                 state.profile_bytes = whole_bytes
                 if may_defer and budget is not None and whole_bytes > budget:
                     return False
@@ -148,7 +154,7 @@ class GraphManager:
                 if over_budget is not None:
                     self._skip(state, over_budget)
                     return True
-                graph, output, before = self._capture_into_pool(routine, key, state.num_slices)
+                graph, output, before = self._capture_into_pool(routine, state)
                 added = self._reserved() - before
         except Exception as exc:  # capture failure: this bucket stays eager
             self._sync()
@@ -183,9 +189,10 @@ class GraphManager:
         self.metrics.graph_capture_seconds.labels(**labels).set(state.capture_s)
         self.metrics.graph_bytes.labels(**labels).set(state.pool_bytes)
         self.metrics.graph_pool_bytes.set(self.pool_bytes)
-        log.info("graph %-6s %-10s captured in %.2fs%s%s: profile %.1f MiB, pool +%.1f MiB (total %.1f MiB)",
-                 key.mode, key.label, state.capture_s, " (compiled)" if routine is not self.routines[key.mode] else "",
-                 f" in {state.num_slices} time slices" if state.num_slices > 1 else "",
+        log.info("graph %-6s %-10s captured in %.2fs%s%s: live peak %.1f MiB, profile %.1f MiB, pool +%.1f MiB "
+                 "(total %.1f MiB)", key.mode, key.label, state.capture_s,
+                 " (compiled)" if routine is not self.routines[key.mode] else "",
+                 f" in {state.num_slices} time slices" if state.num_slices > 1 else "", state.live_peak[1] / 2**20,
                  state.profile_bytes / 2**20, state.pool_bytes / 2**20, self.pool_bytes / 2**20)
         return True
 
@@ -216,8 +223,8 @@ class GraphManager:
         for _ in range(MAX_SLICED_PROFILES):
             if num_slices is None:
                 break
-            self._warmup(routine, key, num_slices)
-            state.num_slices, state.profile_bytes = num_slices, self._profile(routine, key, num_slices)
+            self._warmup(routine, state, num_slices)
+            state.num_slices, state.profile_bytes = num_slices, self._profile(routine, state, num_slices)
             tried.append(f"{state.profile_bytes / 2**20:.1f} MiB in {num_slices}")
             if state.profile_bytes <= target:
                 return None
@@ -235,14 +242,27 @@ class GraphManager:
         largest = max((s.profile_bytes for s in self.buckets.values() if s.status == "captured"), default=0)
         return min(budget, max(budget - self.pool_bytes, largest))
 
-    def _capture_into_pool(self, routine: Routine, key: BucketKey, num_slices: int) -> tuple[Any, Tensor, int]:
-        """The real capture into the shared pool: ``(graph, output, bytes reserved before it)``."""
+    def _capture_into_pool(self, routine: Routine, state: BucketState) -> tuple[Any, Tensor, int]:
+        """The real capture into the shared pool: ``(graph, output, bytes reserved before it)``. Into a pool
+        smaller than the step's live peak (the first, largest bucket; a bucket in time slices beside smaller ones)
+        the step's tensors are carved out of one block of that size; otherwise they reuse the pool's blocks."""
+        key, num_slices = state.key, state.num_slices
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             before = self._reserved()  # read inside: entering empties the allocator cache, which would hide growth
+            if state.live_peak[1] > self.pool_bytes:
+                self._reserve_block(state, num_slices)
             output = routine.forward(key.batch, key.frames, num_slices)
         self._sync()
         return graph, output, before
+
+    def _reserve_block(self, state: BucketState, num_slices: int) -> None:
+        """Inside a capture: allocate and free one block of the step's live peak (measured by the warm-up of the
+        same step), so the pool holds one segment the step's tensors are carved from."""
+        measured_slices, nbytes = state.live_peak
+        if measured_slices == num_slices and nbytes > 0:
+            # freed at once: back to the pool's free blocks, for this capture's own allocations to split
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device)
@@ -250,22 +270,36 @@ class GraphManager:
     def _sync(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def _warmup(self, routine: Routine, key: BucketKey, num_slices: int) -> None:
+    def _warmup(self, routine: Routine, state: BucketState, num_slices: int) -> None:
+        """Eager runs of the step on the capture stream (first-call work: algorithm choices, compiles); the last
+        one's live peak (bytes allocated at once, above what was allocated before it) goes to
+        ``state.live_peak``."""
+        key = state.key
+        state.live_peak = (num_slices, 0)
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.capture_stream):
             routine.prime(key.batch, key.frames)
-            for _ in range(self.warmup_iters):
-                routine.forward(key.batch, key.frames, num_slices)
+            for i in range(self.warmup_iters):
+                if i == self.warmup_iters - 1:
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    base = torch.cuda.memory_allocated(self.device)
+                    routine.forward(key.batch, key.frames, num_slices)
+                    state.live_peak = (num_slices, max(0, torch.cuda.max_memory_allocated(self.device) - base))
+                else:
+                    routine.forward(key.batch, key.frames, num_slices)
         torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
         torch.cuda.synchronize(self.device)
 
-    def _profile(self, routine: Routine, key: BucketKey, num_slices: int) -> int:
-        """Standalone graph memory of ``key`` (its step in ``num_slices``): capture into a temporary pool,
-        measure, release."""
+    def _profile(self, routine: Routine, state: BucketState, num_slices: int) -> int:
+        """Standalone graph memory of ``state``'s bucket (its step in ``num_slices``): capture into a temporary
+        pool (carved from one block of the live peak, as the shared pool's first capture is), measure, release."""
+        key = state.key
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.capture_stream):
             before = torch.cuda.memory_reserved(self.device)
+            self._reserve_block(state, num_slices)
             output = routine.forward(key.batch, key.frames, num_slices)
         torch.cuda.synchronize(self.device)
         nbytes = torch.cuda.memory_reserved(self.device) - before

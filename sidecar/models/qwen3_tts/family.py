@@ -15,9 +15,10 @@ from .loader import load_folder, random_model
 
 # vLLM-Omni's Code2Wav stage sends a 1-frame first chunk, then 25-frame chunks (its shipped deploy file); window
 # mode sees 25 new frames with 25 of left context. Exact batches stop at 16: b32 and b64 fit the default 2 GiB
-# graph budget only in time slices, and on the H200 (bf16) a sliced step costs more per row than b16 whole (the
-# sidecar's step: b32 in 3 slices 2.34 ms, b64 in 5 slices 2.06 ms; in-process b16 2.03 ms, b64 whole 1.82 ms),
-# while the batch's latency grows: docs/performance.md, "Batch 64 in the 2 GiB budget, in time slices".
+# graph budget only in time slices (the step's live peak is about 55 MiB per row of 25 frames), and on the H200
+# (bf16) a sliced step costs more per row than b16 whole (the sidecar's mean step per row: b32 in 3 slices 1.79 ms,
+# b64 in 7 slices 1.33 ms, b16 whole 1.07 ms), while the batch's latency grows: docs/performance.md, "One block per
+# captured step, and no batching window when nobody can join".
 GRAPH_BUCKETS = GraphBuckets(exact_batch_sizes=(1, 2, 4, 8, 16), exact_frames=(1, 25),
                              window_batch_sizes=(1, 2, 4, 8), window_frames=(50,))
 
