@@ -109,3 +109,56 @@ def test_bfloat16_runs_and_outputs_float32(golden_cases):
     assert out.dtype == torch.float32
     # bf16 weights change the numbers; it must still be the same signal, roughly
     assert (out - golden_cases["full"]).abs().mean().item() < 0.05
+
+
+@pytest.mark.parametrize("config", ["tiny", "shipped"])
+def test_few_kernel_transformer_equals_the_plain_form(config):
+    """The transformer's two forms (module docstring of ``transformer.py``): the few-kernel one, which the sidecar's
+    steps run (autograd off), against the checkpoint's modules one by one (autograd on, as under training or
+    ``torch.compile``), over three chunks that carry the key/value cache, rows at different positions, the second
+    row right-padded. Float32: the same maths, summed in another order."""
+    from code2wav.sidecar.models.qwen3_tts.loader import random_model
+    from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
+
+    model = load_folder(TINY)[0] if config == "tiny" else random_model(SHIPPED, seed=3)
+    pre = model.decoder.pre_transformer
+    layout = {k: v for k, v in model.state_layout().items() if k.startswith("pre_transformer")}
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn((2, *shape), generator=gen) for k, shape in layout.items()}
+    plain_state, few_state = dict(state), dict(state)
+    positions = torch.tensor([3, 40])  # row 0 early (part of its cache lies before position 0), row 1 well in
+    for num_new, valid in [(4, [4, 2]), (1, [1, 1]), (7, [5, 7])]:
+        x = torch.randn((2, num_new, pre.input_proj.in_features), generator=gen)  # [B, T, latent]
+        lengths = torch.tensor(valid)
+        with torch.enable_grad():
+            plain_ctx = StreamCtx(plain_state)
+            plain = pre(x, positions, lengths, plain_ctx).detach()  # [B, T, latent]
+        with torch.inference_mode():
+            few_ctx = StreamCtx(few_state)
+            few = pre(x, positions, lengths, few_ctx)  # [B, T, latent]
+        for b in range(2):
+            assert (few[b, :valid[b]] - plain[b, :valid[b]]).abs().max().item() <= 1e-5 * max(1.0, plain.abs().max())
+        plain_state = {k: v.detach() for k, v in plain_ctx.state_out.items()}
+        few_state = dict(few_ctx.state_out)
+        assert set(few_state) == set(layout)
+        for k in layout:
+            assert (few_state[k] - plain_state[k]).abs().max().item() <= 1e-5, k
+        positions = positions + lengths
+
+
+def test_stacked_weights_follow_their_sources():
+    """``StackedWeights`` (q/k/v and gate/up as one GEMM): the same tensor while the sources are unchanged, and
+    rebuilt after an in-place write into one of them (a checkpoint loaded into the module) or a cast."""
+    from code2wav.sidecar.models.qwen3_tts.transformer import StackedWeights
+
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
+    stacked = StackedWeights([a, b])
+    with torch.no_grad():
+        first, bias = stacked.get()
+        assert torch.equal(first, torch.cat([a.weight, b.weight])) and torch.equal(bias, torch.cat([a.bias, b.bias]))
+        assert stacked.get()[0] is first  # cached
+        b.weight.mul_(2.0)
+        assert torch.equal(stacked.get()[0][3:], b.weight)
+        a.double()
+        again, _ = stacked.get()
+        assert again.dtype == torch.float64 and torch.equal(again[:3], a.weight)

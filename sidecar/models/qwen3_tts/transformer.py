@@ -4,6 +4,15 @@ State per layer: post-rotary keys and values of the last ``sliding_window - 1`` 
 each. Positions are absolute per stream (the stream's frame counter), so a chunk continues exactly where
 the previous one stopped; cache entries that would sit before position 0 are masked out, which makes a
 zero state equal to "no history".
+
+Two forms of each layer, the same maths. Where autograd is off and ``torch.compile`` is not tracing (the
+sidecar's steps: eager and CUDA graphs), a layer runs in few kernels, since at batch 1 the step is bound by
+kernel launches, not bytes: the q/k/v projections as one GEMM and gate/up as one (``StackedWeights``), the
+rotary embedding over q and k together, written back into the projection's output, the new keys and values
+joined to the cache with one ``cat`` and the next cache taken with one ``gather``, the norms as
+``F.rms_norm`` (one kernel on CUDA), each layer scale and residual add as one ``addcmul``: about 18 kernels a
+layer instead of about 48. Otherwise (``torch.compile``, which fuses the plain form itself, and autograd) the
+plain form below runs: the checkpoint's modules one by one.
 """
 
 from __future__ import annotations
@@ -16,6 +25,45 @@ from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
 
 
+def few_kernels() -> bool:
+    """Whether the layers take their few-kernel form (see the module docstring): autograd off, not under
+    ``torch.compile``."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+class StackedWeights:
+    """The weights (and biases) of several ``nn.Linear`` stacked by rows, so their GEMMs over one input run as
+    one: built on first use and again whenever a source tensor changed (moved, cast or loaded into). Inside a
+    CUDA graph capture a stale copy is built for that call only (a capture records kernels without running
+    them, so a copy made there holds nothing until the graph replays); warm-up builds it before capture."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self._linears = linears
+        self._key: tuple | None = None
+        self._tensors: tuple[Tensor, Tensor | None] | None = None
+
+    def get(self) -> tuple[Tensor, Tensor | None]:
+        """``(weight [sum of out, in], bias [sum of out] or None)``."""
+        key = tuple(_identity(t) for lin in self._linears for t in (lin.weight, lin.bias) if t is not None)
+        if key == self._key and self._tensors is not None:
+            return self._tensors
+        linears = self._linears
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum out, in]
+        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])  # [sum out]
+        if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._key, self._tensors = key, (weight, bias)
+        return weight, bias
+
+
+def _identity(t: Tensor) -> tuple:
+    """What changes when a tensor is moved, cast or written in place."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor (no version counter; it cannot be written outside inference mode)
+        version = -1
+    return (t.data_ptr(), version, t.dtype, t.device)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -23,6 +71,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if few_kernels():  # one kernel on CUDA; the same maths, rounded once at the end
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -36,6 +86,12 @@ class LayerScale(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
 
+    def add_scaled(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + scale * x``: one kernel in the few-kernel form."""
+        if few_kernels():
+            return torch.addcmul(residual, self.scale, x)
+        return residual + self(x)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -43,8 +99,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = StackedWeights([self.gate_proj, self.up_proj])
 
     def forward(self, x: Tensor) -> Tensor:
+        if few_kernels():
+            weight, _ = self.gate_up.get()
+            gate, up = F.linear(x, weight).chunk(2, dim=-1)  # [B, T, I] each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -66,15 +127,22 @@ class Attention(StatefulBlock):
         self.num_heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
         self.num_cached = cfg.sliding_window - 1
+        self.qkv = StackedWeights([self.q_proj, self.k_proj, self.v_proj])
 
     def state_shape(self) -> tuple[int, ...] | None:
         # K and V stacked: [2, H, W-1, D]
         return (2, self.num_heads, self.num_cached, self.head_dim) if self.num_cached else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, lengths: Tensor,
-                ctx: StreamCtx) -> Tensor:
+                ctx: StreamCtx, cache_index: Tensor | None = None) -> Tensor:
+        """``rope``: ``(cos, sin)`` ``[B, T, D]``; ``mask`` ``[B, 1, T, W-1+T]``; ``lengths`` ``[B]`` valid new
+        positions per row (the next cache ends at each row's last valid one). With ``cache_index`` (from
+        ``PreTransformer.few_kernel_inputs``, the same for every layer) the few-kernel form runs, and ``rope``'s
+        second tensor is its signed sine."""
+        if cache_index is not None:
+            return self._few_kernels(x, rope, mask, cache_index, ctx)
         batch, num_new, _ = x.shape
-        cos, sin = rope  # [B, 1, T, D] each
+        cos, sin = rope[0][:, None], rope[1][:, None]  # [B, 1, T, D] each
         q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         v = self.v_proj(x).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -92,6 +160,32 @@ class Attention(StatefulBlock):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))  # [B, T, hidden]
 
+    def _few_kernels(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache_index: Tensor,
+                     ctx: StreamCtx) -> Tensor:
+        """``forward``'s maths in about 9 kernels: one GEMM for q/k/v; the rotary embedding of q and k together,
+        in place in its output (``x * cos + rotate_half(x) * sin`` as ``x * cos + swap_halves(x) * signed sin``,
+        the same numbers); one ``cat`` with the cache and one ``gather`` for the next cache."""
+        batch, num_new, _ = x.shape
+        heads, dim = self.num_heads, self.head_dim
+        weight, bias = self.qkv.get()
+        qkv = F.linear(x, weight, bias).view(batch, num_new, 3, heads, dim)  # [B, T, 3, H, D]
+        qk = qkv[:, :, :2]  # [B, T, 2, H, D] (a view)
+        cos, signed_sin = rope[0][:, :, None, None], rope[1][:, :, None, None]  # [B, T, 1, 1, D] each
+        half = dim // 2
+        halves_swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)  # [B, T, 2, H, D] (strided reads)
+        qk.mul_(cos).addcmul_(halves_swapped, signed_sin)  # rotated in place
+        q = qkv[:, :, 0].transpose(1, 2)  # [B, H, T, D]
+        kv_new = qkv[:, :, 1:].permute(0, 2, 3, 1, 4)  # [B, 2, H, T, D]
+        if self.num_cached:
+            cache = ctx.state_in[self.state_key].to(x.dtype)  # [B, 2, H, W-1, D]
+            kv = torch.cat([cache, kv_new], dim=3)  # [B, 2, H, W-1+T, D]
+            index = cache_index.expand(batch, 2, heads, self.num_cached, dim)  # [B, 2, H, W-1, D]
+            ctx.state_out[self.state_key] = torch.gather(kv, 3, index)  # [B, 2, H, W-1, D]
+        else:
+            kv = kv_new
+        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))  # [B, T, hidden]
+
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -104,9 +198,10 @@ class TransformerLayer(nn.Module):
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, lengths: Tensor,
-                ctx: StreamCtx) -> Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), rope, mask, lengths, ctx))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+                ctx: StreamCtx, cache_index: Tensor | None = None) -> Tensor:
+        x = self.self_attn_layer_scale.add_scaled(x, self.self_attn(self.input_layernorm(x), rope, mask, lengths,
+                                                                     ctx, cache_index))  # [B, T, hidden]
+        return self.mlp_layer_scale.add_scaled(x, self.mlp(self.post_attention_layernorm(x)))  # [B, T, hidden]
 
 
 class PreTransformer(nn.Module):
@@ -123,11 +218,12 @@ class PreTransformer(nn.Module):
         self.rope_theta = cfg.rope_theta
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` ``[B, T, D]`` of ``positions`` ``[B, T]``."""
         # Computed in float32 on every call (not a buffer: a dtype cast of the module must not round it).
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
         inv_freq = 1.0 / (self.rope_theta ** exponents)  # [D/2]
         angles = positions.float()[:, :, None] * inv_freq[None, None, :]  # [B, T, D/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, D]
+        angles = torch.cat([angles, angles], dim=-1)  # [B, T, D]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def window_mask(self, start_positions: Tensor, num_new: int) -> Tensor:
@@ -145,7 +241,22 @@ class PreTransformer(nn.Module):
         positions = start_positions[:, None] + torch.arange(num_new, device=x.device)[None, :]  # [B, T]
         rope = self.rope(positions, x.dtype)
         mask = self.window_mask(start_positions, num_new)
+        cache_index = None
+        if few_kernels():
+            rope, cache_index = self.few_kernel_inputs(rope, lengths)
         h = self.input_proj(x)  # [B, T, hidden]
         for layer in self.layers:
-            h = layer(h, rope, mask, lengths, ctx)
+            h = layer(h, rope, mask, lengths, ctx, cache_index)
         return self.output_proj(self.norm(h))  # [B, T, latent]
+
+    def few_kernel_inputs(self, rope: tuple[Tensor, Tensor], lengths: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """What every layer's few-kernel form shares, computed once per step: ``(cos, signed sin)`` (``[B, T, D]``,
+        the sine's first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed sin``) and the next cache's
+        positions in ``[cache, new]``, ``[B, 1, 1, W-1, 1]`` (the ``W-1`` ending at each row's last valid one)."""
+        cos, sin = rope
+        half = self.head_dim // 2
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [B, T, D]
+        num_cached = self.window - 1
+        offsets = torch.arange(num_cached, device=lengths.device)  # [W-1]
+        cache_index = (lengths[:, None] + offsets[None, :])[:, None, None, :, None]  # [B, 1, 1, W-1, 1]
+        return (cos, signed_sin), cache_index

@@ -1,0 +1,92 @@
+"""How many kernels one exact step launches, by op (developer tool; CPU or GPU).
+
+At batch 1 the exact step is bound by kernel launches, not bytes (docs/performance.md), so the count of ops that
+launch a kernel is the first thing to cut. This runs one step of ``MODEL`` (``StreamRoutine.forward``: the state
+gather, ``forward_stream``, the state scatter: what a CUDA graph captures) at ``BATCH`` x ``FRAMES`` under a
+``TorchDispatchMode`` and counts every dispatched op that is not a view (nor a ``to`` / ``contiguous`` that returns
+its input), per op and for the whole step, then for the Qwen3-TTS transformer alone.
+
+On the CPU the Snake modules are forced onto their fused path (``runs_fused``; its ops then run their torch
+expressions, as ``tests/test_fused_paths_cpu.py`` does), so the op sequence is the one the GPU step runs. An op is
+counted as one kernel: on CUDA a few launch more than one (an ``F.rms_norm`` without the fused kernel, a
+``scaled_dot_product_attention`` that falls back to its math form); ``torch.profiler`` on the GPU gives the exact
+launches.
+
+``python loadgen/probes/kernel_count.py`` (``MODEL=default BATCH=1 FRAMES=1 DTYPE=bfloat16 DEVICE=cpu``;
+``MODEL=voxcpm2-default FRAMES=4`` for the VoxCPM2 family).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from code2wav.sidecar.graphs.routine import StreamRoutine
+from code2wav.sidecar.models import load_model
+from code2wav.sidecar.models.qwen3_tts.blocks import SnakeBeta
+from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
+from code2wav.sidecar.models.voxcpm2_audiovae.blocks import Snake
+from code2wav.sidecar.state_store import StateArena
+
+MODEL = os.environ.get("MODEL", "default")
+BATCH = int(os.environ.get("BATCH", "1"))
+FRAMES = int(os.environ.get("FRAMES", "1"))
+DTYPE = os.environ.get("DTYPE", "bfloat16")
+DEVICE = torch.device(os.environ.get("DEVICE", "cpu"))
+
+VIEWS = frozenset({"alias", "as_strided", "chunk", "detach", "expand", "flatten", "narrow", "permute", "reshape",
+                   "select", "slice", "split", "squeeze", "t", "transpose", "unbind", "unsqueeze", "view", "view_as",
+                   "_unsafe_view"})
+
+
+class KernelOps(TorchDispatchMode):
+    """Counts the dispatched ops that launch a kernel (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        returns_input = name in ("to", "contiguous", "reshape") and args and out is args[0]
+        if name not in VIEWS and not returns_input:
+            self.counts[name] += 1
+        return out
+
+
+def _report(title: str, counts: collections.Counter[str]) -> None:
+    print(f"{title}: {sum(counts.values())} kernel ops")
+    print("  " + ", ".join(f"{name} {n}" for name, n in counts.most_common()))
+
+
+def main() -> None:
+    if DEVICE.type == "cpu":  # the fused path's op sequence (its ops run their torch expressions here)
+        for activation in (SnakeBeta, Snake):
+            activation.runs_fused = lambda self, x: not torch.compiler.is_compiling()
+    model = load_model(MODEL, DEVICE, DTYPE)
+    arena = StateArena(model.module.state_layout(), BATCH, model.dtype, model.device)
+    routine = StreamRoutine(model, arena, BATCH, FRAMES)
+    routine.prime(BATCH, FRAMES)
+    with torch.inference_mode():
+        routine.forward(BATCH, FRAMES)  # first-call work (conv choices, stacked weights) out of the count
+        with KernelOps() as step:
+            routine.forward(BATCH, FRAMES)
+        _report(f"{MODEL}, {DTYPE}, one exact step, batch {BATCH} x {FRAMES} frames", step.counts)
+        pre = getattr(getattr(model.module, "decoder", None), "pre_transformer", None)
+        if pre is None:
+            return
+        x = torch.zeros((BATCH, FRAMES, pre.input_proj.in_features), dtype=model.dtype, device=DEVICE)
+        state = model.module.zero_state(BATCH)
+        starts = torch.zeros(BATCH, dtype=torch.long, device=DEVICE)
+        lengths = torch.full((BATCH,), FRAMES, dtype=torch.long, device=DEVICE)
+        with KernelOps() as transformer:
+            pre(x, starts, lengths, StreamCtx(state))
+        _report("  of which the transformer (pre_transformer)", transformer.counts)
+
+
+if __name__ == "__main__":
+    main()
