@@ -7,7 +7,8 @@
 - Batching window: a batch that is not full waits until its oldest chunk is ``batch_window_s`` old, so a
   lone chunk is delayed by at most that; except when no company can come: every open stream (the caller's count)
   already has a chunk queued (one stream alone, or a closed loop whose every stream waits), so the wait would be
-  pure latency.
+  pure latency. The queued streams counted may include some being closed (a departed client's, detached and
+  freed in slices a loop turn later): then a batch runs before its window ends, never after it.
 """
 
 from __future__ import annotations

@@ -89,6 +89,10 @@ class StateArena:
     def scatter(self, slots: Tensor, state: dict[str, Tensor], positions: Tensor) -> None:
         """Commit new state rows. Padding rows must point at ``scratch_slot``."""
         batch = slots.shape[0]
+        for name, shape in self.shapes.items():  # (host-side: the flat copy would shift a wrong shape silently)
+            if tuple(state[name].shape) != (batch, *shape):
+                raise ValueError(f"state entry {name!r}: expected shape {(batch, *shape)}, got "
+                                 f"{tuple(state[name].shape)}")
         if self.shapes:
             rows = torch.cat([state[name].reshape(batch, -1).to(self.flat.dtype) for name in self.shapes],
                              dim=1)  # [B, total]

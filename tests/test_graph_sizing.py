@@ -139,3 +139,13 @@ def test_sizing_measures_at_most_a_few_slice_counts_and_says_what_it_tried(no_cu
     assert b64.status == "skipped" and 1 <= len(sliced) <= MAX_SLICED_PROFILES
     assert all(f"MiB in {n}" in b64.reason for n in sliced) and "max_graph_memory_bytes" in b64.reason
     assert (b64.num_slices, b64.profile_bytes) == (1, device.need(B64, 1)) and device.captured == []
+
+
+def test_max_split_size_is_read_from_the_allocator_config():
+    """The one-block reservation is skipped for a block the caching allocator would never split."""
+    from code2wav.sidecar.graphs.manager import max_split_bytes
+
+    assert max_split_bytes({}) == float("inf")
+    assert max_split_bytes({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,max_split_size_mb:512"}) == 512 * MIB
+    assert max_split_bytes({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == 64 * MIB
+    assert max_split_bytes({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}) == float("inf")

@@ -106,8 +106,9 @@ def test_sigterm_drains_in_flight_chunks_and_exits_zero(tmp_path, golden_cases):
     """Chunks the sidecar accepted before SIGTERM complete (bit-exact), later requests get a typed error, exit 0.
 
     No sleep decides what is in flight: a batching window of 10 minutes holds every chunk in the sidecar's queue
-    (one stream: one chunk per batch, and the batch never fills), the test waits until the sidecar's own
-    queue_depth gauge shows all of them, and only then sends SIGTERM; the drain runs them without the window."""
+    (one stream sends: one chunk per batch, and the batch never fills; a second stream stays open and idle, so the
+    window waits for its company), the test waits until the sidecar's own queue_depth gauge shows all of them, and
+    only then sends SIGTERM; the drain runs them without the window."""
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     num_chunks = 8
     config = tmp_path / "held.yaml"
@@ -115,6 +116,7 @@ def test_sigterm_drains_in_flight_chunks_and_exits_zero(tmp_path, golden_cases):
     running = start_sidecar(tmp_path, "--config", str(config))
     with SidecarClient(running.address, timeout_s=60) as client:
         s = client.open_stream("drain")
+        client.open_stream("company")  # open and idle: it could join a batch, so the window holds the others
         futures = [s.submit(codes[:, a:a + 5]) for a in range(0, 5 * num_chunks, 5)]
         queued = _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_queue_depth") == num_chunks, 60)
         assert queued, "the sidecar never showed the chunks in its queue"

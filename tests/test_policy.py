@@ -108,6 +108,8 @@ def test_arena_slots_scratch_and_reuse():
     assert arena.tensors["x"][s1].abs().sum() == 0  # the other stream's slot untouched
     state, pos = arena.gather(torch.tensor([s0]))
     assert torch.equal(state["x"][0], torch.ones(2, 3)) and pos.tolist() == [5]
+    with pytest.raises(ValueError, match="'x': expected shape"):  # same size per row, wrong shape: refused
+        arena.scatter(slots, {"x": torch.ones(2, 3, 2)}, torch.tensor([5, 9]))
     arena.release(s0)
     again = arena.allocate()
     assert again == s0 and arena.positions[again] == 0 and arena.tensors["x"][again].abs().sum() == 0

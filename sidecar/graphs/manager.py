@@ -32,9 +32,10 @@ bucket states and the one pool; split, each half would reach into the other's st
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -67,6 +68,17 @@ class BucketState:
     output: Tensor | None = None
 
 
+def max_split_bytes(environ: Mapping[str, str]) -> float:
+    """The caching allocator's ``max_split_size_mb`` from ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)
+    in bytes: blocks of that size or more are never split. Unlimited (inf) when not set."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for option in environ.get(name, "").split(","):
+            key, _, value = option.partition(":")
+            if key.strip() == "max_split_size_mb" and value.strip().isdigit():
+                return int(value) * 2**20
+    return float("inf")
+
+
 class GraphManager:
     def __init__(self, routines: dict[str, Routine], buckets: tuple[BucketKey, ...], device: torch.device,
                  metrics: Any, mode: str = "startup", max_lazy_captures: int = 8,
@@ -89,6 +101,7 @@ class GraphManager:
         self.pool_bytes = 0
         self.compiled = dict(compiled or {})
         self.compile_fallbacks: dict[BucketKey, str] = {}  # bucket -> why it runs the plain routine
+        self.max_split_bytes = max_split_bytes(os.environ)
 
     # ------------------------------------------------------------------ capture
     def capture_startup(self) -> None:
@@ -261,7 +274,8 @@ class GraphManager:
         """Inside a capture: allocate and free one block of the step's live peak (measured by the warm-up of the
         same step), so the pool holds one segment the step's tensors are carved from."""
         measured_slices, nbytes = state.live_peak
-        if measured_slices == num_slices and nbytes > 0:
+        # a block at or over the allocator's max_split_size is never split: reserving it would only waste it
+        if measured_slices == num_slices and 0 < nbytes < self.max_split_bytes:
             # freed at once: back to the pool's free blocks, for this capture's own allocations to split
             torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 

@@ -84,6 +84,7 @@ class ConvChoice:
         self.decisions: dict[tuple, str] = {}
         self.timings_ms: dict[tuple, dict[str, float]] = {}
         self._gemm_weight: tuple[tuple, Tensor] | None = None  # (weight identity, tap-major copy)
+        self._replaced_weights: list[Tensor] = []  # copies a captured graph may still read (see gemm_weight)
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
@@ -137,10 +138,13 @@ class ConvChoice:
     def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:
         """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept while the
         weight's storage, dtype and version stay the same (weights are fixed after load: a ``.data.copy_`` would not
-        be seen). Dropped again after a measurement if no decision uses the kernel."""
+        be seen). Dropped again after a measurement if no decision uses the kernel. A copy replaced after the weight
+        changed is kept, not freed: a CUDA graph captured with it still reads its memory."""
         w = conv.weight
         identity = (w.data_ptr(), w.dtype, w.device, w._version)
         if self._gemm_weight is None or self._gemm_weight[0] != identity:
+            if self._gemm_weight is not None and self._gemm_weight[1].is_cuda:
+                self._replaced_weights.append(self._gemm_weight[1])
             self._gemm_weight = (identity, conv_gemm.kernel_weight(w))
         return self._gemm_weight[1]
 
