@@ -60,10 +60,14 @@ def test_pipelined_chunks_keep_per_stream_order(sidecar, golden_cases):
     assert (out_b - full[1]).abs().max().item() <= TOL
 
 
-def test_full_queue_answers_busy_at_once_and_recovers(tmp_path, golden_cases):
+def _start_with_config(tmp_path, config_text: str):
     config = tmp_path / "sidecar.yaml"
-    config.write_text("scheduler:\n  max_pending_chunks: 3\n  max_batch_size: 2\n")
-    running = start_sidecar(tmp_path, "--config", str(config))
+    config.write_text(config_text)
+    return start_sidecar(tmp_path, "--config", str(config))
+
+
+def test_full_queue_answers_busy_at_once_and_recovers(tmp_path, golden_cases):
+    running = _start_with_config(tmp_path, "scheduler:\n  max_pending_chunks: 3\n  max_batch_size: 2\n")
     codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
     try:
         with SidecarClient(running.address, timeout_s=30) as client:
@@ -101,9 +105,7 @@ def test_stalled_stream_and_unread_replies_do_not_block_others(sidecar, golden_c
 def test_batching_window_waits_only_while_an_open_stream_can_still_join(tmp_path, golden_cases):
     """The window (here a minute, longer than any timeout below) is skipped when every open stream has a chunk
     queued: a lone stream's chunk runs at once, and so does a pair once the second chunk is there."""
-    config = tmp_path / "sidecar.yaml"
-    config.write_text("scheduler:\n  batch_window_us: 60000000\n")
-    running = start_sidecar(tmp_path, "--config", str(config))
+    running = _start_with_config(tmp_path, "scheduler:\n  batch_window_us: 60000000\n")
     codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
     try:
         with SidecarClient(running.address, timeout_s=20) as client:
