@@ -114,21 +114,24 @@ def test_sigterm_drains_in_flight_chunks_and_exits_zero(tmp_path, golden_cases):
     config = tmp_path / "held.yaml"
     config.write_text("scheduler:\n  max_batch_size: 64\n  batch_window_us: 600000000\n")
     running = start_sidecar(tmp_path, "--config", str(config))
-    with SidecarClient(running.address, timeout_s=60) as client:
-        s = client.open_stream("drain")
-        client.open_stream("company")  # open and idle: it could join a batch, so the window holds the others
-        futures = [s.submit(codes[:, a:a + 5]) for a in range(0, 5 * num_chunks, 5)]
-        queued = _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_queue_depth") == num_chunks, 60)
-        assert queued, "the sidecar never showed the chunks in its queue"
-        assert not any(f.done() for f in futures)  # held by the window: in flight at the signal
-        running.proc.send_signal(signal.SIGTERM)
-        outs = [f.result(60) for f in futures]  # every accepted chunk completes, none is lost or refused
-        got = torch.cat(outs)
-        assert got.numel() == 5 * num_chunks * 48
-        assert (got - full[: got.numel()]).abs().max().item() <= 1e-5
-        with pytest.raises((cerr.Unavailable, cerr.SidecarError)):
-            client.open_stream("late", timeout_s=3)
-    assert running.proc.wait(timeout=60) == 0
+    try:
+        with SidecarClient(running.address, timeout_s=60) as client:
+            s = client.open_stream("drain")
+            client.open_stream("company")  # open and idle: it could join a batch, so the window holds the others
+            futures = [s.submit(codes[:, a:a + 5]) for a in range(0, 5 * num_chunks, 5)]
+            queued = _wait_for(lambda: _metric(running.scrape(), "code2wav_sidecar_queue_depth") == num_chunks, 60)
+            assert queued, "the sidecar never showed the chunks in its queue"
+            assert not any(f.done() for f in futures)  # held by the window: in flight at the signal
+            running.proc.send_signal(signal.SIGTERM)
+            outs = [f.result(60) for f in futures]  # every accepted chunk completes, none is lost or refused
+            got = torch.cat(outs)
+            assert got.numel() == 5 * num_chunks * 48
+            assert (got - full[: got.numel()]).abs().max().item() <= 1e-5
+            with pytest.raises((cerr.Unavailable, cerr.SidecarError)):
+                client.open_stream("late", timeout_s=3)
+        assert running.proc.wait(timeout=60) == 0
+    finally:
+        running.stop()  # (after a failure above: no sidecar left behind)
     log_text = running.log()
     assert "Traceback" not in log_text
     assert f"shutdown: drained {num_chunks} chunks" in log_text and f"served {num_chunks} chunks" in log_text
