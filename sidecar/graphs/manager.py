@@ -294,15 +294,14 @@ class GraphManager:
         self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.capture_stream):
             routine.prime(key.batch, key.frames)
-            for i in range(self.warmup_iters):
-                if i == self.warmup_iters - 1:
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    base = torch.cuda.memory_allocated(self.device)
-                    routine.forward(key.batch, key.frames, num_slices)
-                    state.live_peak = (num_slices, max(0, torch.cuda.max_memory_allocated(self.device) - base))
-                else:
-                    routine.forward(key.batch, key.frames, num_slices)
+            for _ in range(self.warmup_iters - 1):
+                routine.forward(key.batch, key.frames, num_slices)
+            if self.warmup_iters:  # the last run, measured
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+                routine.forward(key.batch, key.frames, num_slices)
+                state.live_peak = (num_slices, max(0, torch.cuda.max_memory_allocated(self.device) - base))
         torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
         torch.cuda.synchronize(self.device)
 

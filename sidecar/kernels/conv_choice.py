@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import conv_gemm, snake  # noqa: F401  (snake registers torch.ops.code2wav.snake_cat)
+from .derived import DerivedTensor
 from .dilated import polyphase_conv
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,7 @@ class ConvChoice:
     def __init__(self) -> None:
         self.decisions: dict[tuple, str] = {}
         self.timings_ms: dict[tuple, dict[str, float]] = {}
-        self._gemm_weight: tuple[tuple, Tensor] | None = None  # (weight identity, tap-major copy)
-        self._replaced_weights: list[Tensor] = []  # copies a captured graph may still read (see gemm_weight)
+        self._gemm_weight: DerivedTensor[Tensor] = DerivedTensor()  # the tap-major copy of the weight
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
@@ -136,17 +136,9 @@ class ConvChoice:
         return y  # [B, C_out, T]
 
     def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:
-        """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept while the
-        weight's storage, dtype and version stay the same (weights are fixed after load: a ``.data.copy_`` would not
-        be seen). Dropped again after a measurement if no decision uses the kernel. A copy replaced after the weight
-        changed is kept, not freed: a CUDA graph captured with it still reads its memory."""
-        w = conv.weight
-        identity = (w.data_ptr(), w.dtype, w.device, w._version)
-        if self._gemm_weight is None or self._gemm_weight[0] != identity:
-            if self._gemm_weight is not None and self._gemm_weight[1].is_cuda:
-                self._replaced_weights.append(self._gemm_weight[1])
-            self._gemm_weight = (identity, conv_gemm.kernel_weight(w))
-        return self._gemm_weight[1]
+        """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept as
+        ``kernels/derived.py`` says. Dropped again after a measurement if no decision uses the kernel."""
+        return self._gemm_weight.get((conv.weight,), lambda: conv_gemm.kernel_weight(conv.weight))
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
                 act: Act | None) -> str:
@@ -164,7 +156,7 @@ class ConvChoice:
         self.timings_ms[key] = timings
         self.decisions[key] = best
         if not any(f.startswith("gemm") for f in self.decisions.values()):
-            self._gemm_weight = None  # measured, not used: no second copy of the weight
+            self._gemm_weight.clear()  # measured, not used: no second copy of the weight
         log.debug("conv %s: %s -> %s", tuple(x.shape), {f: round(ms, 3) for f, ms in timings.items()}, best)
         return best
 

@@ -51,6 +51,15 @@ def folds_biases(act, x: Tensor) -> bool:
     return act.runs_fused(x) and not torch.is_grad_enabled()
 
 
+def run_chain(layers, x: Tensor, lengths: Tensor, ctx, in_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Run ``layers`` (a family's blocks or residual units, each ``layer(x, lengths, ctx, in_bias=...)``) in order;
+    the first gets ``in_bias``, the bias the conv before them left out (``folds_biases``; None: nothing pending)."""
+    for layer in layers:
+        x, lengths = layer(x, lengths, ctx, in_bias=in_bias)
+        in_bias = None
+    return x, lengths
+
+
 def set_fused(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
     """Set ``fused`` on every ``activation`` module (a family's Snake class) under ``module``: the conv after it
     then calls this kernel on CUDA tensors. Returns whether the kernel is in use (False without Triton)."""

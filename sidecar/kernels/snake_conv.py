@@ -169,13 +169,13 @@ def _(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, lo
     return y, x.new_empty((x.shape[0], x.shape[1], weight.shape[2] - 1))  # [B, C, P]
 
 
-
 @register_flop_formula(torch.ops.code2wav.snake_conv_out)
 def _flops(x_shape, *args, out_shape=None, **kwargs) -> int:
     """Multiply-adds of the conv to one channel, as ``FlopCounterMode`` counts a conv."""
     batch, channels, num_cols = x_shape
     ksize = out_shape[1][2] + 1  # the tail is K - 1 columns
     return 2 * batch * num_cols * channels * ksize
+
 
 def run_interpreted(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
                     weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
 from ...kernels.conv_choice import ConvChoice
-from ...kernels.snake import folds_biases  # (importing it registers torch.ops.code2wav.snake_cat*)
+from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx, gather_tail
 
 
@@ -237,8 +237,4 @@ class DecoderBlock(nn.Module):
         act, upsample, *units = self.block
         fold = folds_biases(act, x)
         x, lengths = upsample(x, lengths, ctx, act=act, in_bias=in_bias, bias_later=fold)  # [B, C_out, T * r]
-        pending = upsample.conv.bias if fold else None  # added by the first unit's first kernel
-        for unit in units:
-            x, lengths = unit(x, lengths, ctx, in_bias=pending)
-            pending = None
-        return x, lengths
+        return run_chain(units, x, lengths, ctx, upsample.conv.bias if fold else None)  # [B, C_out, T * r]

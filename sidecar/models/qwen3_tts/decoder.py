@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ...kernels import conv_choice
 from ...kernels import snake as snake_kernel
-from ...kernels.snake import folds_biases
+from ...kernels.snake import folds_biases, run_chain
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
@@ -153,10 +153,7 @@ class Qwen3TTSDecoder(nn.Module):
         first_conv, *blocks, act, out_conv = net.decoder
         fold = folds_biases(act, x) and bool(blocks)  # the first conv's bias added by the first block's first kernel
         x, lengths = first_conv(x, lengths, ctx, bias_later=fold)  # [B, decoder_dim, T]
-        pending = first_conv.conv.bias if fold else None
-        for block in blocks:
-            x, lengths = block(x, lengths, ctx, in_bias=pending)  # [B, C, T * r]
-            pending = None
+        x, lengths = run_chain(blocks, x, lengths, ctx, first_conv.conv.bias if fold else None)  # [B, C, T * R]
         wav, _ = out_conv(x, lengths, ctx, act=act)  # [B, 1, T * U]
         return wav.clamp(-1.0, 1.0).float()[:, 0], ctx.state_out  # [B, T * U]
 

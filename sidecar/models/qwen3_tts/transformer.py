@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...kernels.derived import DerivedTensor
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
 
@@ -33,41 +34,19 @@ def few_kernels() -> bool:
 
 class StackedWeights:
     """The weights (and biases) of several ``nn.Linear`` stacked by rows, so their GEMMs over one input run as
-    one: built on first use and again whenever a source parameter changed (moved, cast, or written through the
-    parameter, as ``load_state_dict`` does; weights are fixed after load, and a write through ``.data`` is not
-    seen). Inside a CUDA graph capture a stale copy is built for that call only (a capture records kernels
-    without running them, so a copy made there holds nothing until the graph replays); warm-up builds it before
-    capture. A copy that was replaced is kept, not freed: a graph captured with it still reads its memory (such a
-    graph keeps the weights it was captured with; capture again after changing weights)."""
+    one; made once and kept as ``kernels/derived.py`` says (made again when a source parameter changed)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self._linears = linears
-        self._key: tuple | None = None
-        self._tensors: tuple[Tensor, Tensor | None] | None = None
-        self._replaced: list[tuple[Tensor, Tensor | None]] = []
+        self._stacked: DerivedTensor[tuple[Tensor, Tensor | None]] = DerivedTensor()
 
     def get(self) -> tuple[Tensor, Tensor | None]:
         """``(weight [sum of out, in], bias [sum of out] or None)``."""
-        key = tuple(_identity(t) for lin in self._linears for t in (lin.weight, lin.bias) if t is not None)
-        if key == self._key and self._tensors is not None:
-            return self._tensors
         linears = self._linears
-        weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum out, in]
-        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])  # [sum out]
-        if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if self._tensors is not None and self._tensors[0].is_cuda:
-                self._replaced.append(self._tensors)
-            self._key, self._tensors = key, (weight, bias)
-        return weight, bias
-
-
-def _identity(t: Tensor) -> tuple:
-    """What changes when a tensor is moved, cast or written in place."""
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor (no version counter; it cannot be written outside inference mode)
-        version = -1
-    return (t.data_ptr(), version, t.dtype, t.device)
+        sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+        return self._stacked.get(sources, lambda: (
+            torch.cat([lin.weight.detach() for lin in linears]),  # [sum out, in]
+            None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])))  # [sum out]
 
 
 class RMSNorm(nn.Module):

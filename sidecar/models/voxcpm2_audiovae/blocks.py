@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
-from ...kernels.snake import folds_biases  # (importing it registers torch.ops.code2wav.snake_cat*)
+from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 
 
 @dataclass
@@ -268,8 +268,4 @@ class DecoderBlock(nn.Module):
         act, upsample, *units = self.block
         fold = folds_biases(act, x)
         x, lengths = upsample(x, lengths, ctx, act=act, bias_later=fold)  # [B, Cout, T * s]
-        pending = upsample.bias if fold else None  # added by the first unit's first kernel
-        for unit in units:
-            x, lengths = unit(x, lengths, ctx, in_bias=pending)
-            pending = None
-        return x, lengths
+        return run_chain(units, x, lengths, ctx, upsample.bias if fold else None)  # [B, Cout, T * s]
