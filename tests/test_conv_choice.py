@@ -2,6 +2,8 @@
 cuDNN, a dilated conv as one undilated conv over its phases (``dilated.py``) and the implicit-GEMM Triton kernel
 with its Snake epilogue (``conv_gemm.py``).
 
+Also cuDNN on channels-last tensors (``"cudnn_cl"``), for callers that write their input that way.
+
 CPU: ``polyphase_conv`` equals ``F.conv1d`` with the dilation for lengths that the dilation divides and that it
 does not, grouped convs and a single output column; the whole decoder with every dilated conv in the polyphase form
 streams the golden; the GEMM kernel's indexing under Triton's interpreter equals conv1d (+ Snake); the choice leaves
@@ -156,7 +158,7 @@ def test_the_decoder_streams_the_golden_with_every_dilated_conv_polyphase(monkey
 
     calls = []
 
-    def always_polyphase(self, x, conv, with_bias=True, act=None):
+    def always_polyphase(self, x, conv, with_bias=True, act=None, channels_last_ok=False):
         if conv.dilation[0] == 1:
             return self.run("cudnn", x, conv, with_bias, act)
         calls.append(tuple(x.shape))
@@ -172,6 +174,50 @@ def test_the_decoder_streams_the_golden_with_every_dilated_conv_polyphase(monkey
     assert calls  # the dilated convs ran through the polyphase form
     assert (out_a - full[0]).abs().max().item() <= 1e-5
     assert (out_b - full[1]).abs().max().item() <= 1e-5
+
+
+def test_the_decoder_streams_the_golden_with_every_conv_channels_last(monkeypatch, golden_cases):
+    """What a GPU whose measurements all favour cuDNN on channels-last tensors runs, on the CPU: the fused path
+    forced (its ops' torch expressions), every dense conv asking for its input channels-last and run as ``conv2d``
+    over ``[B, C, 1, L]``; the Snake after it reads the channels-last output. The golden streams within 1e-5."""
+    from test_exact_streaming import make_engine, stream_interleaved
+
+    from code2wav.sidecar.models import load_model
+    from code2wav.sidecar.models.qwen3_tts.blocks import SnakeBeta
+    from conftest import TINY
+
+    monkeypatch.setattr(SnakeBeta, "runs_fused", lambda self, x: True)
+    calls = []
+
+    def always_channels_last(self, x, conv, with_bias=True, act=None, channels_last_ok=False):
+        if not channels_last_ok:
+            return self.run("cudnn", x, conv, with_bias, act)
+        assert x.stride(1) == 1 and x.shape[1] > 1  # written channels-last by the Snake kernel's op
+        calls.append(tuple(x.shape))
+        return self.run("cudnn_cl", x, conv, with_bias, act)
+
+    monkeypatch.setattr(ConvChoice, "__call__", always_channels_last)
+    monkeypatch.setattr(ConvChoice, "wants_channels_last", lambda self, *args: True)
+    engine = make_engine(load_model(str(TINY), torch.device("cpu"), "float32"))
+    full = golden_cases["full"][:, 0]  # [2, T * U]
+    num_frames = golden_cases["codes"].shape[2]
+    plan = [1, 16, num_frames - 17]
+    with torch.inference_mode():
+        out_a, out_b = stream_interleaved(engine, golden_cases["codes"], [plan, plan])
+    assert calls  # the residual units' dilated convs ran channels-last
+    assert (out_a - full[0]).abs().max().item() <= 1e-5
+    assert (out_b - full[1]).abs().max().item() <= 1e-5
+
+
+def test_the_channels_last_form_is_offered_only_to_callers_that_can_write_it():
+    conv = torch.nn.Conv1d(8, 8, 7, dilation=3)
+    x = torch.randn(2, 8, 40)
+    choice = ConvChoice()
+    assert "cudnn_cl" not in choice.forms(x, conv) and "cudnn_cl" in choice.forms(x, conv, channels_last_ok=True)
+    assert not choice.wants_channels_last((2, 8, 40), x.dtype, x.device, False)  # nothing measured yet
+    with torch.inference_mode():
+        got = choice.run("cudnn_cl", x.transpose(1, 2).contiguous().transpose(1, 2), conv, True, None)
+    assert got.stride(1) == 1 and (got - conv(x)).abs().max().item() < 1e-5
 
 
 @pytest.mark.cuda
@@ -191,10 +237,13 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
         assert "gemm0" not in choice.forms(x.to(dtype), layer)  # autograd on: no kernel without a backward
         with torch.inference_mode():
             assert ("gemm0" in choice.forms(x.to(dtype), layer)) == (dtype == torch.bfloat16)
-            for form in choice.forms(x.to(dtype), layer):
-                got = choice.run(form, x.to(dtype), layer, True, None)
+            for form in choice.forms(x.to(dtype), layer, channels_last_ok=True):
+                x_in = x.to(dtype)
+                if form == "cudnn_cl":  # as the Snake kernel writes it for this form
+                    x_in = x_in.transpose(1, 2).contiguous().transpose(1, 2)
+                got = choice.run(form, x_in, layer, True, None)
                 assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item(), (dtype, form)
-                got = choice.run(form, x.to(dtype), layer, True, (alpha.to(dtype), beta.to(dtype), True))
+                got = choice.run(form, x_in, layer, True, (alpha.to(dtype), beta.to(dtype), True))
                 assert (got.float() - ref_act).abs().max().item() < tol * ref_act.abs().max().item(), (dtype, form)
 
 
@@ -206,10 +255,11 @@ def test_the_choice_is_measured_once_per_shape_and_keeps_the_output(no_tf32):
     with torch.inference_mode():
         for num_in in (54 + 400, 54 + 401, 54 + 400):
             x = torch.randn(4, 64, num_in, device="cuda", dtype=torch.bfloat16)
-            got = choice(x, conv)
+            got = choice(x, conv, channels_last_ok=True)  # x stays contiguous here: measured with a copy
             ref = conv(x).float()
             assert (got.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
     assert len(choice.decisions) == 2 and len(choice.timings_ms) == 2  # the repeated shape was not timed again
     for timings in choice.timings_ms.values():
-        assert set(timings) == {"cudnn", "polyphase", *(f"gemm{i}" for i in range(len(conv_gemm.CONFIGS)))}
+        assert set(timings) == {"cudnn", "cudnn_cl", "polyphase",
+                                *(f"gemm{i}" for i in range(len(conv_gemm.CONFIGS)))}
         assert all(ms > 0 for ms in timings.values())

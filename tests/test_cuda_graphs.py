@@ -252,5 +252,8 @@ def test_a_bucket_over_the_memory_budget_is_captured_in_time_slices():
         _restore(arena, snap)
         eager_audio = eager.decode(items)  # leaves the eager state for the next step
         assert max((g - e).abs().max().item() for g, e in zip(graph_audio, eager_audio)) <= 1e-5
-        assert max((after_graph[0][k][slots] - t[slots]).abs().max().item() for k, t in arena.tensors.items()) <= 1e-4
+        for k, t in arena.tensors.items():  # activations up to ~10: float32 rounding relative to their size
+            # (a slice's GEMMs have fewer rows than the whole step's, so cuBLAS may sum in another order)
+            ref = t[slots]
+            assert (after_graph[0][k][slots] - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), k
         assert torch.equal(after_graph[1], arena.positions)

@@ -52,7 +52,8 @@ def test_qwen3_fused_path_streams_the_golden(forced_fused, golden_cases):
     plans = [[1, 16, num_frames - 17], [5, 1, 9, num_frames - 15]]  # rows at different positions share steps
     with torch.inference_mode(), OpNames() as ops:
         out_a, out_b = stream_interleaved(engine, golden_cases["codes"], plans)
-    assert {"code2wav.snake_cat", "code2wav.snake_cat_add_bias_", "code2wav.snake_conv_out"} <= ops.names
+    assert {"code2wav.snake_cat", "code2wav.snake_cat_add_bias_", "code2wav.snake_pairs",
+            "code2wav.snake_conv_out"} <= ops.names
     assert "aten.add_" not in ops.names  # the residual units' bias adds went into the kernels
     assert (out_a - full[0]).abs().max().item() <= TOL
     assert (out_b - full[1]).abs().max().item() <= TOL
@@ -76,7 +77,7 @@ def test_voxcpm2_fused_path_streams_the_golden_with_padded_rows(forced_fused, ch
             for b in range(2):
                 outs[b].append(wav[b, :sizes[b] * spf])
                 starts[b] += sizes[b]
-    assert {"code2wav.snake_cat", "code2wav.snake_cat_add_bias_", "code2wav.depthwise_snake",
+    assert {"code2wav.snake_pairs", "code2wav.snake_cat_add_bias_", "code2wav.depthwise_snake",
             "code2wav.snake_conv_out"} <= ops.names
     assert (torch.cat(outs[0]) - full[0]).abs().max().item() <= TOL
     row1 = torch.cat(outs[1])  # [starts[1] * U]

@@ -12,6 +12,9 @@ counted as one kernel: on CUDA a few launch more than one (an ``F.rms_norm`` wit
 ``scaled_dot_product_attention`` that falls back to its math form); ``torch.profiler`` on the GPU gives the exact
 launches.
 
+On a CUDA device it then runs the step under ``torch.profiler`` and prints the GPU kernels one step actually launches
+(count, summed device time, the top kernels), to check the op count above against real launches.
+
 ``python loadgen/probes/kernel_count.py`` (``MODEL=default BATCH=1 FRAMES=1 DTYPE=bfloat16 DEVICE=cpu``;
 ``MODEL=voxcpm2-default FRAMES=4`` for the VoxCPM2 family).
 """
@@ -63,6 +66,30 @@ def _report(title: str, counts: collections.Counter[str]) -> None:
     print("  " + ", ".join(f"{name} {n}" for name, n in counts.most_common()))
 
 
+def _profile(routine: StreamRoutine) -> None:
+    """The kernels one step launches on the GPU (torch.profiler), averaged over 5 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    num_steps = 5
+    for _ in range(3):
+        routine.forward(BATCH, FRAMES)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            routine.forward(BATCH, FRAMES)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: collections.Counter[str] = collections.Counter()
+    time_us: collections.Counter[str] = collections.Counter()
+    for e in kernels:
+        by_name[e.name] += 1
+        time_us[e.name] += e.device_time
+    total_us = sum(time_us.values()) / num_steps
+    print(f"GPU (torch.profiler): {len(kernels) / num_steps:.0f} kernels per step, {total_us:.0f} us summed device time")
+    for name, us in time_us.most_common(12):
+        print(f"  {us / num_steps:8.1f} us  {by_name[name] / num_steps:5.1f}x  {name[:110]}")
+
+
 def main() -> None:
     if DEVICE.type == "cpu":  # the fused path's op sequence (its ops run their torch expressions here)
         for activation in (SnakeBeta, Snake):
@@ -76,6 +103,8 @@ def main() -> None:
         with KernelOps() as step:
             routine.forward(BATCH, FRAMES)
         _report(f"{MODEL}, {DTYPE}, one exact step, batch {BATCH} x {FRAMES} frames", step.counts)
+        if DEVICE.type == "cuda":
+            _profile(routine)
         pre = getattr(getattr(model.module, "decoder", None), "pre_transformer", None)
         if pre is None:
             return

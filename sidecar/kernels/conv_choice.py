@@ -1,8 +1,11 @@
 """Which form each conv runs in, per input shape, measured once on the device (policy; the forms are mechanism).
 
-A dense stride-1 conv of the decoders can run three ways: cuDNN as PyTorch calls it, ``dilated.polyphase_conv``
-(a dilated conv as one undilated conv over its input's phases) and ``conv_gemm``'s implicit-GEMM Triton kernel
-(bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is fastest depends on the shape, cuDNN's
+A dense stride-1 conv of the decoders can run four ways: cuDNN as PyTorch calls it, cuDNN on channels-last
+tensors (``"cudnn_cl"``: ``conv2d`` over ``[B, C, 1, L]`` with the channels contiguous in the input, the weight and
+the output, so cuDNN's NHWC kernels run without the layout conversions it wraps around an NCHW call: 30 of the 385
+kernels of a batch-1 step; offered only where the caller writes its input channels-last at no cost,
+``channels_last_ok``), ``dilated.polyphase_conv`` (a dilated conv as one undilated conv over its input's phases)
+and ``conv_gemm``'s implicit-GEMM Triton kernel (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is fastest depends on the shape, cuDNN's
 version and the GPU (on the H200, cuDNN picked a kernel without tensor cores for one dilated conv, and wraps the
 others in layout conversions), so nothing is written down: ``ConvChoice`` times every form once per input shape
 (CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed, each queued behind a short
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import conv_gemm, snake  # noqa: F401  (snake registers torch.ops.code2wav.snake_cat)
@@ -74,9 +78,10 @@ def _min_ms(fn, x: Tensor) -> float:
 class ConvChoice:
     """For one conv module: the form each input shape runs in, measured on first sight.
 
-    ``decisions`` maps ``(batch, channels, length, dtype, device, with Snake)`` to a form name (``"cudnn"``,
-    ``"polyphase"``, ``"gemm<i>"`` for ``conv_gemm.CONFIGS[i]``); ``timings_ms`` keeps every form's measurement
-    for logs and probes."""
+    ``decisions`` maps ``(batch, channels, length, dtype, device, with Snake, kernels allowed)`` to a form name
+    (``"cudnn"``, ``"cudnn_cl"``, ``"polyphase"``, ``"gemm<i>"`` for ``conv_gemm.CONFIGS[i]``); ``timings_ms``
+    keeps every form's measurement for logs and probes. A caller that can write the input either way asks
+    ``wants_channels_last`` first; the other forms take it contiguous."""
 
     kernels = False
     """Whether the hand-written GEMM kernel may be measured and used (the family's ``use_fused_kernels``)."""
@@ -85,16 +90,27 @@ class ConvChoice:
         self.decisions: dict[tuple, str] = {}
         self.timings_ms: dict[tuple, dict[str, float]] = {}
         self._gemm_weight: DerivedTensor[Tensor] = DerivedTensor()  # the tap-major copy of the weight
+        self._cl_weight: DerivedTensor[Tensor] = DerivedTensor()  # [C_out, C_in, 1, K] channels-last
 
-    def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None) -> Tensor:
+    def key(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, with_act: bool) -> tuple:
+        return (*shape, dtype, device, with_act, self.kernels_allowed())
+
+    def wants_channels_last(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                            with_act: bool) -> bool:
+        """Whether the form chosen for an input of ``shape`` reads it channels-last (False until measured)."""
+        return self.decisions.get(self.key(shape, dtype, device, with_act)) == "cudnn_cl"
+
+    def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None,
+                 channels_last_ok: bool = False) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
-        or with ``act``, ``act(conv(x) + bias)``."""
+        or with ``act``, ``act(conv(x) + bias)``. ``channels_last_ok``: the caller writes ``x`` channels-last for
+        free when ``wants_channels_last`` says so (then ``"cudnn_cl"`` is a candidate)."""
         if not x.is_cuda or torch.compiler.is_compiling() or not plain(conv):
             return self.run("cudnn", x, conv, with_bias, act)
-        key = (*x.shape, x.dtype, x.device, act is not None, self.kernels_allowed())
+        key = self.key(tuple(x.shape), x.dtype, x.device, act is not None)
         form = self.decisions.get(key)
         if form is None:
-            forms = self.forms(x, conv)
+            forms = self.forms(x, conv, channels_last_ok)
             if len(forms) == 1 or torch.cuda.is_current_stream_capturing() or \
                     len(self.decisions) >= MAX_MEASURED_SHAPES:
                 form = "cudnn"  # nothing to choose, not timed inside a capture, nor past the cap
@@ -106,9 +122,9 @@ class ConvChoice:
         """The GEMM kernel may run now: switched on, Triton present, autograd off."""
         return self.kernels and conv_gemm.triton is not None and not torch.is_grad_enabled()
 
-    def forms(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
+    def forms(self, x: Tensor, conv: torch.nn.Conv1d, channels_last_ok: bool = False) -> list[str]:
         """The forms that can run ``conv`` on ``x``."""
-        names = ["cudnn"]
+        names = ["cudnn", "cudnn_cl"] if channels_last_ok else ["cudnn"]
         if conv.dilation[0] > 1:
             names.append("polyphase")
         if conv.groups == 1 and self.kernels_allowed() and x.dtype in (torch.bfloat16, torch.float16):
@@ -127,13 +143,23 @@ class ConvChoice:
         bias = conv.bias if with_bias and act is None else None
         if form == "polyphase":
             y = polyphase_conv(x, conv.weight, bias, d, conv.groups)  # [B, C_out, T]
+        elif form == "cudnn_cl":
+            x4 = x.unsqueeze(2)  # [B, C_in, 1, L]: channels-last when x is
+            if not x4.is_contiguous(memory_format=torch.channels_last):
+                x4 = x4.contiguous(memory_format=torch.channels_last)
+            weight = self._cl_weight.get((conv.weight,), lambda: conv.weight.detach().unsqueeze(2).contiguous(
+                memory_format=torch.channels_last))  # [C_out, C_in, 1, K]
+            y = F.conv2d(x4, weight, bias, dilation=(1, d), groups=conv.groups)[:, :, 0]  # [B, C_out, T], channels-last
         else:
             y = conv._conv_forward(x, conv.weight, bias)  # [B, C_out, T] (the module's own call)
         if act is None:
             return y
         alpha, beta, log_params = act
-        y, _ = torch.ops.code2wav.snake_cat(y, None, alpha, beta, None, log_params, conv.bias)  # no state: no lengths
-        return y  # [B, C_out, T]
+        # no state: no lengths; a channels-last conv output stays channels-last (no transpose in the Snake kernel;
+        # the caller, a residual unit's baddbmm, reads either layout)
+        y, _ = torch.ops.code2wav.snake_cat(y, None, alpha, beta, None, log_params, conv.bias,
+                                            form == "cudnn_cl")  # [B, C_out, T]
+        return y
 
     def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:
         """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept as
@@ -143,10 +169,12 @@ class ConvChoice:
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
                 act: Act | None) -> str:
         timings: dict[str, float] = {}
+        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if "cudnn_cl" in forms else None  # as it would come
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
             for form in forms:
                 try:
-                    timings[form] = _min_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act), x)
+                    timings[form] = _min_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act),
+                                            x_cl if form == "cudnn_cl" else x)
                 except Exception as exc:  # noqa: BLE001  (cuDNN, the first form, has no fallback: re-raised)
                     if form == "cudnn":
                         raise
@@ -157,6 +185,8 @@ class ConvChoice:
         self.decisions[key] = best
         if not any(f.startswith("gemm") for f in self.decisions.values()):
             self._gemm_weight.clear()  # measured, not used: no second copy of the weight
+        if "cudnn_cl" not in self.decisions.values():
+            self._cl_weight.clear()
         log.debug("conv %s: %s -> %s", tuple(x.shape), {f: round(ms, 3) for f, ms in timings.items()}, best)
         return best
 

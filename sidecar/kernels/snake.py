@@ -21,6 +21,9 @@ meta: the torch expression), so eager steps and CUDA graph capture call it like 
 Under ``torch.compile`` a decoder keeps its torch expression instead (Inductor fuses it with its neighbours);
 each family's ``use_fused_kernels`` switches its Snake modules to this op. Triton is optional: without it
 ``available()`` is False and the decoder keeps its torch expression everywhere.
+
+Over 300 lines: one computation in two kernels (a channel row per program, and tiles for channels-last inputs and
+outputs and ``transposed.py``'s frame pairs), their one launcher and the two ops with their CPU expressions.
 """
 
 from __future__ import annotations
@@ -152,87 +155,166 @@ if triton is not None:
                      y.to(tail_ptr.dtype.element_ty), mask=in_tail)
         tl.store(cat_ptr + row + cols, y.to(cat_ptr.dtype.element_ty), mask=inside)
 
+    @triton.jit
+    def _snake_cat_tile_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, out_ptr, tail_ptr, bias_ptr,
+                               in_bias_ptr, num_channels, num_cols_in, num_state_cols,
+                               stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                               stride_ob, stride_oc, stride_ot,
+                               LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
+                               HAS_IN_BIAS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_C: tl.constexpr,
+                               BLOCK_T: tl.constexpr):
+        """``_snake_cat_kernel`` over ``[BLOCK_C, BLOCK_T]`` tiles, for an ``x`` whose channels are contiguous
+        (channels-last) and for the ``PAIRS`` output (``transposed.py``): Triton loads and stores each along its
+        contiguous axis (a stride of 1 is specialised) and transposes the tile in between. ``PAIRS``: the output is
+        ``[B, P + T - 1, 2, C]``, cat column ``u`` written as tap 0 of frame ``u`` and as tap 1 of frame ``u - 1``."""
+        cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] columns of cat
+        chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+        b = tl.program_id(2).to(tl.int64)
+        total = num_cols_in + num_state_cols
+        c_in = chans < num_channels
+        inside = c_in[:, None] & (cols < total)[None, :]  # [BLOCK_C, BLOCK_T]
+        scale, inv = snake_scale_inv(tl.load(alpha_ptr + chans, mask=c_in, other=1.0).to(tl.float32),
+                                     tl.load(beta_ptr + chans, mask=c_in, other=0.0).to(tl.float32), LOG_PARAMS)
+        is_new = inside & (cols >= num_state_cols)[None, :]
+        x_at = x_ptr + b * stride_xb + chans[:, None] * stride_xc + (cols - num_state_cols)[None, :] * stride_xt
+        x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32)
+        if HAS_IN_BIAS:
+            x = x + tl.load(in_bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
+        if ADD_BIAS:
+            shifted = x + tl.load(bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
+            tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
+        y = snake_apply(x, scale[:, None], inv[:, None])
+        if HAS_STATE:
+            is_old = (cols < num_state_cols)[None, :]
+            old = tl.load(state_ptr + b * stride_sb + chans[:, None] * stride_sc + cols[None, :] * stride_st,
+                          mask=inside & is_old, other=0.0).to(tl.float32)
+            y = tl.where(is_old, old, y)
+            k = cols - tl.load(lengths_ptr + b)  # column of the new state
+            in_tail = inside & ((k >= 0) & (k < num_state_cols))[None, :]
+            tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :],
+                     y.to(tail_ptr.dtype.element_ty), mask=in_tail)
+        y = y.to(out_ptr.dtype.element_ty)
+        out_at = out_ptr + b * stride_ob + chans[:, None] * stride_oc + cols[None, :] * stride_ot
+        if PAIRS:
+            tl.store(out_at, y, mask=inside & (cols < total - 1)[None, :])  # tap 0 of frame u
+            tl.store(out_at + num_channels - stride_ot, y, mask=inside & (cols >= 1)[None, :])  # tap 1 of u - 1
+        else:
+            tl.store(out_at, y, mask=inside)
+
+
+BLOCK_TILE = (32, 128)
+"""``(channels, columns)`` per program of the tiled kernel."""
+
 
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-            log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None,
+            pairs: bool = False, channels_last: bool = False) -> tuple[Tensor, Tensor]:
+    """The kernels' launcher: ``(cat [B, C, P + T], tail [B, C, P])`` (``cat`` channels-last with
+    ``channels_last``), or with ``pairs``, ``(pairs [B, P + T - 1, 2 * C], tail)`` (``transposed.py``). Where
+    ``x``'s columns are contiguous and ``cat`` is not channels-last, the one-channel-per-program kernel; otherwise
+    the tiled one."""
     batch, channels, num_cols_in = x.shape
     num_state_cols = 0 if state is None else state.shape[2]
-    cat = torch.empty((batch, channels, num_state_cols + num_cols_in), dtype=x.dtype, device=x.device)
+    total = num_state_cols + num_cols_in
+    if pairs:
+        out = torch.empty((batch, max(total - 1, 0), 2 * channels), dtype=x.dtype, device=x.device)
+        out_strides = (out.stride(0), 1, 2 * channels)  # column u of channel c at u * 2C + c
+    elif channels_last:
+        out = torch.empty((batch, total, channels), dtype=x.dtype, device=x.device).transpose(1, 2)  # [B, C, P + T]
+        out_strides = out.stride()
+    else:
+        out = torch.empty((batch, channels, total), dtype=x.dtype, device=x.device)
+        out_strides = out.stride()
     tail = torch.empty((batch, channels, num_state_cols), dtype=x.dtype, device=x.device)  # [B, C, P]
-    if cat.numel() == 0:
-        return cat, tail
+    if out.numel() == 0 and tail.numel() == 0:
+        return out, tail
     has_state = state is not None and num_state_cols > 0
     if has_state and lengths is None:
         raise ValueError("snake_cat with a state needs lengths (where each row's tail ends)")
     src = state if has_state else x  # any valid pointer when there is no state (never read)
-    grid = (triton.cdiv(num_state_cols + num_cols_in, BLOCK_COLS), channels, batch)
-    _snake_cat_kernel[grid](x, src, alpha, beta if log_params else alpha, lengths if has_state else src, cat, tail,
-                            alpha if bias is None else bias, alpha if in_bias is None else in_bias,
-                            channels, num_cols_in, num_state_cols,
-                            x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2),
-                            LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=bias is not None,
-                            HAS_IN_BIAS=in_bias is not None, BLOCK=BLOCK_COLS, num_warps=4)
-    return cat, tail
+    args = (x, src, alpha, beta if log_params else alpha, lengths if has_state else src, out, tail,
+            alpha if bias is None else bias, alpha if in_bias is None else in_bias,
+            channels, num_cols_in, num_state_cols,
+            x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2))
+    flags = dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=bias is not None,
+                 HAS_IN_BIAS=in_bias is not None)
+    if pairs or channels_last or x.stride(2) != 1:
+        block_c, block_t = BLOCK_TILE
+        grid = (triton.cdiv(total, block_t), triton.cdiv(channels, block_c), batch)
+        _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, BLOCK_C=block_c, BLOCK_T=block_t,
+                                     num_warps=4)
+    else:
+        grid = (triton.cdiv(total, BLOCK_COLS), channels, batch)
+        _snake_cat_kernel[grid](*args, **flags, BLOCK=BLOCK_COLS, num_warps=4)
+    return out, tail
 
 
 @torch.library.custom_op("code2wav::snake_cat", mutates_args=())
 def snake_cat(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-              log_params: bool, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              log_params: bool, in_bias: Tensor | None = None, channels_last: bool = False
+              ) -> tuple[Tensor, Tensor]:
     """``(cat, tail)``, see the module docstring. ``x`` ``[B, C, T]`` (any strides), ``state`` ``[B, C, P]`` or
     None (then ``cat`` is the activation alone and ``tail`` is empty), ``alpha``/``beta`` ``[C]`` (``beta``
     unused unless ``log_params``), ``lengths`` ``[B]`` int64 valid columns of ``x`` per row (needed with a state
     only: it places the tail; None without one). ``in_bias`` ``[C]``:
     the activation is of ``x + in_bias`` (the bias of the conv that produced ``x``, which then runs without it:
-    PyTorch adds a cuDNN conv's bias in a separate full pass over its output)."""
+    PyTorch adds a cuDNN conv's bias in a separate full pass over its output). ``channels_last``: ``cat`` with
+    its channels contiguous (strides ``(C (P + T), 1, C)``: what cuDNN's NHWC convs read without a conversion)."""
     if x.is_cuda and triton is not None:
         return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params,
-                       None, in_bias)
+                       None, in_bias, channels_last=channels_last)
     if in_bias is not None:
         x = x + in_bias[None, :, None]  # [B, C, T]
     cat, tail = reference(x, state, alpha, beta, lengths, log_params)
-    return cat.contiguous(), tail.contiguous()
+    return _laid_out(cat, channels_last), tail.contiguous()
 
 
-def _empty_outputs(x: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+def _laid_out(cat: Tensor, channels_last: bool) -> Tensor:
+    """``cat`` as a new tensor, contiguous or channels-last (the ops' outputs never alias their inputs)."""
+    return cat.transpose(1, 2).contiguous().transpose(1, 2) if channels_last else cat.contiguous()
+
+
+def _empty_outputs(x: Tensor, state: Tensor | None, channels_last: bool = False) -> tuple[Tensor, Tensor]:
     """The outputs' shapes without computing them (the ops' fake implementations)."""
     num_state_cols = 0 if state is None else state.shape[2]
-    cat = x.new_empty((x.shape[0], x.shape[1], num_state_cols + x.shape[2]))  # [B, C, P + T]
+    cat = _laid_out(x.new_empty((x.shape[0], x.shape[1], num_state_cols + x.shape[2])), channels_last)
     return cat, x.new_empty((x.shape[0], x.shape[1], num_state_cols))  # [B, C, P]
 
 
 @snake_cat.register_fake
 def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-      log_params: bool, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return _empty_outputs(x, state)
+      log_params: bool, in_bias: Tensor | None = None, channels_last: bool = False) -> tuple[Tensor, Tensor]:
+    return _empty_outputs(x, state, channels_last)
 
 
 @torch.library.custom_op("code2wav::snake_cat_add_bias_", mutates_args=("x",))
 def snake_cat_add_bias_(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-                        log_params: bool, bias: Tensor, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        log_params: bool, bias: Tensor, in_bias: Tensor | None = None,
+                        channels_last: bool = False) -> tuple[Tensor, Tensor]:
     """``snake_cat`` of ``x`` (plus ``in_bias``, as there), then ``x += in_bias + bias`` in place (``bias``
     ``[C]``), in the same pass: the kernel reads ``x`` anyway, so a residual unit whose skip path needs ``x +
     bias`` (the 1x1 conv's bias, added to the residual before its ``baddbmm``) saves a full read and write of its
-    input."""
+    input. ``channels_last`` as for ``snake_cat``."""
     if x.is_cuda and triton is not None:
         return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params, bias,
-                       in_bias)
+                       in_bias, channels_last=channels_last)
     if in_bias is not None:
         x.add_(in_bias[None, :, None])
     cat, tail = reference(x, state, alpha, beta, lengths, log_params)
     x.add_(bias[None, :, None])
-    return cat.contiguous(), tail.contiguous()
+    return _laid_out(cat, channels_last), tail.contiguous()
 
 
 @snake_cat_add_bias_.register_fake
 def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None, log_params: bool,
-      bias: Tensor, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return _empty_outputs(x, state)
+      bias: Tensor, in_bias: Tensor | None = None, channels_last: bool = False) -> tuple[Tensor, Tensor]:
+    return _empty_outputs(x, state, channels_last)
 
 
 def run_interpreted(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-                    log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None
-                    ) -> tuple[Tensor, Tensor]:
+                    log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None,
+                    channels_last: bool = False) -> tuple[Tensor, Tensor]:
     """The Triton kernel itself on CPU tensors, under Triton's interpreter (``TRITON_INTERPRET=1`` set before
     Triton was imported): what the CPU tests use to check the kernel's indexing without a GPU. With ``bias``,
     ``x`` is updated in place as ``snake_cat_add_bias_`` does."""
-    return _launch(x, state, alpha, beta, lengths, log_params, bias, in_bias)
+    return _launch(x, state, alpha, beta, lengths, log_params, bias, in_bias, channels_last=channels_last)

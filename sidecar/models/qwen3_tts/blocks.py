@@ -16,27 +16,32 @@ from torch import Tensor, nn
 
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
+from ...kernels import transposed
 from ...kernels.conv_choice import ConvChoice
+from ...kernels.derived import DerivedTensor
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx, gather_tail
 
 
 def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
-                   num_state_cols: int, bias_into_x: Tensor | None = None, in_bias: Tensor | None = None) -> Tensor:
+                   num_state_cols: int, bias_into_x: Tensor | None = None, in_bias: Tensor | None = None,
+                   channels_last: bool = False) -> Tensor:
     """``[state, act(x)]`` ``[B, C, P + T]`` (just ``act(x)`` without state), the new state tail written to
     ``ctx.state_out[key]``: one fused kernel (``kernels/snake.py``) when ``act`` runs fused, else torch ops.
 
     Only where ``act`` runs fused: ``in_bias`` ``[C]`` is the bias of the conv that produced ``x`` (run without
     it: PyTorch adds a cuDNN conv's bias in a full pass of its own), added before the activation; ``bias_into_x``
-    ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path)."""
+    ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path);
+    ``channels_last``: the result with its channels contiguous (fused only; the conv's form reads it so)."""
     if act is not None and act.runs_fused(x):
         state = ctx.state_in[key] if num_state_cols else None
         if bias_into_x is not None:
             x_cat, tail = torch.ops.code2wav.snake_cat_add_bias_(x, state, act.alpha, act.beta, lengths, True,
-                                                                 bias_into_x, in_bias)  # [B, C, P + T]
+                                                                 bias_into_x, in_bias,
+                                                                 channels_last)  # [B, C, P + T]
         else:
             x_cat, tail = torch.ops.code2wav.snake_cat(x, state, act.alpha, act.beta, lengths, True,
-                                                       in_bias)  # [B, C, P + T]
+                                                       in_bias, channels_last)  # [B, C, P + T]
         if num_state_cols:
             ctx.state_out[key] = tail  # [B, C, P]
         return x_cat
@@ -81,23 +86,31 @@ class CausalConv(StatefulBlock):
                                                         lengths, True, self.conv.weight, self.conv.bias)  # [B, 1, T]
             ctx.state_out[self.state_key] = tail  # [B, C, P]
             return y, lengths
+        fused = act is not None and act.runs_fused(x)  # x_cat comes from a Snake kernel: either layout, same cost
+        cat_shape = (x.shape[0], x.shape[1], self.num_state_cols + x.shape[2])
+        channels_last = fused and self.choice is not None and self.choice.wants_channels_last(
+            cat_shape, x.dtype, x.device, then_act is not None)
         x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols,
-                               bias_into_x, in_bias)  # [B, C, P + T]
+                               bias_into_x, in_bias, channels_last)  # [B, C, P + T]
         if self.choice is None:
             if then_act is not None or bias_later:
                 raise ValueError("then_act and bias_later need a conv with a ConvChoice (dense, k > 1)")
             return self.conv(x_cat), lengths  # [B, C_out, T]
         if then_act is not None:
             params = (then_act.alpha, then_act.beta, True)
-            return self.choice(x_cat, self.conv, act=params), lengths  # [B, C_out, T], activated
-        return self.choice(x_cat, self.conv, with_bias=not bias_later), lengths  # [B, C_out, T]
+            return self.choice(x_cat, self.conv, act=params,
+                               channels_last_ok=fused), lengths  # [B, C_out, T], activated
+        return self.choice(x_cat, self.conv, with_bias=not bias_later,
+                           channels_last_ok=fused), lengths  # [B, C_out, T]
 
 
 class CausalTransConv(StatefulBlock):
     """``ConvTranspose1d(k, stride s)`` (``.conv``) with the last ``k - s`` samples dropped.
 
     Output block ``t`` depends on inputs ``t - P .. t`` with ``P = ceil(k / s) - 1``; those ``P`` input
-    columns are the state. ``T`` inputs give ``T * s`` samples.
+    columns are the state. ``T`` inputs give ``T * s`` samples. With ``k = 2s`` (the decoder blocks) and the Snake
+    before it fused, the Snake writes frame pairs and the conv is one GEMM (``kernels/transposed.py``); its output is
+    then channels-last.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
@@ -105,6 +118,7 @@ class CausalTransConv(StatefulBlock):
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride = stride
         self.num_state_cols = math.ceil(kernel_size / stride) - 1
+        self._pair_weight: DerivedTensor[Tensor] = DerivedTensor()  # transposed.pair_weight of .conv.weight
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
@@ -115,6 +129,15 @@ class CausalTransConv(StatefulBlock):
         ``in_bias``, ``bias_later``: as for ``CausalConv``."""
         num_in = x.shape[2]
         num_prev = self.num_state_cols
+        if act is not None and act.runs_fused(x) and self.conv.kernel_size[0] == 2 * self.stride:
+            pairs, tail = torch.ops.code2wav.snake_pairs(x, ctx.state_in[self.state_key], act.alpha, act.beta,
+                                                         lengths, True, in_bias)  # [B, T, 2 C_in]
+            ctx.state_out[self.state_key] = tail  # [B, C_in, 1]
+            weight = self._pair_weight.get((self.conv.weight,),
+                                           lambda: transposed.pair_weight(self.conv.weight, self.stride))
+            y = transposed.conv(pairs, weight, None if bias_later else self.conv.bias,
+                                self.stride)  # [B, C_out, T * s], channels-last
+            return y, lengths * self.stride
         x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev, in_bias=in_bias)  # [B, C, P + T]
         y = self.conv(x) if not bias_later else F.conv_transpose1d(
             x, self.conv.weight, None, stride=self.stride)  # [B, C_out, (P + T - 1) * s + k]

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 
 from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
+from ...kernels import transposed
+from ...kernels.derived import DerivedTensor
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 
 
@@ -150,29 +152,28 @@ class CausalTransConv(StatefulBlock):
         self.in_channels = in_channels
         self.stride = stride
         self.register_buffer("tail_offsets", torch.arange(1), persistent=False)  # [1]
+        self._pair_weight: DerivedTensor[Tensor] = DerivedTensor()  # transposed.pair_weight of .weight
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, 1)
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None,
                 bias_later: bool = False) -> tuple[Tensor, Tensor]:
-        """``act``: the Snake before this conv, applied here. Where it runs fused (``snake_cat``, which also puts
-        the state in front), the conv runs over ``[prev, x]`` in one call and drops the partial first and last
-        output frames (one input frame more of work, two kernels fewer than the "add" form below), and
-        ``bias_later`` leaves its bias out (the next kernel adds it: PyTorch adds a cuDNN conv's bias in a full
-        pass of its own)."""
+        """``act``: the Snake before this conv, applied here. Where it runs fused, the Snake writes the frame pairs
+        of ``[prev, act(x)]`` and the conv is one GEMM over them (``kernels/transposed.py``; the output is then
+        channels-last), and ``bias_later`` leaves its bias out (the next kernel adds it)."""
         s = self.stride
-        num_in = x.shape[2]
         if act is not None and act.runs_fused(x):
             alpha = act.alpha.view(-1)  # [C]
-            x_cat, tail = torch.ops.code2wav.snake_cat(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
-                                                       False)  # [B, Cin, 1 + L]
+            pairs, tail = torch.ops.code2wav.snake_pairs(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
+                                                         False)  # [B, L, 2 Cin]
             ctx.state_out[self.state_key] = tail  # [B, Cin, 1]
-            y = F.conv_transpose1d(x_cat, self.weight, None if bias_later else self.bias,
-                                   stride=s)  # [B, Cout, (L + 2) * s]
-            return y[:, :, s:(num_in + 1) * s], lengths * s  # [B, Cout, L * s]
+            weight = self._pair_weight.get((self.weight,), lambda: transposed.pair_weight(self.weight, s))
+            y = transposed.conv(pairs, weight, None if bias_later else self.bias, s)  # [B, Cout, L * s]
+            return y, lengths * s
         if bias_later:
             raise ValueError("bias_later needs the fused Snake (act.runs_fused(x))")
+        num_in = x.shape[2]
         if act is not None:
             x, _ = act(x, lengths, ctx)  # [B, Cin, L]
         prev = ctx.state_in[self.state_key].to(x.dtype)  # [B, Cin, 1]
