@@ -32,6 +32,7 @@ CASES = [  # (log_params, state columns, batch, channels, columns, lengths)
     (True, 6, 2, 4, 9, [9, 1]),
     (False, 18, 2, 3, 1030, [1030, 1024]),  # the tail crosses a block edge
     (False, 6, 1, 2, 1, [1]),  # one column: a first chunk at the frame rate
+    (True, 6, 2, 40, 130, [125, 130]),  # channels-last: row 0's tail crosses a column tile of the tiled kernel
 ]
 
 

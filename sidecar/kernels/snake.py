@@ -145,14 +145,18 @@ if triton is not None:
             tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
         y = snake_apply(x, scale, inv)
         row = (b * num_channels + c) * total
-        if HAS_STATE:
-            old = tl.load(state_ptr + b * stride_sb + c * stride_sc + cols * stride_st,
-                          mask=inside & (cols < num_state_cols), other=0.0).to(tl.float32)
-            y = tl.where(cols < num_state_cols, old, y)
-            k = cols - tl.load(lengths_ptr + b)  # column of the new state
-            in_tail = inside & (k >= 0) & (k < num_state_cols)
-            tl.store(tail_ptr + (b * num_channels + c) * num_state_cols + k,
-                     y.to(tail_ptr.dtype.element_ty), mask=in_tail)
+        if HAS_STATE:  # only the blocks that hold state columns or the new tail do this part (see the tiled kernel)
+            first = block * BLOCK
+            if first < num_state_cols:
+                old = tl.load(state_ptr + b * stride_sb + c * stride_sc + cols * stride_st,
+                              mask=inside & (cols < num_state_cols), other=0.0).to(tl.float32)
+                y = tl.where(cols < num_state_cols, old, y)
+            length = tl.load(lengths_ptr + b)
+            if (first < length + num_state_cols) & (first + BLOCK > length):
+                k = cols - length  # column of the new state
+                in_tail = inside & (k >= 0) & (k < num_state_cols)
+                tl.store(tail_ptr + (b * num_channels + c) * num_state_cols + k,
+                         y.to(tail_ptr.dtype.element_ty), mask=in_tail)
         tl.store(cat_ptr + row + cols, y.to(cat_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -185,14 +189,21 @@ if triton is not None:
             tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
         y = snake_apply(x, scale[:, None], inv[:, None])
         if HAS_STATE:
-            is_old = (cols < num_state_cols)[None, :]
-            old = tl.load(state_ptr + b * stride_sb + chans[:, None] * stride_sc + cols[None, :] * stride_st,
-                          mask=inside & is_old, other=0.0).to(tl.float32)
-            y = tl.where(is_old, old, y)
-            k = cols - tl.load(lengths_ptr + b)  # column of the new state
-            in_tail = inside & ((k >= 0) & (k < num_state_cols))[None, :]
-            tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :],
-                     y.to(tail_ptr.dtype.element_ty), mask=in_tail)
+            # Only the tiles that hold state columns (the first) or part of the new tail run this part: masked, it
+            # costs every tile one predicated scalar load and store per element, several times the vector path's
+            # instructions (the state and the tail are a few columns, read and written across the grain).
+            first = tl.program_id(0) * BLOCK_T
+            if first < num_state_cols:
+                is_old = (cols < num_state_cols)[None, :]
+                old = tl.load(state_ptr + b * stride_sb + chans[:, None] * stride_sc + cols[None, :] * stride_st,
+                              mask=inside & is_old, other=0.0).to(tl.float32)
+                y = tl.where(is_old, old, y)
+            length = tl.load(lengths_ptr + b)
+            if (first < length + num_state_cols) & (first + BLOCK_T > length):
+                k = cols - length  # column of the new state
+                in_tail = inside & ((k >= 0) & (k < num_state_cols))[None, :]
+                tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :],
+                         y.to(tail_ptr.dtype.element_ty), mask=in_tail)
         y = y.to(out_ptr.dtype.element_ty)
         out_at = out_ptr + b * stride_ob + chans[:, None] * stride_oc + cols[None, :] * stride_ot
         if PAIRS:
