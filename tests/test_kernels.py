@@ -94,6 +94,14 @@ def _bias_interpreted(*args):
     return _bias_run(snake.run_interpreted, *args)
 
 
+def _cl_out_interpreted(*args):
+    """``snake_cat`` writing ``cat`` channels-last (the tiled kernel's strided store): same values, channels
+    contiguous."""
+    cat, tail = snake.run_interpreted(*args, channels_last=True)
+    assert cat.stride(1) == 1 or cat.shape[1] == 1, cat.stride()
+    return cat, tail
+
+
 def _max_err(got, ref) -> float:
     return max(((g.float() - r.float()).abs().max().item() if r.numel() else 0.0) for g, r in zip(got, ref))
 
@@ -160,7 +168,7 @@ import torch
 from code2wav.sidecar.kernels import {module}
 sys.path.insert(0, {tests!r})
 from test_kernels import {cases}, {inputs}, _max_err, _conv_tol, PAIRS_CASES, _pairs_inputs
-from test_kernels import _bias_interpreted, _bias_reference, _dw_interpreted, _dw_reference
+from test_kernels import _bias_interpreted, _bias_reference, _dw_interpreted, _dw_reference, _cl_out_interpreted
 out = []
 for case in {cases}:
     made = {inputs}(case)
@@ -191,6 +199,7 @@ def _interpreted(module: str, cases: str, inputs: str, tolerance: str, run: str,
 @pytest.mark.parametrize("module, cases, inputs, tolerance, run, ref", [
     ("snake", "CASES", "_inputs", "5e-6", "snake.run_interpreted", "snake.reference"),  # Snake + state concatenation
     ("snake", "CASES", "_bias_inputs", "5e-6", "_bias_interpreted", "_bias_reference"),  # ... and x += bias in place
+    ("snake", "CASES", "_inputs", "5e-6", "_cl_out_interpreted", "snake.reference"),  # ... cat written channels-last
     ("transposed", "PAIRS_CASES", "_pairs_inputs", "5e-6",  # Snake into frame pairs (the tiled kernel)
      "transposed.run_interpreted", "transposed.reference"),
     ("snake_conv", "CONV_CASES", "_conv_inputs", "_conv_tol(ref, 2e-6)",  # the last layer: Snake + conv to 1 channel
