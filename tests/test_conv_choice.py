@@ -151,11 +151,6 @@ def test_only_unpadded_stride_1_convs_are_polyphase_candidates():
 def test_the_decoder_streams_the_golden_with_every_dilated_conv_polyphase(monkeypatch, golden_cases):
     """What a GPU whose measurements all favour the polyphase form runs, on the CPU: forced for every dilated conv
     (the choice never picks on CPU tensors), the golden streamed in chunks 1, 16, 23 within 1e-5."""
-    from test_exact_streaming import make_engine, stream_interleaved
-
-    from code2wav.sidecar.models import load_model
-    from conftest import TINY
-
     calls = []
 
     def always_polyphase(self, x, conv, with_bias=True, act=None, channels_last_ok=False):
@@ -165,13 +160,23 @@ def test_the_decoder_streams_the_golden_with_every_dilated_conv_polyphase(monkey
         return self.run("polyphase", x, conv, with_bias, act)
 
     monkeypatch.setattr(ConvChoice, "__call__", always_polyphase)
+    _assert_streams_the_golden(golden_cases)
+    assert calls  # the dilated convs ran through the polyphase form
+
+
+def _assert_streams_the_golden(golden_cases) -> None:
+    """The tiny Qwen3-TTS golden, two rows streamed in chunks of 1, 16 and the rest, within 1e-5 of ``full``."""
+    from test_exact_streaming import make_engine, stream_interleaved
+
+    from code2wav.sidecar.models import load_model
+    from conftest import TINY
+
     engine = make_engine(load_model(str(TINY), torch.device("cpu"), "float32"))
     full = golden_cases["full"][:, 0]  # [2, T * U]
     num_frames = golden_cases["codes"].shape[2]
     plan = [1, 16, num_frames - 17]
     with torch.inference_mode():
         out_a, out_b = stream_interleaved(engine, golden_cases["codes"], [plan, plan])
-    assert calls  # the dilated convs ran through the polyphase form
     assert (out_a - full[0]).abs().max().item() <= 1e-5
     assert (out_b - full[1]).abs().max().item() <= 1e-5
 
@@ -180,11 +185,7 @@ def test_the_decoder_streams_the_golden_with_every_conv_channels_last(monkeypatc
     """What a GPU whose measurements all favour cuDNN on channels-last tensors runs, on the CPU: the fused path
     forced (its ops' torch expressions), every dense conv asking for its input channels-last and run as ``conv2d``
     over ``[B, C, 1, L]``; the Snake after it reads the channels-last output. The golden streams within 1e-5."""
-    from test_exact_streaming import make_engine, stream_interleaved
-
-    from code2wav.sidecar.models import load_model
     from code2wav.sidecar.models.qwen3_tts.blocks import SnakeBeta
-    from conftest import TINY
 
     monkeypatch.setattr(SnakeBeta, "runs_fused", lambda self, x: True)
     calls = []
@@ -198,15 +199,8 @@ def test_the_decoder_streams_the_golden_with_every_conv_channels_last(monkeypatc
 
     monkeypatch.setattr(ConvChoice, "__call__", always_channels_last)
     monkeypatch.setattr(ConvChoice, "wants_channels_last", lambda self, *args: True)
-    engine = make_engine(load_model(str(TINY), torch.device("cpu"), "float32"))
-    full = golden_cases["full"][:, 0]  # [2, T * U]
-    num_frames = golden_cases["codes"].shape[2]
-    plan = [1, 16, num_frames - 17]
-    with torch.inference_mode():
-        out_a, out_b = stream_interleaved(engine, golden_cases["codes"], [plan, plan])
+    _assert_streams_the_golden(golden_cases)
     assert calls  # the residual units' dilated convs ran channels-last
-    assert (out_a - full[0]).abs().max().item() <= 1e-5
-    assert (out_b - full[1]).abs().max().item() <= 1e-5
 
 
 def test_the_channels_last_form_is_offered_only_to_callers_that_can_write_it():
