@@ -207,7 +207,10 @@ def test_the_channels_last_form_is_offered_only_to_callers_that_can_write_it():
     conv = torch.nn.Conv1d(8, 8, 7, dilation=3)
     x = torch.randn(2, 8, 40)
     choice = ConvChoice()
-    assert "cudnn_cl" not in choice.forms(x, conv) and "cudnn_cl" in choice.forms(x, conv, channels_last_ok=True)
+    assert "cudnn_cl" not in choice.forms(x, conv, channels_last_ok=True)  # autograd on: its weight copy is detached
+    with torch.inference_mode():
+        assert "cudnn_cl" not in choice.forms(x, conv)
+        assert "cudnn_cl" in choice.forms(x, conv, channels_last_ok=True)
     assert not choice.wants_channels_last((2, 8, 40), x.dtype, x.device, False)  # nothing measured yet
     with torch.inference_mode():
         got = choice.run("cudnn_cl", x.transpose(1, 2).contiguous().transpose(1, 2), conv, True, None)

@@ -124,7 +124,8 @@ class ConvChoice:
 
     def forms(self, x: Tensor, conv: torch.nn.Conv1d, channels_last_ok: bool = False) -> list[str]:
         """The forms that can run ``conv`` on ``x``."""
-        names = ["cudnn", "cudnn_cl"] if channels_last_ok else ["cudnn"]
+        # cudnn_cl keeps a detached channels-last copy of the weight: where autograd is on it is not offered
+        names = ["cudnn", "cudnn_cl"] if channels_last_ok and not torch.is_grad_enabled() else ["cudnn"]
         if conv.dilation[0] > 1:
             names.append("polyphase")
         if conv.groups == 1 and self.kernels_allowed() and x.dtype in (torch.bfloat16, torch.float16):
