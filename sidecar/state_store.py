@@ -34,7 +34,9 @@ class StateArena:
         self.shapes = dict(layout)
         sizes = [math.prod(shape) for shape in layout.values()]
         self.flat = torch.zeros((num_slots + 1, sum(sizes)), dtype=dtype, device=device)  # [S + 1, total]
-        self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._columns = [(name, off, off + size, shape)
+                         for (name, shape), off, size in zip(self.shapes.items(), offsets, sizes)]
         self.tensors: dict[str, Tensor] = self._split(self.flat)  # name -> [S + 1, *shape] (views of flat)
         self.positions = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # [S + 1] frames decoded
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out low slots first
@@ -74,8 +76,7 @@ class StateArena:
 
     def _split(self, rows: Tensor) -> dict[str, Tensor]:
         """Each entry's view ``[N, *shape]`` of ``rows`` ``[N, total]``."""
-        return {name: rows[:, off:off + math.prod(shape)].view(rows.shape[0], *shape)
-                for (name, shape), off in zip(self.shapes.items(), self._offsets)}
+        return {name: rows[:, start:end].view(rows.shape[0], *shape) for name, start, end, shape in self._columns}
 
     def reset(self, slot: int) -> None:
         self.flat[slot].zero_()

@@ -1,22 +1,23 @@
 """Which form each conv runs in, per input shape, measured once on the device (policy; the forms are mechanism).
 
-A dense stride-1 conv of the decoders can run four ways: cuDNN as PyTorch calls it, cuDNN on channels-last
-tensors (``"cudnn_cl"``: ``conv2d`` over ``[B, C, 1, L]`` with the channels contiguous in the input, the weight and
-the output, so cuDNN's NHWC kernels run without the layout conversions it wraps around an NCHW call: 30 of the 385
+A dense stride-1 conv of the decoders can run four ways: cuDNN as PyTorch calls it, cuDNN on channels-last tensors
+(``"cudnn_cl"``: ``conv2d`` over ``[B, C, 1, L]`` with the channels contiguous in the input, the weight and the
+output, so cuDNN's NHWC kernels run without the layout conversions it wraps around an NCHW call: 30 of the 385
 kernels of a batch-1 step; offered only where the caller writes its input channels-last at no cost,
-``channels_last_ok``), ``dilated.polyphase_conv`` (a dilated conv as one undilated conv over its input's phases)
-and ``conv_gemm``'s implicit-GEMM Triton kernel (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is fastest depends on the shape, cuDNN's
-version and the GPU (on the H200, cuDNN picked a kernel without tensor cores for one dilated conv, and wraps the
-others in layout conversions), so nothing is written down: ``ConvChoice`` times every form once per input shape
-(CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed, each queued behind a short
-GPU spin so that host overhead, which a captured graph does not have, stays out of the time) and keeps the fastest.
-Graph buckets are warmed up eagerly before capture, so their shapes are measured then and captured in the chosen
-form. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing, convs with padding or a stride,
-and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN. A new shape costs its first step
-the measurement: per conv and form one untimed call and three timed ones, each behind a 1 ms spin, so for a whole
-step of the 12 Hz codes decoder (14 dense convs, up to 6 forms) on the order of 0.2-0.3 s, more at batch 64, plus
-Triton's compile the first time a kernel variant runs. Graph buckets pay it at start-up; an eager step of a new
-shape pays it once. A form that fails (a kernel that does not compile or launch on this GPU) is logged and left out.
+``channels_last_ok``), ``dilated.polyphase_conv`` (a dilated conv as one undilated conv over its input's phases) and
+``conv_gemm``'s implicit-GEMM Triton kernel (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is
+fastest depends on the shape, cuDNN's version and the GPU (on the H200, cuDNN picked a kernel without tensor cores
+for one dilated conv, and wraps the others in layout conversions), so nothing is written down: ``ConvChoice`` times
+every form once per input shape (CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one
+untimed, each queued behind a short GPU spin so that host overhead, which a captured graph does not have, stays out
+of the time) and keeps the fastest. Graph buckets are warmed up eagerly before capture, so their shapes are measured
+then and captured in the chosen form. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing,
+convs with padding or a stride, and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN.
+A new shape costs its first step the measurement: per conv and form one untimed call and three timed ones, each
+behind a 1 ms spin, so for a whole step of the 12 Hz codes decoder (14 dense convs, up to 7 forms) on the order of
+0.2-0.3 s, more at batch 64, plus Triton's compile the first time a kernel variant runs. Graph buckets pay it at
+start-up; an eager step of a new shape pays it once. A form that fails (a kernel that does not compile or launch on
+this GPU) is logged and left out.
 
 The GEMM kernel is a candidate only where the family switched its kernels on (``kernels``, set by
 ``set_kernels`` from ``use_fused_kernels``; ``engine.fused_kernels: false`` keeps it out) and autograd is off (it

@@ -20,6 +20,8 @@ family's 1 x 4-frame step; ``loadgen/probes/kernel_count.py``). Here:
   (strides ``(L s C_out, 1, C_out)``). The kernels after it (``snake.py``'s, ``snake_conv.py``'s, the residual
   units' ``baddbmm``) read and write either layout; the residual stream of a decoder block stays channels-last.
 
+``SnakeThenTransposedConv`` runs both, as both families' transposed-conv blocks call it.
+
 The pairs write each activated input frame twice: the input of an upsampling conv has ``C_in = 2 C_out`` channels at
 ``1 / s`` of the output's rate, so the pairs are ``4 / s`` of the output's size (``s`` 2..8).
 """
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import snake
+from .derived import DerivedTensor
 
 
 def pair_weight(weight: Tensor, stride: int) -> Tensor:
@@ -56,6 +59,25 @@ def conv(pairs: Tensor, weight_pairs: Tensor, bias: Tensor | None, stride: int) 
         y = torch.addmm(bias.repeat(stride), rows, weight_pairs)  # [B L, s C_out]
     c_out = weight_pairs.shape[1] // stride
     return y.view(batch, num_frames * stride, c_out).transpose(1, 2)  # [B, C_out, L s]
+
+
+class SnakeThenTransposedConv:
+    """What a family's transposed-conv block runs where its Snake runs fused: ``snake_pairs``, then ``conv`` with
+    the block's weight as ``pair_weight`` (kept as ``derived.py`` says)."""
+
+    def __init__(self, stride: int) -> None:
+        self.stride = stride
+        self._weight: DerivedTensor[Tensor] = DerivedTensor()
+
+    def __call__(self, x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
+                 weight: Tensor, bias: Tensor | None, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(y [B, C_out, T s] channels-last, tail [B, C_in, 1])`` for ``x`` ``[B, C_in, T]`` and the one-frame
+        ``state``; ``weight`` ``[C_in, C_out, 2s]``, ``bias`` ``[C_out]`` or None (a caller that adds it later),
+        ``in_bias`` as for ``snake_pairs``."""
+        pairs, tail = torch.ops.code2wav.snake_pairs(x, state, alpha, beta, lengths, log_params,
+                                                     in_bias)  # [B, T, 2 C_in], [B, C_in, 1]
+        weight_pairs = self._weight.get((weight,), lambda: pair_weight(weight, self.stride))  # [2 C_in, s C_out]
+        return conv(pairs, weight_pairs, bias, self.stride), tail
 
 
 def reference(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,

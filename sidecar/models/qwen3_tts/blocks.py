@@ -18,7 +18,6 @@ from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (t
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
 from ...kernels import transposed
 from ...kernels.conv_choice import ConvChoice
-from ...kernels.derived import DerivedTensor
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx, gather_tail
 
@@ -118,7 +117,8 @@ class CausalTransConv(StatefulBlock):
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride = stride
         self.num_state_cols = math.ceil(kernel_size / stride) - 1
-        self._pair_weight: DerivedTensor[Tensor] = DerivedTensor()  # transposed.pair_weight of .conv.weight
+        # kernel 2s (the decoder blocks): the Snake's frame pairs and one GEMM, where the Snake runs fused
+        self.pairs = transposed.SnakeThenTransposedConv(stride) if kernel_size == 2 * stride else None
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
@@ -129,14 +129,10 @@ class CausalTransConv(StatefulBlock):
         ``in_bias``, ``bias_later``: as for ``CausalConv``."""
         num_in = x.shape[2]
         num_prev = self.num_state_cols
-        if act is not None and act.runs_fused(x) and self.conv.kernel_size[0] == 2 * self.stride:
-            pairs, tail = torch.ops.code2wav.snake_pairs(x, ctx.state_in[self.state_key], act.alpha, act.beta,
-                                                         lengths, True, in_bias)  # [B, T, 2 C_in]
+        if self.pairs is not None and act is not None and act.runs_fused(x):
+            y, tail = self.pairs(x, ctx.state_in[self.state_key], act.alpha, act.beta, lengths, True, self.conv.weight,
+                                 None if bias_later else self.conv.bias, in_bias)  # [B, C_out, T * s] channels-last
             ctx.state_out[self.state_key] = tail  # [B, C_in, 1]
-            weight = self._pair_weight.get((self.conv.weight,),
-                                           lambda: transposed.pair_weight(self.conv.weight, self.stride))
-            y = transposed.conv(pairs, weight, None if bias_later else self.conv.bias,
-                                self.stride)  # [B, C_out, T * s], channels-last
             return y, lengths * self.stride
         x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev, in_bias=in_bias)  # [B, C, P + T]
         y = self.conv(x) if not bias_later else F.conv_transpose1d(

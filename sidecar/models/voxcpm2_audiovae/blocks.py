@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import transposed
-from ...kernels.derived import DerivedTensor
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 
 
@@ -152,7 +151,7 @@ class CausalTransConv(StatefulBlock):
         self.in_channels = in_channels
         self.stride = stride
         self.register_buffer("tail_offsets", torch.arange(1), persistent=False)  # [1]
-        self._pair_weight: DerivedTensor[Tensor] = DerivedTensor()  # transposed.pair_weight of .weight
+        self.pairs = transposed.SnakeThenTransposedConv(stride)  # where the Snake runs fused
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, 1)
@@ -165,11 +164,9 @@ class CausalTransConv(StatefulBlock):
         s = self.stride
         if act is not None and act.runs_fused(x):
             alpha = act.alpha.view(-1)  # [C]
-            pairs, tail = torch.ops.code2wav.snake_pairs(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
-                                                         False)  # [B, L, 2 Cin]
+            y, tail = self.pairs(x, ctx.state_in[self.state_key], alpha, alpha, lengths, False, self.weight,
+                                 None if bias_later else self.bias)  # [B, Cout, L * s] channels-last
             ctx.state_out[self.state_key] = tail  # [B, Cin, 1]
-            weight = self._pair_weight.get((self.weight,), lambda: transposed.pair_weight(self.weight, s))
-            y = transposed.conv(pairs, weight, None if bias_later else self.bias, s)  # [B, Cout, L * s]
             return y, lengths * s
         if bias_later:
             raise ValueError("bias_later needs the fused Snake (act.runs_fused(x))")
