@@ -216,6 +216,44 @@ def test_kernel_indexing_matches_the_torch_expression_under_the_interpreter(modu
         assert err < tol, (case, err, tol)
 
 
+SIN_SQUARED = """
+import json
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from code2wav.sidecar.kernels import snake
+
+@triton.jit
+def run(z_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, snake.sin_squared(tl.load(z_ptr + i, mask=i < n)), mask=i < n)
+
+gen = torch.Generator().manual_seed(0)
+out = {}
+for scale in (1.0, 30.0, 1e3, 1e5, 2.0 ** 20 / 4, 1e8):
+    z = torch.randn(20000, generator=gen) * scale  # float32
+    z[:4] = torch.tensor([0.0, 3.14159265 / 4, 3.14159265 / 2, -3.14159265])
+    got = torch.empty_like(z)
+    run[(triton.cdiv(z.numel(), 1024),)](z, got, z.numel(), BLOCK=1024)
+    exact = torch.sin(z.double()) ** 2  # of the same float32 z
+    out[str(scale)] = [(got.double() - exact).abs().max().item(), float(got.min()), float(got.max())]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_sin_squared_is_as_accurate_as_float32_sinf_where_activations_live_and_bounded_beyond():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", SIN_SQUARED], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    for scale, (err, low, high) in errors.items():
+        assert 0.0 <= low and high <= 1.0, (scale, low, high)
+        if float(scale) <= 2.0 ** 20 / 4:  # |z| < 2^20 (four standard deviations)
+            assert err < 2.5e-7, (scale, err)  # float32 sinf squared: ~1.3e-7
+
+
 def test_the_last_layer_cpu_op_is_snake_cat_then_conv1d_and_rejects_other_shapes():
     import torch.nn.functional as F
 

@@ -43,7 +43,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import snake_apply, snake_scale_inv
+    from .snake import SINE, snake_apply, snake_scale_inv
 
 
 class Config(NamedTuple):
@@ -89,8 +89,8 @@ if triton is not None:
     def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, beta_ptr, y_ptr, c_in, c_out, num_cols_out,
                      stride_xb, stride_xc, stride_xt, stride_wo, stride_wi, stride_wk, ksize, dilation,
                      HAS_BIAS: tl.constexpr, ACTIVATE: tl.constexpr,
-                     LOG_PARAMS: tl.constexpr, IEEE: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_CI: tl.constexpr):
+                     LOG_PARAMS: tl.constexpr, SINE: tl.constexpr, IEEE: tl.constexpr, BLOCK_CO: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr):
         tb = tl.program_id(0)
         ob = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -118,7 +118,7 @@ if triton is not None:
         if ACTIVATE:
             scale, inv = snake_scale_inv(tl.load(alpha_ptr + co, mask=co_in, other=0.0).to(tl.float32),
                                          tl.load(beta_ptr + co, mask=co_in, other=0.0).to(tl.float32), LOG_PARAMS)
-            acc = snake_apply(acc, scale[:, None], inv[:, None])
+            acc = snake_apply(acc, scale[:, None], inv[:, None], SINE)
         y_at = y_ptr + (b * c_out + co[:, None]) * num_cols_out + t[None, :]
         tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=co_in[:, None] & t_in[None, :])
 
@@ -138,9 +138,9 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha
                        beta if has_act and log_params else any_ptr, y, c_in, c_out, num_cols_out,
                        x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), weight.stride(2),
                        ksize, dilation, HAS_BIAS=bias is not None, ACTIVATE=has_act,
-                       LOG_PARAMS=log_params, IEEE=x.dtype == torch.float32, BLOCK_CO=config.block_co,
-                       BLOCK_T=config.block_t, BLOCK_CI=config.block_ci, num_warps=config.num_warps,
-                       num_stages=config.num_stages)
+                       LOG_PARAMS=log_params, SINE=SINE, IEEE=x.dtype == torch.float32,
+                       BLOCK_CO=config.block_co, BLOCK_T=config.block_t, BLOCK_CI=config.block_ci,
+                       num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 
 

@@ -116,17 +116,49 @@ if triton is not None:
         return scale, inv
 
     @triton.jit
-    def snake_apply(x, scale, inv):
-        """``x + inv * sin(x * scale)^2`` in float32."""
-        s = tl.sin(x * scale)
-        return x + inv * s * s
+    def sin_squared(z):
+        """``sin(z)^2`` in float32 without libdevice's ``sinf``: ``k = round(z * 2 / pi)``, ``r = z - k pi / 2`` by
+        three FMAs with ``pi / 2`` split in three float32 parts (``HALF_PI``), then ``sin(r)^2`` (``k`` even) or
+        ``1 - sin(r)^2`` (``k`` odd) with ``sin(r)`` from its Taylor series to ``r^9`` (``|r| <= pi / 4``: the next
+        term is below ``2e-9``). Within ``2.2e-7`` of the exact value for ``|z| < 2^20`` (float32 ``sinf`` squared:
+        ``1.3e-7``); beyond, clamped to ``[0, 1]``. About 15 instructions per element against libdevice's ~40 and
+        its slow-path branch: what made the Snake kernels compute-bound."""
+        k = tl.floor(z * 0.6366197466850281 + 0.5)  # nearest multiple of pi / 2
+        r = tl.fma(-k, 1.5707963705062866, z)
+        r = tl.fma(-k, -4.371138828673793e-08, r)
+        r = tl.fma(-k, -1.7151245100058819e-15, r)  # [-pi / 4, pi / 4]
+        r2 = r * r
+        p = tl.fma(r2, 2.7557319223985893e-06, -1.984126984126984e-04)  # 1 / 9!, -1 / 7!
+        p = tl.fma(p, r2, 8.333333333333333e-03)  # 1 / 5!
+        p = tl.fma(p, r2, -1.6666666666666666e-01)  # -1 / 3!
+        s = tl.fma(p * r2, r, r)
+        s2 = s * s
+        odd = (k - 2.0 * tl.floor(k * 0.5)) != 0.0
+        return tl.minimum(tl.maximum(tl.where(odd, 1.0 - s2, s2), 0.0), 1.0)
+
+    @triton.jit
+    def snake_apply(x, scale, inv, SINE: tl.constexpr = 0):
+        """``x + inv * sin(x * scale)^2`` in float32. ``SINE`` (``sine_kind``): 0 libdevice's ``sinf`` squared;
+        1 ``sin_squared``; 2 the hardware's ``sin.approx`` (one MUFU instruction; absolute error about ``2^-21``
+        plus ``|x * scale| * 2^-22`` from its range reduction; not available under Triton's interpreter)."""
+        z = x * scale
+        if SINE == 1:
+            s2 = sin_squared(z)
+        elif SINE == 2:
+            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+            s2 = s * s
+        else:
+            s = tl.sin(z)
+            s2 = s * s
+        return x + inv * s2
 
     @triton.jit
     def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr, bias_ptr,
                           in_bias_ptr, num_channels, num_cols_in, num_state_cols,
                           stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
                           LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
-                          HAS_IN_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_IN_BIAS: tl.constexpr, SINE: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0)
         c = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -143,7 +175,7 @@ if triton is not None:
         if ADD_BIAS:  # x += bias[c] in place: a float32 sum, one rounding (the CPU expression rounds per add)
             shifted = x + tl.load(bias_ptr + c).to(tl.float32)
             tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
-        y = snake_apply(x, scale, inv)
+        y = snake_apply(x, scale, inv, SINE)
         row = (b * num_channels + c) * total
         if HAS_STATE:  # only the blocks that hold state columns or the new tail do this part (see the tiled kernel)
             first = block * BLOCK
@@ -165,8 +197,8 @@ if triton is not None:
                                stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
                                stride_ob, stride_oc, stride_ot,
                                LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
-                               HAS_IN_BIAS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_C: tl.constexpr,
-                               BLOCK_T: tl.constexpr):
+                               HAS_IN_BIAS: tl.constexpr, SINE: tl.constexpr, PAIRS: tl.constexpr,
+                               BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         """``_snake_cat_kernel`` over ``[BLOCK_C, BLOCK_T]`` tiles, for an ``x`` whose channels are contiguous
         (channels-last) and for the ``PAIRS`` output (``transposed.py``): Triton loads and stores each along its
         contiguous axis (a stride of 1 is specialised) and transposes the tile in between. ``PAIRS``: the output is
@@ -187,7 +219,7 @@ if triton is not None:
         if ADD_BIAS:
             shifted = x + tl.load(bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
             tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
-        y = snake_apply(x, scale[:, None], inv[:, None])
+        y = snake_apply(x, scale[:, None], inv[:, None], SINE)
         if HAS_STATE:
             # Only the tiles that hold state columns (the first) or part of the new tail run this part: masked, it
             # costs every tile one predicated scalar load and store per element, several times the vector path's
@@ -217,13 +249,19 @@ BLOCK_TILE = (32, 128)
 """``(channels, columns)`` per program of the tiled kernel."""
 
 
+SINE = 1
+"""The sine the kernels applying Snake take (``snake_apply``'s ``SINE``): ``sin_squared``, as accurate as float32
+``sinf`` where activations live and about a third of its instructions."""
+
+
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
             log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None,
-            pairs: bool = False, channels_last: bool = False) -> tuple[Tensor, Tensor]:
+            pairs: bool = False, channels_last: bool = False, block_tile: tuple[int, int] = BLOCK_TILE,
+            sine: int = SINE) -> tuple[Tensor, Tensor]:
     """The kernels' launcher: ``(cat [B, C, P + T], tail [B, C, P])`` (``cat`` channels-last with
     ``channels_last``), or with ``pairs``, ``(pairs [B, P + T - 1, 2 * C], tail)`` (``transposed.py``). Where
     ``x``'s columns are contiguous and ``cat`` is not channels-last, the one-channel-per-program kernel; otherwise
-    the tiled one."""
+    the tiled one. ``block_tile`` and ``sine`` for probes that compare them."""
     batch, channels, num_cols_in = x.shape
     num_state_cols = 0 if state is None else state.shape[2]
     total = num_state_cols + num_cols_in
@@ -248,9 +286,9 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
             channels, num_cols_in, num_state_cols,
             x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2))
     flags = dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=bias is not None,
-                 HAS_IN_BIAS=in_bias is not None)
+                 HAS_IN_BIAS=in_bias is not None, SINE=sine)
     if pairs or channels_last or x.stride(2) != 1:
-        block_c, block_t = BLOCK_TILE
+        block_c, block_t = block_tile
         grid = (triton.cdiv(total, block_t), triton.cdiv(channels, block_c), batch)
         _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, BLOCK_C=block_c, BLOCK_T=block_t,
                                      num_warps=4)

@@ -37,7 +37,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import snake_apply, snake_scale_inv
+    from .snake import SINE, snake_apply, snake_scale_inv
 
 BLOCK_SAMPLES = 256
 """Output samples per program."""
@@ -67,7 +67,7 @@ if triton is not None:
     def _tap_sums_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, w_ptr, sums_ptr, tail_ptr,
                          num_channels, num_cols,
                          stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                         LOG_PARAMS: tl.constexpr, KSIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+                         LOG_PARAMS: tl.constexpr, SINE: tl.constexpr, KSIZE: tl.constexpr, BLOCK_C: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
         """``sums[b, k, u] = sum_c w[c, k] * cat[b, c, u]`` for a block of cat columns ``u`` (Snake once per element);
         the row's first program also writes the tail."""
@@ -93,7 +93,7 @@ if triton is not None:
                                          tl.load(beta_ptr + c, mask=c_in, other=0.0).to(tl.float32), LOG_PARAMS)
             xv = tl.load(x_row + c[:, None] * stride_xc + col[None, :] * stride_xt,
                          mask=c_in[:, None] & from_x[None, :], other=0.0).to(tl.float32)
-            v = snake_apply(xv, scale[:, None], inv[:, None])
+            v = snake_apply(xv, scale[:, None], inv[:, None], SINE)
             v = v.to(tail_ptr.dtype.element_ty).to(tl.float32)  # what snake_cat would have stored
             old = tl.load(s_row + c[:, None] * stride_sc + u[None, :] * stride_st,
                           mask=c_in[:, None] & (col < 0)[None, :], other=0.0).to(tl.float32)
@@ -107,7 +107,7 @@ if triton is not None:
                 keep = c_in[:, None] & (i < num_state_cols)[None, :]
                 tail_x = tl.load(x_row + c[:, None] * stride_xc + tail_col[None, :] * stride_xt,
                                  mask=keep & (tail_col >= 0)[None, :], other=0.0).to(tl.float32)
-                tail_v = snake_apply(tail_x, scale[:, None], inv[:, None])
+                tail_v = snake_apply(tail_x, scale[:, None], inv[:, None], SINE)
                 tail_old = tl.load(s_row + c[:, None] * stride_sc + tail_u[None, :] * stride_st,
                                    mask=keep & (tail_col < 0)[None, :], other=0.0).to(tl.float32)
                 tail_v = tl.where((tail_col < 0)[None, :], tail_old, tail_v)
@@ -142,7 +142,7 @@ def _launch(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tens
     _tap_sums_kernel[(triton.cdiv(total, BLOCK_SAMPLES), batch)](
         x, state, alpha, beta if log_params else alpha, lengths, weight, sums, tail, channels, num_cols,
         x.stride(0), x.stride(1), x.stride(2), state.stride(0), state.stride(1), state.stride(2),
-        LOG_PARAMS=log_params, KSIZE=ksize, BLOCK_C=BLOCK_CHANNELS, BLOCK_T=BLOCK_SAMPLES,
+        LOG_PARAMS=log_params, SINE=SINE, KSIZE=ksize, BLOCK_C=BLOCK_CHANNELS, BLOCK_T=BLOCK_SAMPLES,
         BLOCK_P=triton.next_power_of_2(max(ksize - 1, 1)), num_warps=4)
     _shifted_sum_kernel[(triton.cdiv(num_cols, BLOCK_SAMPLES), batch)](sums, bias, y, num_cols, KSIZE=ksize,
                                                                        BLOCK_T=BLOCK_SAMPLES, num_warps=4)

@@ -1,0 +1,129 @@
+"""Each Snake kernel call of one exact step, timed alone with its variants (developer tool, CUDA GPU).
+
+Runs one step of ``MODEL`` at ``BATCH`` x ``FRAMES`` (``StreamRoutine.forward``, as ``kernel_count.py``) and keeps
+the arguments of every ``code2wav::snake_cat`` / ``snake_cat_add_bias_`` / ``snake_pairs`` call. Then each call runs
+alone (CUDA events, median of ``ITERS``) with each sine of ``snake_apply`` (``SINE``: 0 libdevice ``sinf``, 1
+``sin_squared``, 2 the hardware's ``sin.approx``), and for the tiled kernel (channels-last input or output, frame
+pairs) with other ``(channels, columns)`` tiles (sine 1).
+Per call: the layouts, the bytes it must move (``x`` read, output written, ``x`` written back when a bias is added)
+and the bandwidth each variant reaches; then the sums over the step.
+
+``python loadgen/probes/snake_tiles.py`` (``MODEL=default BATCH=16 FRAMES=25 DTYPE=bfloat16 ITERS=20``;
+``TILES=32x128,64x64`` picks the tiles).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from code2wav.sidecar.graphs.routine import StreamRoutine
+from code2wav.sidecar.kernels import snake
+from code2wav.sidecar.models import load_model
+from code2wav.sidecar.state_store import StateArena
+
+MODEL = os.environ.get("MODEL", "default")
+BATCH = int(os.environ.get("BATCH", "16"))
+FRAMES = int(os.environ.get("FRAMES", "25"))
+DTYPE = os.environ.get("DTYPE", "bfloat16")
+ITERS = int(os.environ.get("ITERS", "20"))
+TILES = [tuple(int(n) for n in t.split("x")) for t in os.environ.get("TILES", "32x128,64x64,16x256,64x128").split(",")]
+OPS = ("snake_cat", "snake_cat_add_bias_", "snake_pairs")
+
+
+class SnakeCalls(TorchDispatchMode):
+    """Keeps (op name, cloned args) of every Snake op call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in OPS:
+            keep = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            self.calls.append((name, keep, dict(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+def _launcher(name: str, args: tuple, kwargs: dict):
+    """``(run(tile, sine), channels_last, pairs)`` for one recorded call, through ``snake._launch``."""
+    x, state, alpha, beta, lengths, log_params, *rest = args
+    state = None if state is None else state.to(x.dtype)
+    if name == "snake_pairs":
+        in_bias = rest[0] if rest else kwargs.get("in_bias")
+        return (lambda tile, sine: snake._launch(x, state, alpha, beta, lengths, log_params, None, in_bias,
+                                                  pairs=True, block_tile=tile, sine=sine)), False, True
+    if name == "snake_cat_add_bias_":
+        bias, rest = rest[0], rest[1:]
+    else:
+        bias = None
+    in_bias, channels_last = (list(rest) + [None, False][len(rest):])[:2]  # the positional ones, then defaults
+    in_bias = kwargs.get("in_bias", in_bias)
+    channels_last = kwargs.get("channels_last", channels_last)
+    return (lambda tile, sine: snake._launch(x, state, alpha, beta, lengths, log_params, bias, in_bias,
+                                              channels_last=channels_last, block_tile=tile, sine=sine)
+            ), channels_last, False
+
+
+def _time_us(fn) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    model = load_model(MODEL, device, DTYPE)
+    arena = StateArena(model.module.state_layout(), BATCH, model.dtype, model.device)
+    routine = StreamRoutine(model, arena, BATCH, FRAMES)
+    routine.prime(BATCH, FRAMES)
+    with torch.inference_mode():
+        routine.forward(BATCH, FRAMES)
+        with SnakeCalls() as rec:
+            routine.forward(BATCH, FRAMES)
+        torch.cuda.synchronize()
+        variants = [(TILES[0], 0), (TILES[0], 2)] + [(t, 1) for t in TILES]
+        print(f"{MODEL} {DTYPE} one exact step {BATCH} x {FRAMES}: {len(rec.calls)} Snake calls; "
+              f"us per variant (tile CxT s sine), bandwidth of the best")
+        print("  " + " | ".join(f"{t[0]}x{t[1]} s{f}" for t, f in variants))
+        sums = [0.0] * len(variants)
+        best_sum, bytes_sum = 0.0, 0
+        for name, args, kwargs in rec.calls:
+            run, channels_last, pairs = _launcher(name, args, kwargs)
+            x = args[0]
+            tiled = pairs or channels_last or x.stride(2) != 1
+            out, _ = run(TILES[0], 0)
+            nbytes = x.numel() * x.element_size() * (2 if name == "snake_cat_add_bias_" else 1) \
+                + out.numel() * out.element_size()
+            timed: dict[tuple, float] = {}
+            for tile, sine in variants:  # the one-channel-per-program kernel has no tile: timed once per sine
+                key = (tile if tiled else None, sine)
+                if key not in timed:
+                    timed[key] = _time_us(lambda: run(tile, sine))
+            us = [timed[(t if tiled else None, f)] for t, f in variants]
+            sums = [total + u for total, u in zip(sums, us)]
+            best = min(us)
+            best_sum += best
+            bytes_sum += nbytes
+            layout = "pairs" if pairs else ("cl" if channels_last else "contig")
+            x_layout = "cl" if x.stride(1) == 1 else "contig"
+            print(f"  {name:20s} x{tuple(x.shape)} {x_layout}->{layout:6s} {nbytes / 1e6:7.1f} MB "
+                  + " ".join(f"{u:7.1f}" for u in us) + f"  best {nbytes / best / 1e3:6.0f} GB/s")
+        print("  sum: " + " | ".join(f"{s:.0f}" for s in sums) + f" us; best per call {best_sum:.0f} us, "
+              f"{bytes_sum / 1e6:.0f} MB, {bytes_sum / best_sum / 1e3:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
