@@ -12,7 +12,11 @@ Why: PyTorch runs a dilated depthwise ``conv1d`` with its generic depthwise kern
 (``conv_depthwise2d_forward_kernel_generic``), which took about 16 ms of a 64 x 25-frame step of the 2048-wide
 latent decoder on the H200, where the conv is a memory-bound pass (seven loads per output that hit the cache, seven
 FMAs). The Snake after it is the only reader of ``h`` in a residual unit, so applying it here saves a write and a
-read of ``h`` and the Snake kernel's launch. Rows, channels and column blocks are the grid, as in ``snake.py``.
+read of ``h`` and the Snake kernel's launch. Rows, channels and column blocks are the grid, as in ``snake.py``; for
+a channels-last ``x`` (the residual stream after a transposed conv as one GEMM, ``transposed.py``) a second kernel
+takes ``[columns, channels]`` tiles and writes ``y`` channels-last, so each tap's load is whole 16-byte vectors (in
+a contiguous row a tap starts at any element: Triton loads those one element at a time, which left the bf16 kernel
+no faster than the float32 one, 5.7 ms of a 15.4 ms 64 x 25-frame step of the 48 kHz family on the H200).
 
 Registered as ``code2wav::depthwise_snake`` (CUDA: the kernel; CPU and meta: ``F.conv1d`` and the torch
 expression of Snake), so CUDA graphs capture it and profiles name it.
@@ -33,7 +37,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import snake_apply, snake_scale_inv
+    from .snake import SINE, snake_apply, snake_scale_inv
 
 BLOCK_COLS = 1024
 """Output columns per program (as ``snake.BLOCK_COLS``)."""
@@ -63,7 +67,7 @@ if triton is not None:
     def _depthwise_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, beta_ptr, y_ptr, num_channels, num_cols_out,
                           stride_xb, stride_xc, stride_xt,
                           KSIZE: tl.constexpr, DILATION: tl.constexpr, ACTIVATE: tl.constexpr,
-                          LOG_PARAMS: tl.constexpr, BLOCK: tl.constexpr):
+                          LOG_PARAMS: tl.constexpr, SINE: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0)
         c = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -77,8 +81,54 @@ if triton is not None:
         if ACTIVATE:
             scale, inv = snake_scale_inv(tl.load(alpha_ptr + c).to(tl.float32),
                                          tl.load(beta_ptr + c).to(tl.float32), LOG_PARAMS)
-            acc = snake_apply(acc, scale, inv)
+            acc = snake_apply(acc, scale, inv, SINE)
         tl.store(y_ptr + (b * num_channels + c) * num_cols_out + cols, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _depthwise_cl_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, beta_ptr, y_ptr, num_channels, num_cols_out,
+                             stride_xb, stride_xc, stride_xt,
+                             KSIZE: tl.constexpr, DILATION: tl.constexpr, ACTIVATE: tl.constexpr,
+                             LOG_PARAMS: tl.constexpr, SINE: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+        """``_depthwise_kernel`` for a channels-last ``x`` (``stride_xc == 1``), over ``[BLOCK_T, BLOCK_C]`` tiles,
+        writing ``y`` channels-last: tap ``k`` of a tile is the tile ``k * DILATION`` columns on, ``k * DILATION *
+        C`` elements away, so every tap loads whole 16-byte vectors along the channels (where a channel row's taps
+        start at any element and load one element per instruction)."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] output columns
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+        b = tl.program_id(2).to(tl.int64)
+        c_in = c < num_channels
+        inside = (t < num_cols_out)[:, None] & c_in[None, :]  # [BLOCK_T, BLOCK_C]
+        at = x_ptr + b * stride_xb + t[:, None] * stride_xt + c[None, :] * stride_xc
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + \
+            tl.load(b_ptr + c, mask=c_in, other=0.0).to(tl.float32)[None, :]
+        for k in tl.static_range(KSIZE):  # as above, the taps' tiles overlap: after the first, from the cache
+            w = tl.load(w_ptr + c * KSIZE + k, mask=c_in, other=0.0).to(tl.float32)  # [BLOCK_C]
+            acc += w[None, :] * tl.load(at + k * DILATION * stride_xt, mask=inside, other=0.0).to(tl.float32)
+        if ACTIVATE:
+            scale, inv = snake_scale_inv(tl.load(alpha_ptr + c, mask=c_in, other=1.0).to(tl.float32),
+                                         tl.load(beta_ptr + c, mask=c_in, other=0.0).to(tl.float32), LOG_PARAMS)
+            acc = snake_apply(acc, scale[None, :], inv[None, :], SINE)
+        y_at = y_ptr + b * num_cols_out * num_channels + t[:, None] * num_channels + c[None, :]  # [B, T, C]
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+BLOCK_CL = (64, 64)
+"""``(columns, channels)`` per program of the channels-last kernel (fewer channels where the tensor has fewer)."""
+
+
+def channels_last(x: Tensor) -> bool:
+    """Whether ``x`` ``[B, C, L]`` has its channels contiguous (the layout of a residual stream after a transposed
+    conv as one GEMM, ``transposed.py``): then the output is channels-last too, on every device."""
+    return x.shape[1] > 1 and x.stride(1) == 1
+
+
+def _empty_output(x: Tensor, num_cols_out: int) -> Tensor:
+    """``y`` ``[B, C, T]`` laid out as ``x`` (channels-last or contiguous)."""
+    batch, channels, _ = x.shape
+    if channels_last(x):
+        return x.new_empty((batch, num_cols_out, channels)).transpose(1, 2)  # [B, C, T], channels contiguous
+    return x.new_empty((batch, channels, num_cols_out))  # [B, C, T]
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None, beta: Tensor | None,
@@ -86,36 +136,42 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
     batch, channels, num_cols_in = x.shape
     ksize = weight.shape[2]
     num_cols_out = num_cols_in - (ksize - 1) * dilation
-    y = torch.empty((batch, channels, num_cols_out), dtype=x.dtype, device=x.device)  # [B, C, T]
+    y = _empty_output(x, num_cols_out)  # [B, C, T]
     if y.numel() == 0:
         return y
     has_act = alpha is not None
     params = alpha if has_act else bias  # any valid pointer when there is no Snake (never read)
-    grid = (triton.cdiv(num_cols_out, BLOCK_COLS), channels, batch)
-    _depthwise_kernel[grid](x, weight.contiguous(), bias, params, beta if log_params and has_act else params, y,
-                            channels, num_cols_out, x.stride(0), x.stride(1), x.stride(2),
-                            KSIZE=ksize, DILATION=dilation, ACTIVATE=has_act, LOG_PARAMS=log_params,
-                            BLOCK=BLOCK_COLS, num_warps=4)
+    args = (x, weight.contiguous(), bias, params, beta if log_params and has_act else params, y,
+            channels, num_cols_out, x.stride(0), x.stride(1), x.stride(2))
+    flags = dict(KSIZE=ksize, DILATION=dilation, ACTIVATE=has_act, LOG_PARAMS=log_params, SINE=SINE, num_warps=4)
+    if channels_last(x):
+        block_t, block_c = BLOCK_CL[0], min(BLOCK_CL[1], triton.next_power_of_2(channels))
+        grid = (triton.cdiv(num_cols_out, block_t), triton.cdiv(channels, block_c), batch)
+        _depthwise_cl_kernel[grid](*args, **flags, BLOCK_T=block_t, BLOCK_C=block_c)
+    else:
+        grid = (triton.cdiv(num_cols_out, BLOCK_COLS), channels, batch)
+        _depthwise_kernel[grid](*args, **flags, BLOCK=BLOCK_COLS)
     return y
 
 
 @torch.library.custom_op("code2wav::depthwise_snake", mutates_args=())
 def depthwise_snake(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
                     beta: Tensor | None, log_params: bool) -> Tensor:
-    """``y`` ``[B, C, T]``, see the module docstring: ``x`` ``[B, C, P + T]`` (any strides), ``weight``
-    ``[C, 1, K]``, ``bias`` ``[C]``; ``alpha``/``beta`` ``[C]`` the Snake after the conv (``alpha`` None: none;
-    ``beta`` unused unless ``log_params``)."""
+    """``y`` ``[B, C, T]`` (channels-last where ``x`` is, else contiguous), see the module docstring: ``x``
+    ``[B, C, P + T]`` (any strides), ``weight`` ``[C, 1, K]``, ``bias`` ``[C]``; ``alpha``/``beta`` ``[C]`` the
+    Snake after the conv (``alpha`` None: none; ``beta`` unused unless ``log_params``)."""
     check_shapes(x, weight, bias, dilation)
     if x.is_cuda and triton is not None:
         return _launch(x, weight, bias, dilation, alpha, beta, log_params)
-    return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
+    y = reference(x, weight, bias, dilation, alpha, beta, log_params)  # [B, C, T]
+    return _empty_output(x, y.shape[2]).copy_(y)  # laid out as the kernels write it
 
 
 @depthwise_snake.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None, beta: Tensor | None,
       log_params: bool) -> Tensor:
     check_shapes(x, weight, bias, dilation)
-    return x.new_empty((x.shape[0], x.shape[1], x.shape[2] - (weight.shape[2] - 1) * dilation))  # [B, C, T]
+    return _empty_output(x, x.shape[2] - (weight.shape[2] - 1) * dilation)  # [B, C, T]
 
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
+from ...kernels import depthwise  # (registers torch.ops.code2wav.depthwise_snake)
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import transposed
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
@@ -128,8 +128,8 @@ class CausalConv(StatefulBlock):
             if self.num_state_cols:
                 x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
                 ctx.state_out[self.state_key] = gather_tail(x, lengths, self.tail_offsets)  # [B, C, P]
-        depthwise = self.groups > 1 and self.groups == self.in_channels == self.weight.shape[0]  # no multiplier
-        if depthwise and torch.compiler.is_compiling():
+        is_depthwise = self.groups > 1 and self.groups == self.in_channels == self.weight.shape[0]  # no multiplier
+        if is_depthwise and torch.compiler.is_compiling():
             return depthwise_taps(x, self.weight, self.bias, self.dilation), lengths  # [B, C, T], fused by Inductor
         y = F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)  # [B, C_out, T]
         return y, lengths
@@ -239,12 +239,14 @@ class ResidualUnit(nn.Module):
     def _fused(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, in_bias: Tensor | None) -> Tensor:
         act1, conv1, act2, conv2 = self.block
         alpha1, alpha2 = act1.alpha.view(-1), act2.alpha.view(-1)  # [C], [C]
+        # a channels-last residual stream (after the transposed conv as one GEMM) stays channels-last: the cat, the
+        # depthwise conv's output (its taps then load whole vectors, kernels/depthwise.py) and the baddbmm's operand
         x_cat, tail = torch.ops.code2wav.snake_cat_add_bias_(
-            x, ctx.state_in[conv1.state_key], alpha1, alpha1, lengths, False, conv2.bias,
-            in_bias)  # [B, C, P + T] of x + in_bias; x += in_bias + b2
+            x, ctx.state_in[conv1.state_key], alpha1, alpha1, lengths, False, conv2.bias, in_bias,
+            depthwise.channels_last(x))  # [B, C, P + T] of x + in_bias; x += in_bias + b2
         ctx.state_out[conv1.state_key] = tail  # [B, C, P]
         h = torch.ops.code2wav.depthwise_snake(x_cat, conv1.weight, conv1.bias, conv1.dilation, alpha2, alpha2,
-                                               False)  # [B, C, T], Snake 2 applied
+                                               False)  # [B, C, T], Snake 2 applied, laid out as x_cat
         weight = conv2.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         return torch.baddbmm(x, weight, h, out=x)  # [B, C, T]: (x + b2) + W2 @ h
 
