@@ -2,11 +2,13 @@
 
 Runs one step of ``MODEL`` at ``BATCH`` x ``FRAMES`` (``StreamRoutine.forward``, as ``kernel_count.py``) and keeps
 the arguments of every ``code2wav::snake_cat`` / ``snake_cat_add_bias_`` / ``snake_pairs`` call. Then each call runs
-alone (CUDA events, median of ``ITERS``) with each sine of ``snake_apply`` (``SINE``: 0 libdevice ``sinf``, 1
-``sin_squared``, 2 the hardware's ``sin.approx``), and for the tiled kernel (channels-last input or output, frame
-pairs) with other ``(channels, columns)`` tiles (sine 1).
-Per call: the layouts, the bytes it must move (``x`` read, output written, ``x`` written back when a bias is added)
-and the bandwidth each variant reaches; then the sums over the step.
+alone (CUDA events, median of ``ITERS``; each call queued behind a ~1 ms GPU spin, as ``conv_choice.py`` times its
+forms, so the ~100 us of host work per Triton launch stays out of the device time) with each sine of
+``snake_apply`` (``SINE``: 0 libdevice ``sinf``, 1 ``sin_squared``, 2 the hardware's ``sin.approx``), and for the
+tiled kernel (channels-last input or output, frame pairs) with other ``(channels, columns)`` tiles (sine 1). Per
+call: the layouts, the bytes it must move (``x`` read, output written, ``x`` written back when a bias is added) and
+the bandwidth each variant reaches; then the sums over the step. (Run without the spin, the 2026-12-02 H200 run
+that chose ``sin_squared`` counted ~100 us of launch per call: its b1 rows are that floor.)
 
 ``python loadgen/probes/snake_tiles.py`` (``MODEL=default BATCH=16 FRAMES=25 DTYPE=bfloat16 ITERS=20``;
 ``TILES=32x128,64x64`` picks the tiles).
@@ -75,6 +77,7 @@ def _time_us(fn) -> float:
     times = []
     for _ in range(ITERS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms spin: the launch's host work is queued before the GPU gets there
         start.record()
         fn()
         end.record()
