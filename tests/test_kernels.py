@@ -133,6 +133,7 @@ DW_CASES = [  # (log_params, batch, channels, output columns, kernel size, dilat
     (False, 1, 2, 1, 7, 9, True),  # one output column from a 55-column input (a first chunk at dilation 9)
     (True, 2, 4, 2100, 7, 3, True),  # three column blocks
     (False, 3, 5, 40, 3, 2, False),  # the conv alone
+    (False, 2, 130, 37, 7, 3, True),  # channels-last: three channel tiles of the tiled kernel, the last partial
 ]
 
 
@@ -238,6 +239,10 @@ for scale in (1.0, 30.0, 1e3, 1e5, 2.0 ** 20 / 4, 1e8):
     run[(triton.cdiv(z.numel(), 1024),)](z, got, z.numel(), BLOCK=1024)
     exact = torch.sin(z.double()) ** 2  # of the same float32 z
     out[str(scale)] = [(got.double() - exact).abs().max().item(), float(got.min()), float(got.max())]
+special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+got = torch.empty_like(special)
+run[(1,)](special, got, 4, BLOCK=1024)
+out["nan, inf, -inf, 0"] = [v if v == v else "nan" for v in got.tolist()]
 print(json.dumps(out))
 """
 
@@ -248,6 +253,7 @@ def test_sin_squared_is_as_accurate_as_float32_sinf_where_activations_live_and_b
     out = subprocess.run([sys.executable, "-c", SIN_SQUARED], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert errors.pop("nan, inf, -inf, 0") == ["nan", "nan", "nan", 0.0]  # as sinf (the clamp keeps NaN)
     for scale, (err, low, high) in errors.items():
         assert 0.0 <= low and high <= 1.0, (scale, low, high)
         if float(scale) <= 2.0 ** 20 / 4:  # |z| < 2^20 (four standard deviations)
@@ -346,6 +352,15 @@ def test_the_depthwise_cpu_op_is_conv1d_then_snake_and_rejects_other_shapes():
             assert torch.equal(y, h)
         else:  # the Snake of snake.py (its reference with no state), on the conv's output
             assert torch.equal(y, snake.reference(h, None, alpha, beta, torch.zeros(1), log_params)[0])
+        assert y.is_contiguous()
+        # a channels-last input: the same values, the output channels-last too (as the CUDA kernel writes it)
+        y_cl = torch.ops.code2wav.depthwise_snake(_channels_last(x), weight, bias, dilation, alpha, beta, log_params)
+        assert torch.equal(y_cl, y) and y_cl.stride() == (y.shape[1] * y.shape[2], 1, y.shape[1])
+        fake = torch.empty_like(_channels_last(x), device="meta")
+        y_meta = torch.ops.code2wav.depthwise_snake(fake, weight.to("meta"), bias.to("meta"), dilation,
+                                                    None if alpha is None else alpha.to("meta"),
+                                                    None if beta is None else beta.to("meta"), log_params)
+        assert y_meta.stride() == y_cl.stride()  # the fake implementation agrees
     x, weight, bias, dilation, alpha, beta, log_params = _dw_inputs(DW_CASES[0])
     with pytest.raises(ValueError, match=r"weight \[C, 1, K\]"):  # a dense conv's weight
         torch.ops.code2wav.depthwise_snake(x, weight.repeat(1, 3, 1), bias, 1, alpha, beta, log_params)

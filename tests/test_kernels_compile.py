@@ -51,19 +51,31 @@ def _variants():
                 yield (f"snake_cat-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-log{log_params:d}",
                        snake._snake_cat_kernel, dtype,
                        dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
-                            BLOCK=snake.BLOCK_COLS), {})
+                            SINE=snake.SINE, BLOCK=snake.BLOCK_COLS), {})
+            for pairs in (False, True):  # the tiled kernel: channels-last in or out, and transposed.py's pairs
+                yield (f"snake_cat_tile-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-pairs{pairs:d}",
+                       snake._snake_cat_tile_kernel, dtype,
+                       dict(LOG_PARAMS=True, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
+                            SINE=snake.SINE, PAIRS=pairs, BLOCK_C=snake.BLOCK_TILE[0], BLOCK_T=snake.BLOCK_TILE[1]),
+                       {})
         yield (f"snake_conv_out-taps-{dtype}", snake_conv._tap_sums_kernel, dtype,
-               dict(LOG_PARAMS=True, KSIZE=7, BLOCK_C=snake_conv.BLOCK_CHANNELS, BLOCK_T=snake_conv.BLOCK_SAMPLES,
-                    BLOCK_P=8), {})
+               dict(LOG_PARAMS=True, SINE=snake.SINE, KSIZE=7, BLOCK_C=snake_conv.BLOCK_CHANNELS,
+                    BLOCK_T=snake_conv.BLOCK_SAMPLES, BLOCK_P=8), {})
         yield (f"snake_conv_out-sum-{dtype}", snake_conv._shifted_sum_kernel, dtype,
                dict(KSIZE=7, BLOCK_T=snake_conv.BLOCK_SAMPLES), {})
         for activate in (True, False):
             yield (f"depthwise-{dtype}-act{activate:d}", depthwise._depthwise_kernel, dtype,
-                   dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, BLOCK=depthwise.BLOCK_COLS), {})
+                   dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=snake.SINE,
+                        BLOCK=depthwise.BLOCK_COLS), {})
+            for block_c in (depthwise.BLOCK_CL[1], 4):  # a wide layer's tile, and the narrowest tile a layer gets
+                yield (f"depthwise_cl-{dtype}-act{activate:d}-c{block_c}", depthwise._depthwise_cl_kernel, dtype,
+                       dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=snake.SINE,
+                            BLOCK_T=depthwise.BLOCK_CL[0], BLOCK_C=block_c), {})
     for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
         for has_bias, activate in ((True, True), (False, False), (True, False)):
             yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",
-                   dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, IEEE=False, BLOCK_CO=config.block_co,
+                   dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, SINE=snake.SINE, IEEE=False,
+                        BLOCK_CO=config.block_co,
                         BLOCK_T=config.block_t, BLOCK_CI=config.block_ci),
                    dict(num_warps=config.num_warps, num_stages=config.num_stages))
 

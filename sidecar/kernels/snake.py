@@ -121,7 +121,7 @@ if triton is not None:
         three FMAs with ``pi / 2`` split in three float32 parts (``HALF_PI``), then ``sin(r)^2`` (``k`` even) or
         ``1 - sin(r)^2`` (``k`` odd) with ``sin(r)`` from its Taylor series to ``r^9`` (``|r| <= pi / 4``: the next
         term is below ``2e-9``). Within ``2.2e-7`` of the exact value for ``|z| < 2^20`` (float32 ``sinf`` squared:
-        ``1.3e-7``); beyond, clamped to ``[0, 1]``. About 15 instructions per element against libdevice's ~40 and
+        ``1.3e-7``); beyond, clamped to ``[0, 1]``; NaN for NaN and the infinities. About 15 instructions per element against libdevice's ~40 and
         its slow-path branch: what made the Snake kernels compute-bound."""
         k = tl.floor(z * 0.6366197466850281 + 0.5)  # nearest multiple of pi / 2
         r = tl.fma(-k, 1.5707963705062866, z)
@@ -134,10 +134,11 @@ if triton is not None:
         s = tl.fma(p * r2, r, r)
         s2 = s * s
         odd = (k - 2.0 * tl.floor(k * 0.5)) != 0.0
-        return tl.minimum(tl.maximum(tl.where(odd, 1.0 - s2, s2), 0.0), 1.0)
+        v = tl.maximum(tl.where(odd, 1.0 - s2, s2), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(v, 1.0, propagate_nan=tl.PropagateNan.ALL)  # NaN and +-inf (r is NaN) give NaN, as sinf
 
     @triton.jit
-    def snake_apply(x, scale, inv, SINE: tl.constexpr = 0):
+    def snake_apply(x, scale, inv, SINE: tl.constexpr):
         """``x + inv * sin(x * scale)^2`` in float32. ``SINE`` (``sine_kind``): 0 libdevice's ``sinf`` squared;
         1 ``sin_squared``; 2 the hardware's ``sin.approx`` (one MUFU instruction; absolute error about ``2^-21``
         plus ``|x * scale| * 2^-22`` from its range reduction; not available under Triton's interpreter)."""
