@@ -118,11 +118,11 @@ if triton is not None:
     @triton.jit
     def sin_squared(z):
         """``sin(z)^2`` in float32 without libdevice's ``sinf``: ``k = round(z * 2 / pi)``, ``r = z - k pi / 2`` by
-        three FMAs with ``pi / 2`` split in three float32 parts (``HALF_PI``), then ``sin(r)^2`` (``k`` even) or
-        ``1 - sin(r)^2`` (``k`` odd) with ``sin(r)`` from its Taylor series to ``r^9`` (``|r| <= pi / 4``: the next
-        term is below ``2e-9``). Within ``2.2e-7`` of the exact value for ``|z| < 2^20`` (float32 ``sinf`` squared:
-        ``1.3e-7``); beyond, clamped to ``[0, 1]``; NaN for NaN and the infinities. About 15 instructions per element against libdevice's ~40 and
-        its slow-path branch: what made the Snake kernels compute-bound."""
+        three FMAs with ``pi / 2`` split in three float32 parts, then ``sin(r)^2`` (``k`` even) or ``1 - sin(r)^2``
+        (``k`` odd) with ``sin(r)`` from its Taylor series to ``r^9`` (``|r| <= pi / 4``: the next term is below
+        ``2e-9``). Within ``2.5e-7`` of the exact value for ``|z| < 2^20`` (float32 ``sinf`` squared: ``1.3e-7``);
+        beyond, clamped to ``[0, 1]``; NaN for NaN and the infinities. About a third of ``sinf``'s code; inside a
+        decoder step the Snake kernels took the same time with either (docs/performance.md)."""
         k = tl.floor(z * 0.6366197466850281 + 0.5)  # nearest multiple of pi / 2
         r = tl.fma(-k, 1.5707963705062866, z)
         r = tl.fma(-k, -4.371138828673793e-08, r)
@@ -139,9 +139,10 @@ if triton is not None:
 
     @triton.jit
     def snake_apply(x, scale, inv, SINE: tl.constexpr):
-        """``x + inv * sin(x * scale)^2`` in float32. ``SINE`` (``sine_kind``): 0 libdevice's ``sinf`` squared;
-        1 ``sin_squared``; 2 the hardware's ``sin.approx`` (one MUFU instruction; absolute error about ``2^-21``
-        plus ``|x * scale| * 2^-22`` from its range reduction; not available under Triton's interpreter)."""
+        """``x + inv * sin(x * scale)^2`` in float32. ``SINE`` (the module's ``SINE``; the others are for
+        ``loadgen/probes/snake_tiles.py``): 0 libdevice's ``sinf`` squared; 1 ``sin_squared``; 2 the hardware's
+        ``sin.approx`` (one MUFU instruction; absolute error about ``2^-21`` plus ``|x * scale| * 2^-22`` from its
+        range reduction; not available under Triton's interpreter)."""
         z = x * scale
         if SINE == 1:
             s2 = sin_squared(z)
@@ -252,7 +253,7 @@ BLOCK_TILE = (32, 128)
 
 SINE = 1
 """The sine the kernels applying Snake take (``snake_apply``'s ``SINE``): ``sin_squared``, as accurate as float32
-``sinf`` where activations live and about a third of its instructions."""
+``sinf`` where activations live and about a third of its code."""
 
 
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
