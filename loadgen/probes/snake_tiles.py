@@ -37,38 +37,32 @@ OPS = ("snake_cat", "snake_cat_add_bias_", "snake_pairs")
 
 
 class SnakeCalls(TorchDispatchMode):
-    """Keeps (op name, cloned args) of every Snake op call."""
+    """Keeps (op name, its arguments by name, cloned) of every Snake op call."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[str, tuple, dict]] = []
+        self.calls: list[tuple[str, dict]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in OPS:
-            keep = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-            self.calls.append((name, keep, dict(kwargs or {})))
+            named = {arg.name: arg.default_value for arg in func._schema.arguments if arg.has_default_value()}
+            named.update(zip((arg.name for arg in func._schema.arguments), args))
+            named.update(kwargs or {})
+            self.calls.append((name, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in named.items()}))
         return func(*args, **(kwargs or {}))
 
 
-def _launcher(name: str, args: tuple, kwargs: dict):
+def _launcher(name: str, a: dict):
     """``(run(tile, sine), channels_last, pairs)`` for one recorded call, through ``snake._launch``."""
-    x, state, alpha, beta, lengths, log_params, *rest = args
-    state = None if state is None else state.to(x.dtype)
-    if name == "snake_pairs":
-        in_bias = rest[0] if rest else kwargs.get("in_bias")
-        return (lambda tile, sine: snake._launch(x, state, alpha, beta, lengths, log_params, None, in_bias,
-                                                  pairs=True, block_tile=tile, sine=sine)), False, True
-    if name == "snake_cat_add_bias_":
-        bias, rest = rest[0], rest[1:]
-    else:
-        bias = None
-    in_bias, channels_last = (list(rest) + [None, False][len(rest):])[:2]  # the positional ones, then defaults
-    in_bias = kwargs.get("in_bias", in_bias)
-    channels_last = kwargs.get("channels_last", channels_last)
-    return (lambda tile, sine: snake._launch(x, state, alpha, beta, lengths, log_params, bias, in_bias,
-                                              channels_last=channels_last, block_tile=tile, sine=sine)
-            ), channels_last, False
+    state = None if a["state"] is None else a["state"].to(a["x"].dtype)
+    pairs = name == "snake_pairs"
+    channels_last = a.get("channels_last", False)
+
+    def run(tile, sine):
+        return snake._launch(a["x"], state, a["alpha"], a["beta"], a["lengths"], a["log_params"], a.get("bias"),
+                             a["in_bias"], pairs=pairs, channels_last=channels_last, block_tile=tile, sine=sine)
+    return run, channels_last, pairs
 
 
 def _time_us(fn) -> float:
@@ -103,9 +97,9 @@ def main() -> None:
         print("  " + " | ".join(f"{t[0]}x{t[1]} s{f}" for t, f in variants))
         sums = [0.0] * len(variants)
         best_sum, bytes_sum = 0.0, 0
-        for name, args, kwargs in rec.calls:
-            run, channels_last, pairs = _launcher(name, args, kwargs)
-            x = args[0]
+        for name, named in rec.calls:
+            run, channels_last, pairs = _launcher(name, named)
+            x = named["x"]
             tiled = pairs or channels_last or x.stride(2) != 1
             out, _ = run(TILES[0], 0)
             nbytes = x.numel() * x.element_size() * (2 if name == "snake_cat_add_bias_" else 1) \
