@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival", default="closed", choices=["closed", "realtime"],
                    help="closed: next chunk as soon as the reply is in; realtime: a frame every 80 ms per stream")
     p.add_argument("--clients", type=int, default=4, help="client connections the streams are spread over")
+    p.add_argument("--inputs-on", default="host", choices=["host", "device"],
+                   help="where each stream's codes/latents are: host (sent inline as bytes, audio back as bytes) or "
+                        "device (CUDA: where a talker leaves them; sent by CUDA IPC, audio back in GPU memory)")
     p.add_argument("--baseline-iters", type=int, default=20, help="timed iterations per in-process baseline")
     p.add_argument("--baseline-batch", default="1", help="comma-separated batch sizes for exact-eager baselines")
     p.add_argument("--baseline-frames", default="",

@@ -8,6 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from code2wav.client import SidecarClient
@@ -47,6 +48,7 @@ class LevelResult:
     error_samples: list[str] = field(default_factory=list)
     refused_streams: int = 0  # the server answered busy (at capacity): refused at this load, not a failure
     streams: int = 0  # streams opened and run (closed loop: slots x rounds)
+    ipc_chunks: int = 0  # chunks the clients sent by CUDA IPC (the others went inline)
     refused_samples: list[str] = field(default_factory=list)
 
     def record_error(self, exc: SidecarError) -> None:
@@ -108,8 +110,24 @@ async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelR
         return None
 
 
+async def _audio_ready(wav, spin: bool) -> None:
+    """Wait until CUDA audio is ready (a CUDA IPC reply comes before the sidecar's step ends: the audio is ready in
+    the order of the caller's stream). ``spin``: one caller spins in its sync, as a runner's one thread does; with
+    many, each waits in a worker thread on a blocking event (dozens spinning would take the CPUs the sidecar and the
+    client's I/O thread need; ``transport_bench.py``)."""
+    if not wav.is_cuda:
+        return
+    if spin:
+        torch.cuda.current_stream(wav.device).synchronize()
+        return
+    done = torch.cuda.Event(blocking=True)
+    done.record(torch.cuda.current_stream(wav.device))
+    await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+
+
 async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
-                      start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float = FRAME_S) -> None:
+                      start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float = FRAME_S,
+                      spin: bool = True) -> None:
     now = time.perf_counter()
     if start_at_s > now:
         await asyncio.sleep(start_at_s - now)
@@ -131,6 +149,7 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
         except SidecarError as exc:  # busy mid-stream (queue full) counts as refused at this load
             result.record_error(exc)
             return
+        await _audio_ready(wav, spin)
         latency_ms = (time.perf_counter() - t0) * 1e3
         (result.first_chunk_latency_ms if i == 0 else result.chunk_latency_ms).append(latency_ms)
         result.chunks += 1
@@ -139,7 +158,8 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
 
 
 async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode: str, codes, sizes: list[int],
-                arrival: str, start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float) -> None:
+                arrival: str, start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float,
+                spin: bool) -> None:
     """One concurrency slot: ``stream`` (already open), then ``rounds - 1`` more streams, each opened when the
     previous one ended."""
     for r in range(rounds):
@@ -148,14 +168,18 @@ async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode
             if stream is None:
                 return
         result.streams += 1
-        await _one_stream(stream, mode, codes, sizes, arrival, start_at_s, sample_rate_hz, result, frame_s)
+        await _one_stream(stream, mode, codes, sizes, arrival, start_at_s, sample_rate_hz, result, frame_s, spin)
 
 
 async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, num_frames: int,
                     first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
-                    tag: str, min_streams: int = MIN_STREAMS) -> LevelResult:
+                    tag: str, min_streams: int = MIN_STREAMS,
+                    input_device: torch.device | None = None) -> LevelResult:
     """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / accepted)`` in turn per
-    slot the server accepted (a refused reopen in a later round counts as refused too)."""
+    slot the server accepted (a refused reopen in a later round counts as refused too). ``input_device``: a CUDA
+    device puts every stream's inputs there, as a talker leaves them (the client then sends them by CUDA IPC and the
+    audio comes back on that device; latency counts until it is ready there); None keeps them on the host (inline
+    bytes both ways)."""
     info = clients[0].models[0]
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
@@ -167,6 +191,7 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     accepted = sum(stream is not None for stream in streams)
     rounds = 1 if arrival == "realtime" else max(1, -(-min_streams // max(1, accepted)))
     before = _scrape(metrics_url)
+    ipc_before = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients)
     rng = random.Random(concurrency)
     frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
     t0 = time.perf_counter()
@@ -177,10 +202,13 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         if stream is None:
             continue
         codes = synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
+        if input_device is not None:
+            codes = codes.to(input_device)
         tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, codes, sizes,
-                           arrival, start_at_s, info.sample_rate, result, frame_s))
+                           arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
+    result.ipc_chunks = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients) - ipc_before
     after = _scrape(metrics_url)
     if before is not None and after is not None:
         count = _delta(after, before, "code2wav_sidecar_batch_size_count")
@@ -232,7 +260,8 @@ def summarize(result: LevelResult) -> dict:
         "concurrency": result.concurrency, "mode": result.mode, "arrival": result.arrival,
         "streams": result.streams, "refused_streams": result.refused_streams,
         "refused_samples": result.refused_samples,
-        "chunks": result.chunks, "errors": result.errors, "error_samples": result.error_samples,
+        "chunks": result.chunks, "ipc_chunks": result.ipc_chunks, "errors": result.errors,
+        "error_samples": result.error_samples,
         "chunk_latency_ms_p50": ms(50, lat), "chunk_latency_ms_p95": ms(95, lat), "chunk_latency_ms_p99": ms(99, lat),
         "first_chunk_latency_ms_p50": ms(50, first), "first_chunk_latency_ms_p99": ms(99, first),
         "audio_s_per_s": significant(result.audio_s_per_s), "realtime_streams": int(result.audio_s_per_s),

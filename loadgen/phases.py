@@ -218,6 +218,9 @@ class SidecarPhase(Phase):
         self.clients: list[SidecarClient] = []
         self.metrics_url = args.metrics_url
         self.runner = None  # asyncio.Runner: one event loop for every level (Ctrl-C cancels its task)
+        if args.inputs_on == "device" and device.type != "cuda":
+            raise SystemExit(f"--inputs-on device needs a CUDA device, got --device {device}")
+        self.input_device = device if args.inputs_on == "device" else None  # inputs by CUDA IPC, else inline
 
     def plan(self) -> list[Step]:
         a = self.args
@@ -250,14 +253,14 @@ class SidecarPhase(Phase):
         a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
         run(run_level(self.clients, len(self.clients), a.mode, a.frames, a.first_chunk_frames, a.chunk_frames,
-                      "closed", None, tag="warmup", min_streams=1))
+                      "closed", None, tag="warmup", min_streams=1, input_device=self.input_device))
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
         a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
         result = run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
                                        a.chunk_frames, a.arrival, self.metrics_url, tag="bench",
-                                       min_streams=a.min_streams))
+                                       min_streams=a.min_streams, input_device=self.input_device))
         row = summarize(result)
         report.results.append(row)
         return (f"{row['chunks']} chunks, {row['audio_s_per_s']:.4g} audio-s/s, p50 {row['chunk_latency_ms_p50']} ms, "

@@ -167,3 +167,29 @@ def test_baseline_compile_shapes_are_checked():
     for bad, words in (("64", "give BATCHxFRAMES"), ("0x4", "must be >= 1"), ("ax4", "give BATCHxFRAMES")):
         with pytest.raises(ValueError, match=words):
             parse_shapes(bad)
+
+
+def test_inputs_on_the_device_needs_a_cuda_device(tmp_path):
+    proc = subprocess.run([*BENCH, "--no-baselines", "--device", "cpu", "--inputs-on", "device", "--concurrency", "1"],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0
+    assert "--inputs-on device needs a CUDA device, got --device cpu" in proc.stderr
+    assert "ready:" not in proc.stdout  # refused before a sidecar was spawned
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model, frames", [("default", "26"), ("voxcpm2-default", "9")])
+def test_inputs_on_the_device_go_by_cuda_ipc_and_audio_is_counted_when_ready(tmp_path, model, frames):
+    """Both families, inputs on the GPU: every chunk of every level went by CUDA IPC (the client's own count), none
+    failed, and the audio seconds are those of the frames sent."""
+    report_path = tmp_path / "bench.json"
+    proc = subprocess.run([*BENCH, "--no-baselines", "--model", model, "--device", "cuda", "--inputs-on", "device",
+                           "--concurrency", "1,3", "--frames", frames, "--first-chunk-frames", "1", "--chunk-frames",
+                           "4", "--min-streams", "3", "--json", str(report_path)],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["settings"]["inputs_on"] == "device"
+    for row in report["results"]:
+        assert row["errors"] == 0 and row["refused_streams"] == 0, row
+        assert row["chunks"] > 0 and row["ipc_chunks"] == row["chunks"], row

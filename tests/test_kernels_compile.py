@@ -42,7 +42,7 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
 
 
 def _variants():
-    from code2wav.sidecar.kernels import conv_gemm, depthwise, snake, snake_conv
+    from code2wav.sidecar.kernels import conv_gemm, depthwise, matmul, snake, snake_conv
 
     for dtype in ("bf16", "fp32"):
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
@@ -77,6 +77,14 @@ def _variants():
                    dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, SINE=snake.SINE, IEEE=False,
                         BLOCK_CO=config.block_co,
                         BLOCK_T=config.block_t, BLOCK_CI=config.block_ci),
+                   dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+    for i, config in enumerate(matmul.CONFIGS):  # fp32 only: the 3xTF32 GEMM is offered for float32
+        for has_bias, accumulate, even_k in ((True, False, True), (False, True, True), (False, False, False)):
+            yield (f"mm_3xtf32-config{i}-bias{has_bias:d}-acc{accumulate:d}-even{even_k:d}", matmul._mm_kernel,
+                   "fp32", dict(HAS_BIAS=has_bias, ACCUMULATE=accumulate, EVEN_K=even_k, GROUP=matmul.GROUP_M,
+                                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k),
                    dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 

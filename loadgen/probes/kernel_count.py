@@ -12,8 +12,9 @@ counted as one kernel: on CUDA a few launch more than one (an ``F.rms_norm`` wit
 ``scaled_dot_product_attention`` that falls back to its math form); ``torch.profiler`` on the GPU gives the exact
 launches.
 
-On a CUDA device it then runs the step under ``torch.profiler`` and prints the GPU kernels one step actually launches
-(count, summed device time, the top kernels), to check the op count above against real launches.
+On a CUDA device it then prints the form each GEMM chose (cuBLAS or the float32 3xTF32 kernel, with every form's
+time), runs the step under ``torch.profiler`` and prints the GPU kernels one step actually launches (count, summed
+device time, the top kernels), to check the op count above against real launches.
 
 ``python loadgen/probes/kernel_count.py`` (``MODEL=default BATCH=1 FRAMES=1 DTYPE=bfloat16 DEVICE=cpu``;
 ``MODEL=voxcpm2-default FRAMES=4`` for the VoxCPM2 family).
@@ -90,6 +91,21 @@ def _profile(routine: StreamRoutine) -> None:
         print(f"  {us / num_steps:8.1f} us  {by_name[name] / num_steps:5.1f}x  {name[:110]}")
 
 
+def _choices(module: torch.nn.Module) -> None:
+    """The form each GEMM of the step chose (``kernels/matmul.py``'s ``MatmulChoice``), with every form's time."""
+    from code2wav.sidecar.kernels.matmul_choice import MatmulChoice
+
+    for name, sub in module.named_modules():
+        for attr, choice in vars(sub).items():
+            choice = getattr(choice, "choice", choice)  # a transposed conv's SnakeThenTransposedConv holds its own
+            if not isinstance(choice, MatmulChoice):
+                continue
+            for key, timings in choice.timings_ms.items():
+                shape = f"{key[0][0]}x{key[0][1]} @ {key[0][1]}x{key[1]}"
+                forms = " ".join(f"{f} {ms * 1e3:.0f}" for f, ms in sorted(timings.items(), key=lambda kv: kv[1]))
+                print(f"  gemm {name}.{attr} {shape}: {choice.decisions[key]} (us: {forms})")
+
+
 def main() -> None:
     if DEVICE.type == "cpu":  # the fused path's op sequence (its ops run their torch expressions here)
         for activation in (SnakeBeta, Snake):
@@ -104,6 +120,7 @@ def main() -> None:
             routine.forward(BATCH, FRAMES)
         _report(f"{MODEL}, {DTYPE}, one exact step, batch {BATCH} x {FRAMES} frames", step.counts)
         if DEVICE.type == "cuda":
+            _choices(model.module)
             _profile(routine)
         pre = getattr(getattr(model.module, "decoder", None), "pre_transformer", None)
         if pre is None:

@@ -60,7 +60,7 @@ def plain(conv: torch.nn.Conv1d) -> bool:
     return conv.stride == (1,) and conv.padding in ((0,), "valid") and conv.padding_mode == "zeros"
 
 
-def _min_ms(fn, x: Tensor) -> float:
+def min_device_ms(fn, x: Tensor) -> float:
     """Minimum device time of ``fn(x)`` on ``x``'s device and its current stream (call it under
     ``torch.cuda.device(x.device)``), host overhead excluded (``HEAD_START_CYCLES``)."""
     fn(x)
@@ -76,16 +76,26 @@ def _min_ms(fn, x: Tensor) -> float:
     return min(times)
 
 
-class ConvChoice:
+class KernelChoice:
+    """A call site's choice between PyTorch's call and hand-written Triton kernels, measured per shape (``ConvChoice``
+    here, ``matmul_choice.MatmulChoice``). ``kernels`` is set by ``set_kernels`` from the family's
+    ``use_fused_kernels``."""
+
+    kernels = False
+    """Whether the hand-written kernels may be measured and used."""
+
+    def kernels_allowed(self) -> bool:
+        """The kernels may run now: switched on, Triton present, autograd off (they have no backward)."""
+        return self.kernels and conv_gemm.triton is not None and not torch.is_grad_enabled()
+
+
+class ConvChoice(KernelChoice):
     """For one conv module: the form each input shape runs in, measured on first sight.
 
     ``decisions`` maps ``(batch, channels, length, dtype, device, with Snake, kernels allowed)`` to a form name
     (``"cudnn"``, ``"cudnn_cl"``, ``"polyphase"``, ``"gemm<i>"`` for ``conv_gemm.CONFIGS[i]``); ``timings_ms``
     keeps every form's measurement for logs and probes. A caller that can write the input either way asks
     ``wants_channels_last`` first; the other forms take it contiguous."""
-
-    kernels = False
-    """Whether the hand-written GEMM kernel may be measured and used (the family's ``use_fused_kernels``)."""
 
     def __init__(self) -> None:
         self.decisions: dict[tuple, str] = {}
@@ -118,10 +128,6 @@ class ConvChoice:
             else:
                 form = self.measure(key, forms, x, conv, with_bias, act)
         return self.run(form, x, conv, with_bias, act)
-
-    def kernels_allowed(self) -> bool:
-        """The GEMM kernel may run now: switched on, Triton present, autograd off."""
-        return self.kernels and conv_gemm.triton is not None and not torch.is_grad_enabled()
 
     def forms(self, x: Tensor, conv: torch.nn.Conv1d, channels_last_ok: bool = False) -> list[str]:
         """The forms that can run ``conv`` on ``x``."""
@@ -175,7 +181,7 @@ class ConvChoice:
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
             for form in forms:
                 try:
-                    timings[form] = _min_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act),
+                    timings[form] = min_device_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act),
                                             x_cl if form == "cudnn_cl" else x)
                 except Exception as exc:  # noqa: BLE001  (cuDNN, the first form, has no fallback: re-raised)
                     if form == "cudnn":
@@ -193,10 +199,19 @@ class ConvChoice:
         return best
 
 
+def _held_choices(obj: object, depth: int = 1):
+    """The ``KernelChoice``s among ``obj``'s attributes, and among those of its plain helper objects (not modules:
+    ``module.modules()`` reaches those) ``depth`` levels down (a transposed conv's ``SnakeThenTransposedConv``)."""
+    for value in vars(obj).values():
+        if isinstance(value, KernelChoice):
+            yield value
+        elif depth and hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, Tensor, type)):
+            yield from _held_choices(value, depth - 1)
+
+
 def set_kernels(module: torch.nn.Module, enabled: bool) -> None:
-    """Set ``kernels`` on every ``ConvChoice`` held by a submodule of ``module`` (as ``.choice``): a family's
+    """Set ``kernels`` on every ``KernelChoice`` held by a submodule of ``module`` (``_held_choices``): a family's
     ``use_fused_kernels`` calls it with what it switched its Snake kernels to."""
     for sub in module.modules():
-        choice = getattr(sub, "choice", None)
-        if isinstance(choice, ConvChoice):
+        for choice in _held_choices(sub):
             choice.kernels = enabled

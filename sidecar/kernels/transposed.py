@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import snake
 from .derived import DerivedTensor
+from .matmul_choice import MatmulChoice
 
 
 def pair_weight(weight: Tensor, stride: int) -> Tensor:
@@ -47,13 +48,16 @@ def pair_weight(weight: Tensor, stride: int) -> Tensor:
     return torch.cat([older, newer], dim=0).contiguous()  # [2 C_in, s C_out]
 
 
-def conv(pairs: Tensor, weight_pairs: Tensor, bias: Tensor | None, stride: int) -> Tensor:
+def conv(pairs: Tensor, weight_pairs: Tensor, bias: Tensor | None, stride: int,
+         choice: MatmulChoice | None = None) -> Tensor:
     """The transposed conv's chunk output ``[B, C_out, L s]`` (channels-last strides) from ``pairs``
     ``[B, L, 2 C_in]`` and ``pair_weight``'s ``[2 C_in, s C_out]``; ``bias`` ``[C_out]`` or None (a caller that adds
-    it later)."""
+    it later). ``choice``: the GEMM's form (float32 on CUDA: cuBLAS or ``matmul.py``'s 3xTF32 kernel); None: cuBLAS."""
     batch, num_frames, _ = pairs.shape
     rows = pairs.reshape(batch * num_frames, pairs.shape[2])  # [B L, 2 C_in]
-    if bias is None:
+    if choice is not None and choice.offers_kernel(rows):
+        y = choice(rows.new_empty(rows.shape[0], weight_pairs.shape[1]), rows, weight_pairs, bias)  # [B L, s C_out]
+    elif bias is None:
         y = torch.mm(rows, weight_pairs)  # [B L, s C_out]
     else:
         y = torch.addmm(bias.repeat(stride), rows, weight_pairs)  # [B L, s C_out]
@@ -68,6 +72,7 @@ class SnakeThenTransposedConv:
     def __init__(self, stride: int) -> None:
         self.stride = stride
         self._weight: DerivedTensor[Tensor] = DerivedTensor()
+        self.choice = MatmulChoice()  # the GEMM's form (``set_kernels`` reaches it through the owning module)
 
     def __call__(self, x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
                  weight: Tensor, bias: Tensor | None, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -77,7 +82,7 @@ class SnakeThenTransposedConv:
         pairs, tail = torch.ops.code2wav.snake_pairs(x, state, alpha, beta, lengths, log_params,
                                                      in_bias)  # [B, T, 2 C_in], [B, C_in, 1]
         weight_pairs = self._weight.get((weight,), lambda: pair_weight(weight, self.stride))  # [2 C_in, s C_out]
-        return conv(pairs, weight_pairs, bias, self.stride), tail
+        return conv(pairs, weight_pairs, bias, self.stride, self.choice), tail
 
 
 def reference(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,

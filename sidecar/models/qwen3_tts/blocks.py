@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
-from ...kernels import transposed
+from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx, gather_tail
@@ -194,7 +194,9 @@ class ResidualUnit(nn.Module):
     a step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds. Where
     ``act1`` runs fused, its kernel (which reads ``x`` anyway) adds the bias to ``x`` in the same pass
     (``code2wav::snake_cat_add_bias_``): the separate in-place add was a full read and write of the unit's input,
-    PyTorch's generic ``add`` kernel on a strided tensor, the top kernel of the batch-16 profile (3.73 ms)."""
+    PyTorch's generic ``add`` kernel on a strided tensor, the top kernel of the batch-16 profile (3.73 ms). In
+    float32 on a channels-last stream the GEMM is ``matmul_choice.residual_matmul_``'s (cuBLAS or the 3xTF32
+    kernel over ``[B T, C]`` rows, whichever measured faster)."""
 
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
@@ -202,6 +204,7 @@ class ResidualUnit(nn.Module):
         self.conv1 = CausalConv(dim, dim, 7, dilation=dilation)
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
+        self.matmul_choice = matmul_choice.MatmulChoice()  # conv2's GEMM form in place (float32: 3xTF32 or cuBLAS)
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
                 in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -225,7 +228,7 @@ class ResidualUnit(nn.Module):
             return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
         if not bias_in_kernel:
             x.add_(conv.bias[None, :, None])  # [B, C, T]
-        return torch.baddbmm(x, weight, h, out=x), lengths  # [B, C, T] (out=: FLOP counters see a baddbmm)
+        return matmul_choice.residual_matmul_(x, conv.weight[:, :, 0], h, self.matmul_choice), lengths  # [B, C, T]
 
 
 class StreamSequential(nn.ModuleList):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...kernels import depthwise  # (registers torch.ops.code2wav.depthwise_snake)
+from ...kernels import matmul_choice
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import transposed
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
@@ -213,7 +214,9 @@ class ResidualUnit(nn.Module):
     over ``x`` (the unit consumes its input): ``snake_cat_add_bias_`` (Snake 1 with the depthwise conv's state in
     front, and ``x += conv2's bias`` in the same pass), ``depthwise_snake`` (the depthwise conv with Snake 2 applied
     to its output: PyTorch's generic depthwise kernel was about 16 ms of the 64 x 25-frame step on the H200) and
-    one ``baddbmm`` (the 1x1 conv with the residual read in the GEMM's epilogue, as the Qwen3-TTS unit does)."""
+    one GEMM (the 1x1 conv with the residual read in the GEMM's epilogue, as the Qwen3-TTS unit does: a ``baddbmm``,
+    or in float32 ``matmul_choice.residual_matmul_``'s choice of cuBLAS or the 3xTF32 kernel over ``[B T, C]``
+    rows)."""
 
     def __init__(self, channels: int, dilation: int) -> None:
         super().__init__()
@@ -223,6 +226,7 @@ class ResidualUnit(nn.Module):
             Snake(channels),
             CausalConv(channels, channels, 1),
         ])
+        self.matmul_choice = matmul_choice.MatmulChoice()  # the 1x1 conv's GEMM form (float32: 3xTF32 or cuBLAS)
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
                 in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -247,8 +251,8 @@ class ResidualUnit(nn.Module):
         ctx.state_out[conv1.state_key] = tail  # [B, C, P]
         h = torch.ops.code2wav.depthwise_snake(x_cat, conv1.weight, conv1.bias, conv1.dilation, alpha2, alpha2,
                                                False)  # [B, C, T], Snake 2 applied, laid out as x_cat
-        weight = conv2.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
-        return torch.baddbmm(x, weight, h, out=x)  # [B, C, T]: (x + b2) + W2 @ h
+        # [B, C, T]: (x + b2) + W2 @ h
+        return matmul_choice.residual_matmul_(x, conv2.weight[:, :, 0], h, self.matmul_choice)
 
 
 class DecoderBlock(nn.Module):

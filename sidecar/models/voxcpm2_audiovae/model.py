@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ...kernels import conv_choice
 from ...kernels import snake as snake_kernel
 from .blocks import CausalConv, DecoderBlock, ScaleBias, Snake, StatefulBlock, StreamCtx
 from .config import AudioVAEConfig
@@ -68,8 +69,11 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
         """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: before
         the residual units' depthwise convs and the transposed convs), the depthwise conv + Snake
         (``kernels/depthwise.py``), Snake + the last conv (``kernels/snake_conv.py``), or torch ops everywhere.
-        Returns whether the kernels are in use (False without Triton)."""
-        return snake_kernel.set_fused(self, Snake, enabled)
+        In float32 the GEMMs (transposed convs, 1x1 convs) may then run as ``kernels/matmul.py``'s 3xTF32 kernel
+        where it measures faster than cuBLAS. Returns whether the kernels are in use (False without Triton)."""
+        fused = snake_kernel.set_fused(self, Snake, enabled)
+        conv_choice.set_kernels(self, fused)
+        return fused
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype): conv input tails and the last input
