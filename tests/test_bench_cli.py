@@ -183,10 +183,11 @@ def test_inputs_on_the_device_go_by_cuda_ipc_and_audio_is_counted_when_ready(tmp
     """Both families, inputs on the GPU: every chunk of every level went by CUDA IPC (the client's own count), none
     failed, and the audio seconds are those of the frames sent."""
     report_path = tmp_path / "bench.json"
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run([*BENCH, "--no-baselines", "--model", model, "--device", "cuda", "--inputs-on", "device",
                            "--concurrency", "1,3", "--frames", frames, "--first-chunk-frames", "1", "--chunk-frames",
                            "4", "--min-streams", "3", "--json", str(report_path)],
-                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     report = json.loads(report_path.read_text())
     assert report["settings"]["inputs_on"] == "device"
