@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +62,12 @@ def sidecar(tmp_path):
     running = start_sidecar(tmp_path)
     yield running
     running.stop()
+
+
+def interpreted_json(code: str):
+    """Run ``code`` in a subprocess under Triton's interpreter (``TRITON_INTERPRET`` must be set before Triton is
+    imported, so not in this process) and return the JSON on its last line of output (a kernel test's results)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

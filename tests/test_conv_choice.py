@@ -114,16 +114,11 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
 def test_the_gemm_kernel_indexing_matches_conv1d_under_the_interpreter():
-    import json
     import os
-    import subprocess
-    import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = GEMM_INTERPRETED.format(tests=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    from conftest import interpreted_json
+
+    results = interpreted_json(GEMM_INTERPRETED.format(tests=os.path.dirname(__file__)))
     assert len(results) == 2 * len(GEMM_CASES)  # each case in two layouts
     for case, (same_shape, err) in zip([c for c in GEMM_CASES for _ in range(2)], results):
         assert same_shape and err < 1e-5, (case, err)

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from code2wav.sidecar.kernels import depthwise, snake, snake_conv, transposed
+from conftest import interpreted_json
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -188,12 +186,8 @@ print(json.dumps(out))
 def _interpreted(module: str, cases: str, inputs: str, tolerance: str, run: str, ref: str) -> list:
     """Run ``run`` (a kernel of ``module`` under Triton's interpreter) against ``ref`` in a subprocess
     (``TRITON_INTERPRET`` must be set before Triton is imported): ``[max error, tolerance, same shapes]`` per case."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(module=module, cases=cases, inputs=inputs, tolerance=tolerance, run=run, ref=ref,
-                              tests=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return interpreted_json(INTERPRETED.format(module=module, cases=cases, inputs=inputs, tolerance=tolerance,
+                                               run=run, ref=ref, tests=os.path.dirname(__file__)))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
@@ -249,10 +243,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
 def test_sin_squared_is_as_accurate_as_float32_sinf_where_activations_live_and_bounded_beyond():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", SIN_SQUARED], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    errors = interpreted_json(SIN_SQUARED)
     assert errors.pop("nan, inf, -inf, 0") == ["nan", "nan", "nan", 0.0]  # as sinf (the clamp keeps NaN)
     for scale, (err, low, high) in errors.items():
         assert 0.0 <= low and high <= 1.0, (scale, low, high)

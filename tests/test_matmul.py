@@ -12,15 +12,13 @@ the kernel against the same decoder on torch ops.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from code2wav.sidecar.kernels import matmul, matmul_choice
+from conftest import interpreted_json
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -45,7 +43,7 @@ def _inputs(case, device="cpu", seed=0):
 INTERPRETED = """
 import json, sys
 import torch
-from code2wav.sidecar.kernels import matmul, matmul_choice
+from code2wav.sidecar.kernels import matmul
 sys.path.insert(0, {tests!r})
 from test_matmul import CASES, _inputs
 result = []
@@ -61,11 +59,7 @@ print(json.dumps(result))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
 def test_the_kernel_indexing_matches_the_torch_expression_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(tests=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    errors = interpreted_json(INTERPRETED.format(tests=os.path.dirname(__file__)))
     assert len(errors) == len(CASES)
     for case, err in zip(CASES, errors):
         assert err < 1e-4, (case, err)  # sums of up to 48 products of N(0, 1): float32 rounding is ~1e-6
