@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         except PlotUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.inputs_on == "device" and args.no_sidecar:
+        print("error: --inputs-on device applies to the sidecar levels; --no-sidecar runs none", file=sys.stderr)
+        return 2
     if args.replot:
         return replot(args)
     if args.transport:

@@ -110,19 +110,26 @@ async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelR
         return None
 
 
-async def _audio_ready(wav, spin: bool) -> None:
-    """Wait until CUDA audio is ready (a CUDA IPC reply comes before the sidecar's step ends: the audio is ready in
-    the order of the caller's stream). ``spin``: one caller spins in its sync, as a runner's one thread does; with
-    many, each waits in a worker thread on a blocking event (dozens spinning would take the CPUs the sidecar and the
-    client's I/O thread need; ``transport_bench.py``)."""
-    if not wav.is_cuda:
-        return
+AUDIO_READY_TIMEOUT_S = 120.0
+"""How long the bench waits for CUDA audio to be ready on the GPU before it fails (the client's own timeout)."""
+
+
+async def _audio_ready(cuda_stream, spin: bool) -> None:
+    """Wait until the CUDA audio of the chunk just decoded is ready: a CUDA IPC reply comes before the sidecar's
+    step ends, and the audio is ready in the order of ``cuda_stream``, the stream the chunk was submitted on (one
+    per stream of the bench, so one stream's wait never queues behind another's later step). ``spin``: one caller
+    spins in its sync, as a runner's one thread does; with many, each waits in a worker thread on a blocking event
+    (dozens spinning would take the CPUs the sidecar and the client's I/O thread need; ``transport_bench.py``)."""
     if spin:
-        torch.cuda.current_stream(wav.device).synchronize()
+        cuda_stream.synchronize()
         return
     done = torch.cuda.Event(blocking=True)
-    done.record(torch.cuda.current_stream(wav.device))
-    await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+    done.record(cuda_stream)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, done.synchronize),
+                               AUDIO_READY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"CUDA audio not ready on the GPU after {AUDIO_READY_TIMEOUT_S:.0f} s") from None
 
 
 async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
@@ -133,6 +140,7 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
         await asyncio.sleep(start_at_s - now)
     t_start = time.perf_counter()
     frames_done = 0
+    cuda_stream = torch.cuda.Stream(codes.device) if codes.is_cuda else None  # this stream's own (_audio_ready)
     for i, n in enumerate(sizes):
         t0 = time.perf_counter()
         if arrival == "realtime":
@@ -144,12 +152,14 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
             if delay > 0:
                 await asyncio.sleep(delay)
         try:
-            wav = await asyncio.wrap_future(
-                stream.submit(codes[:, frames_done:frames_done + n], final=(i == len(sizes) - 1)))
+            with torch.cuda.stream(cuda_stream):  # (None: no-op) CUDA inputs are copied, and audio ready, on it
+                submitted = stream.submit(codes[:, frames_done:frames_done + n], final=(i == len(sizes) - 1))
+            wav = await asyncio.wrap_future(submitted)
         except SidecarError as exc:  # busy mid-stream (queue full) counts as refused at this load
             result.record_error(exc)
             return
-        await _audio_ready(wav, spin)
+        if wav.is_cuda:
+            await _audio_ready(cuda_stream, spin)
         latency_ms = (time.perf_counter() - t0) * 1e3
         (result.first_chunk_latency_ms if i == 0 else result.chunk_latency_ms).append(latency_ms)
         result.chunks += 1
@@ -194,6 +204,11 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     ipc_before = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients)
     rng = random.Random(concurrency)
     frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
+    inputs = [synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
+              for i in range(len(streams))]
+    if input_device is not None:
+        inputs = [t.to(input_device) for t in inputs]
+        torch.cuda.synchronize(input_device)  # there before any stream's own CUDA stream reads them
     t0 = time.perf_counter()
     stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
     tasks = []
@@ -201,11 +216,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         start_at_s = t0 + rng.random() * stagger_s
         if stream is None:
             continue
-        codes = synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
-        if input_device is not None:
-            codes = codes.to(input_device)
-        tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, codes, sizes,
-                           arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1))
+        tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, inputs[i],
+                           sizes, arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
     result.ipc_chunks = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients) - ipc_before

@@ -169,19 +169,24 @@ def test_baseline_compile_shapes_are_checked():
             parse_shapes(bad)
 
 
-def test_inputs_on_the_device_needs_a_cuda_device(tmp_path):
+def test_inputs_on_the_device_needs_a_cuda_device_and_sidecar_levels(tmp_path):
     proc = subprocess.run([*BENCH, "--no-baselines", "--device", "cpu", "--inputs-on", "device", "--concurrency", "1"],
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert proc.returncode != 0
     assert "--inputs-on device needs a CUDA device, got --device cpu" in proc.stderr
     assert "ready:" not in proc.stdout  # refused before a sidecar was spawned
+    proc = subprocess.run([*BENCH, "--no-sidecar", "--inputs-on", "device"], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert "--inputs-on device applies to the sidecar levels; --no-sidecar runs none" in proc.stderr
+    assert "[bench] phase" not in proc.stderr  # refused before any work
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("model, frames", [("default", "26"), ("voxcpm2-default", "9")])
 def test_inputs_on_the_device_go_by_cuda_ipc_and_audio_is_counted_when_ready(tmp_path, model, frames):
-    """Both families, inputs on the GPU: every chunk of every level went by CUDA IPC (the client's own count), none
-    failed, and the audio seconds are those of the frames sent."""
+    """Both families, inputs on the GPU: every chunk of every level went by CUDA IPC (the client's own count) and
+    none failed."""
     report_path = tmp_path / "bench.json"
     env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run([*BENCH, "--no-baselines", "--model", model, "--device", "cuda", "--inputs-on", "device",

@@ -78,8 +78,6 @@ def _variants():
                         BLOCK_CO=config.block_co,
                         BLOCK_T=config.block_t, BLOCK_CI=config.block_ci),
                    dict(num_warps=config.num_warps, num_stages=config.num_stages))
-
-
     for i, config in enumerate(matmul.CONFIGS):  # fp32 only: the 3xTF32 GEMM is offered for float32
         for has_bias, accumulate, even_k in ((True, False, True), (False, True, True), (False, False, False)):
             yield (f"mm_3xtf32-config{i}-bias{has_bias:d}-acc{accumulate:d}-even{even_k:d}", matmul._mm_kernel,

@@ -75,6 +75,11 @@ def test_the_cpu_op_is_the_torch_expression_and_rejects_other_shapes():
     out, a, b, _, _ = _inputs(CASES[1])
     with pytest.raises(ValueError, match="P dividing N = 48"):
         torch.ops.code2wav.mm_3xtf32_(out, a, b, torch.zeros(5), False, list(matmul.CONFIGS[0]))
+    meta = dict(device="meta")  # shapes only (the fake implementation checks them too)
+    far = torch.empty_strided((4, 2 ** 12), (1, 2 ** 20), **meta)  # columns 2^20 elements apart: past int32
+    with pytest.raises(ValueError, match="offsets within a's columns reach 2"):
+        torch.ops.code2wav.mm_3xtf32_(torch.empty(4, 2, **meta), far, torch.empty(2 ** 12, 2, **meta), None, False,
+                                      list(matmul.CONFIGS[0]))
 
 
 def test_the_flop_counter_counts_the_op_as_the_gemm_it_is():
@@ -115,10 +120,23 @@ def test_rows_is_a_view_of_channels_last_tensors_only():
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_residual_matmul_adds_the_1x1_conv_in_place(channels_last):
+@pytest.mark.parametrize("batch, num_frames", [(2, 9), (1, 9), (3, 1)])
+def test_residual_matmul_adds_the_1x1_conv_in_place(monkeypatch, channels_last, batch, num_frames):
+    """Channels-last tensors where the kernel is offered go through the choice as one GEMM over ``[B T, C]`` rows
+    (on CPU the op is its torch expression; the offer and the measurement are forced), others through ``baddbmm``."""
+    measured = []
+
+    def measure(self, key, forms, out, a, b, bias, accumulate):
+        measured.append((key, a.data_ptr(), out.data_ptr()))
+        self.decisions[key] = "x3_0"
+        return "x3_0"
+
+    monkeypatch.setattr(matmul_choice.MatmulChoice, "offers_kernel", lambda self, t: True)
+    monkeypatch.setattr(matmul_choice.MatmulChoice, "measure", measure)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has no CUDA)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 6, 9, generator=gen)
-    h = torch.randn(2, 6, 9, generator=gen)
+    x = torch.randn(batch, 6, num_frames, generator=gen)
+    h = torch.randn(batch, 6, num_frames, generator=gen)
     if channels_last:
         x, h = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, h))
     weight = torch.randn(6, 6, generator=gen)
@@ -127,15 +145,21 @@ def test_residual_matmul_adds_the_1x1_conv_in_place(channels_last):
     got = matmul_choice.residual_matmul_(x, weight, h, matmul_choice.MatmulChoice())
     assert got.data_ptr() == ptr
     torch.testing.assert_close(got, expected)
+    if channels_last or num_frames == 1:  # one frame: [B, C, 1] is channels-last whatever its strides say
+        (key, a_ptr, out_ptr), = measured
+        assert key[0] == (batch * num_frames, 6) and (a_ptr, out_ptr) == (h.data_ptr(), ptr)  # views, no copies
+        assert key[2:5] == ((6, 1), (1, 6), (6, 1))  # h's rows, the weight transposed (a view), x's rows
+    else:
+        assert measured == []
 
 
 @pytest.mark.parametrize("spec", ["default", "voxcpm2-default"])
 def test_the_family_switch_reaches_every_gemm_choice(spec):
-    from code2wav.sidecar.kernels.conv_choice import _held_choices
+    from code2wav.sidecar.kernels.conv_choice import held_choices
     from code2wav.sidecar.models import load_model
 
     model = load_model(spec, torch.device("cpu"), "float32")
-    choices = [c for m in model.module.modules() for c in _held_choices(m) if isinstance(c, matmul_choice.MatmulChoice)]
+    choices = [c for m in model.module.modules() for c in held_choices(m) if isinstance(c, matmul_choice.MatmulChoice)]
     # every residual unit's 1x1 conv and every upsampling transposed conv (kernel 2 x stride) holds one
     expected = 4 * 3 + 4 if spec == "default" else 6 * 3 + 6
     assert len(choices) == expected
@@ -209,7 +233,11 @@ def test_the_48khz_decoder_streams_the_same_with_every_gemm_on_the_kernel(no_tf3
     chunks = _chunks(model, [(4, [4, 4]), (25, [25, 3])], seed=3)
     with torch.no_grad():
         kernel_audio, _ = _stream(model, chunks)
-    assert len(forced) >= 12  # the six transposed convs and the 18 residual GEMMs per shape
+    choices = [c for m in model.module.modules() for c in vars(m).values()
+               if isinstance(c, matmul_choice.MatmulChoice)]
+    choices += [m.pairs.choice for m in model.module.modules() if hasattr(m, "pairs")]
+    assert len(choices) == 24 and all(c.decisions for c in choices)  # 6 transposed convs, 18 residual GEMMs
+    assert len(forced) == 24 * 2  # each GEMM at both chunk shapes
     model.family.use_fused_kernels(model.module, False)
     with torch.no_grad():
         plain_audio, _ = _stream(model, chunks)

@@ -92,18 +92,19 @@ def _profile(routine: StreamRoutine) -> None:
 
 
 def _choices(module: torch.nn.Module) -> None:
-    """The form each GEMM of the step chose (``kernels/matmul.py``'s ``MatmulChoice``), with every form's time."""
+    """The form each GEMM of the step chose (``kernels/matmul_choice.py``'s ``MatmulChoice``), with every form's
+    time."""
+    from code2wav.sidecar.kernels.conv_choice import held_choices
     from code2wav.sidecar.kernels.matmul_choice import MatmulChoice
 
     for name, sub in module.named_modules():
-        for attr, choice in vars(sub).items():
-            choice = getattr(choice, "choice", choice)  # a transposed conv's SnakeThenTransposedConv holds its own
+        for choice in held_choices(sub):
             if not isinstance(choice, MatmulChoice):
                 continue
             for key, timings in choice.timings_ms.items():
                 shape = f"{key[0][0]}x{key[0][1]} @ {key[0][1]}x{key[1]}"
                 forms = " ".join(f"{f} {ms * 1e3:.0f}" for f, ms in sorted(timings.items(), key=lambda kv: kv[1]))
-                print(f"  gemm {name}.{attr} {shape}: {choice.decisions[key]} (us: {forms})")
+                print(f"  gemm {name} {shape}: {choice.decisions[key]} (us: {forms})")
 
 
 def main() -> None:

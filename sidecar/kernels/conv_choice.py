@@ -85,7 +85,8 @@ class KernelChoice:
     """Whether the hand-written kernels may be measured and used."""
 
     def kernels_allowed(self) -> bool:
-        """The kernels may run now: switched on, Triton present, autograd off (they have no backward)."""
+        """The kernels may run now: switched on, Triton present (one install serves every kernel module), autograd
+        off (they have no backward)."""
         return self.kernels and conv_gemm.triton is not None and not torch.is_grad_enabled()
 
 
@@ -199,19 +200,19 @@ class ConvChoice(KernelChoice):
         return best
 
 
-def _held_choices(obj: object, depth: int = 1):
+def held_choices(obj: object, depth: int = 1):
     """The ``KernelChoice``s among ``obj``'s attributes, and among those of its plain helper objects (not modules:
     ``module.modules()`` reaches those) ``depth`` levels down (a transposed conv's ``SnakeThenTransposedConv``)."""
     for value in vars(obj).values():
         if isinstance(value, KernelChoice):
             yield value
         elif depth and hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, Tensor, type)):
-            yield from _held_choices(value, depth - 1)
+            yield from held_choices(value, depth - 1)
 
 
 def set_kernels(module: torch.nn.Module, enabled: bool) -> None:
-    """Set ``kernels`` on every ``KernelChoice`` held by a submodule of ``module`` (``_held_choices``): a family's
+    """Set ``kernels`` on every ``KernelChoice`` held by a submodule of ``module`` (``held_choices``): a family's
     ``use_fused_kernels`` calls it with what it switched its Snake kernels to."""
     for sub in module.modules():
-        for choice in _held_choices(sub):
+        for choice in held_choices(sub):
             choice.kernels = enabled

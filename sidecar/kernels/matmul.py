@@ -60,6 +60,15 @@ def check_shapes(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None) -> None
     if bias is not None and (bias.dim() != 1 or bias.numel() == 0 or b.shape[1] % bias.numel()):
         raise ValueError(f"mm_3xtf32_: the bias must be [P] with P dividing N = {b.shape[1]}, got "
                          f"{tuple(bias.shape)}")
+    depth, num_cols = b.shape
+    # the kernel offsets rows in int64 and everything else in int32 (what a decoder's GEMMs need)
+    offsets = {"a's columns": (depth - 1) * abs(a.stride(1)),
+               "b": (depth - 1) * abs(b.stride(0)) + (num_cols - 1) * abs(b.stride(1)),
+               "out's columns": (num_cols - 1) * abs(out.stride(1))}
+    too_far = [name for name, offset in offsets.items() if offset >= 2 ** 31]
+    if too_far:
+        raise ValueError(f"mm_3xtf32_: offsets within {', '.join(too_far)} reach 2^31 elements; make the rows "
+                         f"contiguous (a.contiguous(), a contiguous out) or use torch.mm")
 
 
 def reference(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, accumulate: bool) -> None:

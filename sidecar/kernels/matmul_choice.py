@@ -97,11 +97,11 @@ class MatmulChoice(KernelChoice):
 def rows(t: Tensor) -> Tensor | None:
     """``t`` ``[B, C, T]`` as ``[B T, C]`` (a view) when it is channels-last (each column's channels contiguous,
     rows one after another), else None."""
-    batch, channels, num_cols = t.shape
-    if t.stride(1) != 1 or (num_cols > 1 and t.stride(2) != channels) or \
-            (batch > 1 and t.stride(0) != channels * num_cols):
+    batch, channels, num_frames = t.shape
+    if t.stride(1) != 1 or (num_frames > 1 and t.stride(2) != channels) or \
+            (batch > 1 and t.stride(0) != channels * num_frames):
         return None
-    return t.transpose(1, 2).reshape(batch * num_cols, channels)  # [B T, C], a view
+    return t.transpose(1, 2).reshape(batch * num_frames, channels)  # [B T, C], a view
 
 
 def residual_matmul_(x: Tensor, weight: Tensor, h: Tensor, choice: MatmulChoice) -> Tensor:

@@ -223,8 +223,8 @@ class ResidualUnit(nn.Module):
         else:
             h, _ = self.conv1(x, lengths, ctx, act=self.act1)  # [B, C, T]
             h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
-        weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
         if not in_place:
+            weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
             return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
         if not bias_in_kernel:
             x.add_(conv.bias[None, :, None])  # [B, C, T]
