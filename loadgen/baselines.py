@@ -8,6 +8,8 @@ also a ratio against them:
 - ``exact-graph-bN`` (CUDA only): the same through a captured CUDA graph.
 - ``exact-graph-torchops-bN`` (CUDA, a family with fused kernels): the same graph with the family's Triton kernels
   off (``engine.fused_kernels: false``), so the kernels' gain is a ratio in one run.
+- ``exact-graph-cublas-bN`` (CUDA, float32, a family whose GEMMs can run ``kernels/matmul.py``'s 3xTF32 kernel): the
+  same graph with the other kernels on and every GEMM on cuBLAS, so that kernel's own gain is a ratio in one run.
 - ``exact-compiled-bN-tF`` (CUDA only, the bench's ``--baseline-compile BxF,...``): the step compiled
   (``graphs.compile``'s ``CompiledRoutine``, one static compile per shape) and captured, as the sidecar runs it
   with ``graphs.compile: true``.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.models import LoadedModel
@@ -102,7 +106,34 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
         with _torch_ops(model):
             rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
                                    lambda b, f: name(b, f, "-torchops"), compile_=False)
+    if model.fused_kernels and model.dtype == torch.float32 and matmul_choices(model.module):
+        with cublas_gemms(model.module):  # ... and with only the GEMM kernel off
+            rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
+                                   lambda b, f: name(b, f, "-cublas"), compile_=False)
     return rows
+
+
+def matmul_choices(module: torch.nn.Module) -> list:
+    """Every ``MatmulChoice`` the module's submodules hold (``kernels/matmul_choice.py``)."""
+    from code2wav.sidecar.kernels.conv_choice import held_choices
+    from code2wav.sidecar.kernels.matmul_choice import MatmulChoice
+
+    return [c for sub in module.modules() for c in held_choices(sub) if isinstance(c, MatmulChoice)]
+
+
+@contextmanager
+def cublas_gemms(module: torch.nn.Module):
+    """Every GEMM choice of ``module`` on cuBLAS inside the block (graphs captured there keep cuBLAS), as before
+    after; the family's other kernels stay as they are."""
+    choices = matmul_choices(module)
+    before = [c.kernels for c in choices]
+    for c in choices:
+        c.kernels = False
+    try:
+        yield
+    finally:
+        for c, kernels in zip(choices, before):
+            c.kernels = kernels
 
 
 @contextmanager

@@ -169,6 +169,21 @@ def test_the_family_switch_reaches_every_gemm_choice(spec):
     assert not any(c.kernels for c in choices)
 
 
+def test_the_bench_can_put_every_gemm_on_cublas_and_back():
+    """The bench's ``exact-graph-cublas-*`` rows: inside ``cublas_gemms`` no GEMM choice offers the kernel; after it,
+    each is as it was."""
+    from code2wav.loadgen.baselines import cublas_gemms, matmul_choices
+    from code2wav.sidecar.models import load_model
+
+    model = load_model("voxcpm2-default", torch.device("cpu"), "float32")
+    choices = matmul_choices(model.module)
+    assert len(choices) == 24
+    choices[0].kernels = True  # as use_fused_kernels sets them on CUDA; one left off
+    with cublas_gemms(model.module):
+        assert not any(c.kernels for c in choices)
+    assert [c.kernels for c in choices] == [True] + [False] * 23
+
+
 # ----------------------------------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.cuda
