@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.kernels.matmul_choice import matmul_choices
 from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.state_store import StateArena
 
@@ -111,14 +112,6 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
             rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
                                    lambda b, f: name(b, f, "-cublas"), compile_=False)
     return rows
-
-
-def matmul_choices(module: torch.nn.Module) -> list:
-    """Every ``MatmulChoice`` the module's submodules hold (``kernels/matmul_choice.py``)."""
-    from code2wav.sidecar.kernels.conv_choice import held_choices
-    from code2wav.sidecar.kernels.matmul_choice import MatmulChoice
-
-    return [c for sub in module.modules() for c in held_choices(sub) if isinstance(c, MatmulChoice)]
 
 
 @contextmanager

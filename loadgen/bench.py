@@ -123,9 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         except PlotUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    if args.inputs_on == "device" and args.no_sidecar:
-        print("error: --inputs-on device applies to the sidecar levels; --no-sidecar runs none", file=sys.stderr)
-        return 2
     if args.replot:
         return replot(args)
     if args.transport:
@@ -135,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     from code2wav.sidecar.models import configure_cuda, resolve_device
 
     device = resolve_device(args.device)
+    if args.inputs_on == "device" and (args.no_sidecar or device.type != "cuda"):
+        reason = "--no-sidecar runs no sidecar levels" if args.no_sidecar else f"got --device {device}"
+        print(f"error: --inputs-on device needs sidecar levels on a CUDA device; {reason}", file=sys.stderr)
+        return 2
     if device.type == "cuda":
         configure_cuda()  # the server's defaults, so baselines and sidecar run the same math
     settings = {k: v for k, v in vars(args).items() if k not in ("json_path", "plot_path", "server_key")}

@@ -172,13 +172,14 @@ def test_baseline_compile_shapes_are_checked():
 def test_inputs_on_the_device_needs_a_cuda_device_and_sidecar_levels(tmp_path):
     proc = subprocess.run([*BENCH, "--no-baselines", "--device", "cpu", "--inputs-on", "device", "--concurrency", "1"],
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
-    assert proc.returncode != 0
-    assert "--inputs-on device needs a CUDA device, got --device cpu" in proc.stderr
+    assert proc.returncode == 2
+    assert "--inputs-on device needs sidecar levels on a CUDA device; got --device cpu" in proc.stderr
     assert "ready:" not in proc.stdout  # refused before a sidecar was spawned
     proc = subprocess.run([*BENCH, "--no-sidecar", "--inputs-on", "device"], capture_output=True, text=True, env=ENV,
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 2
-    assert "--inputs-on device applies to the sidecar levels; --no-sidecar runs none" in proc.stderr
+    assert "--inputs-on device needs sidecar levels on a CUDA device; --no-sidecar runs no sidecar levels" \
+        in proc.stderr
     assert "[bench] phase" not in proc.stderr  # refused before any work
 
 

@@ -155,11 +155,10 @@ def test_residual_matmul_adds_the_1x1_conv_in_place(monkeypatch, channels_last, 
 
 @pytest.mark.parametrize("spec", ["default", "voxcpm2-default"])
 def test_the_family_switch_reaches_every_gemm_choice(spec):
-    from code2wav.sidecar.kernels.conv_choice import held_choices
     from code2wav.sidecar.models import load_model
 
     model = load_model(spec, torch.device("cpu"), "float32")
-    choices = [c for m in model.module.modules() for c in held_choices(m) if isinstance(c, matmul_choice.MatmulChoice)]
+    choices = matmul_choice.matmul_choices(model.module)
     # every residual unit's 1x1 conv and every upsampling transposed conv (kernel 2 x stride) holds one
     expected = 4 * 3 + 4 if spec == "default" else 6 * 3 + 6
     assert len(choices) == expected
@@ -172,11 +171,11 @@ def test_the_family_switch_reaches_every_gemm_choice(spec):
 def test_the_bench_can_put_every_gemm_on_cublas_and_back():
     """The bench's ``exact-graph-cublas-*`` rows: inside ``cublas_gemms`` no GEMM choice offers the kernel; after it,
     each is as it was."""
-    from code2wav.loadgen.baselines import cublas_gemms, matmul_choices
+    from code2wav.loadgen.baselines import cublas_gemms
     from code2wav.sidecar.models import load_model
 
     model = load_model("voxcpm2-default", torch.device("cpu"), "float32")
-    choices = matmul_choices(model.module)
+    choices = matmul_choice.matmul_choices(model.module)
     assert len(choices) == 24
     choices[0].kernels = True  # as use_fused_kernels sets them on CUDA; one left off
     with cublas_gemms(model.module):
@@ -248,9 +247,7 @@ def test_the_48khz_decoder_streams_the_same_with_every_gemm_on_the_kernel(no_tf3
     chunks = _chunks(model, [(4, [4, 4]), (25, [25, 3])], seed=3)
     with torch.no_grad():
         kernel_audio, _ = _stream(model, chunks)
-    choices = [c for m in model.module.modules() for c in vars(m).values()
-               if isinstance(c, matmul_choice.MatmulChoice)]
-    choices += [m.pairs.choice for m in model.module.modules() if hasattr(m, "pairs")]
+    choices = matmul_choice.matmul_choices(model.module)
     assert len(choices) == 24 and all(c.decisions for c in choices)  # 6 transposed convs, 18 residual GEMMs
     assert len(forced) == 24 * 2  # each GEMM at both chunk shapes
     model.family.use_fused_kernels(model.module, False)

@@ -20,7 +20,7 @@ start-up; an eager step of a new shape pays it once. A form that fails (a kernel
 this GPU) is logged and left out.
 
 The GEMM kernel is a candidate only where the family switched its kernels on (``kernels``, set by
-``set_kernels`` from ``use_fused_kernels``; ``engine.fused_kernels: false`` keeps it out) and autograd is off (it
+``switch_kernels`` from ``use_fused_kernels``; ``engine.fused_kernels: false`` keeps it out) and autograd is off (it
 has no backward); the decision key records both, so a choice made with the kernel is never reused without it.
 
 With ``act`` (a Snake's ``(alpha, beta, log_params)``), the call returns ``act(conv(x) + bias)``: the GEMM kernel
@@ -78,7 +78,7 @@ def min_device_ms(fn, x: Tensor) -> float:
 
 class KernelChoice:
     """A call site's choice between PyTorch's call and hand-written Triton kernels, measured per shape (``ConvChoice``
-    here, ``matmul_choice.MatmulChoice``). ``kernels`` is set by ``set_kernels`` from the family's
+    here, ``matmul_choice.MatmulChoice``). ``kernels`` is set by ``switch_kernels`` from the family's
     ``use_fused_kernels``."""
 
     kernels = False
@@ -210,9 +210,12 @@ def held_choices(obj: object, depth: int = 1):
             yield from held_choices(value, depth - 1)
 
 
-def set_kernels(module: torch.nn.Module, enabled: bool) -> None:
-    """Set ``kernels`` on every ``KernelChoice`` held by a submodule of ``module`` (``held_choices``): a family's
-    ``use_fused_kernels`` calls it with what it switched its Snake kernels to."""
+def switch_kernels(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
+    """Every hand-written kernel under ``module`` on or off (a family's ``use_fused_kernels``): the Snake kernels on
+    the family's ``activation`` modules (``snake.set_fused``) and, as they are, every ``KernelChoice`` a submodule
+    holds (``held_choices``). Returns whether the kernels are in use (False without Triton)."""
+    fused = snake.set_fused(module, activation, enabled)
     for sub in module.modules():
         for choice in held_choices(sub):
-            choice.kernels = enabled
+            choice.kernels = fused
+    return fused

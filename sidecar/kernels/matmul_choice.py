@@ -7,7 +7,7 @@ Rules:
   capture, not past ``MAX_MEASURED_SHAPES``), the fastest kept. The measurement writes into a scratch copy of
   ``out``, never into the caller's tensor.
 - The kernel is a candidate for float32 CUDA tensors only, where the family switched its kernels on
-  (``conv_choice.set_kernels``) and autograd is off, and not under ``torch.compile``; everything else is cuBLAS.
+  (``conv_choice.switch_kernels``) and autograd is off, and not under ``torch.compile``; everything else is cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import Tensor
 
-from .conv_choice import MAX_MEASURED_SHAPES, KernelChoice, min_device_ms
+from .conv_choice import MAX_MEASURED_SHAPES, KernelChoice, held_choices, min_device_ms
 from .matmul import CONFIGS
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,11 @@ class MatmulChoice(KernelChoice):
         log.debug("matmul %s @ %s: %s -> %s", tuple(a.shape), tuple(b.shape),
                   {f: round(ms, 3) for f, ms in timings.items()}, best)
         return best
+
+
+def matmul_choices(module: torch.nn.Module) -> list[MatmulChoice]:
+    """Every ``MatmulChoice`` held by a submodule of ``module`` (``conv_choice.held_choices``)."""
+    return [c for sub in module.modules() for c in held_choices(sub) if isinstance(c, MatmulChoice)]
 
 
 def rows(t: Tensor) -> Tensor | None:

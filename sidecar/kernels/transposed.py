@@ -72,7 +72,7 @@ class SnakeThenTransposedConv:
     def __init__(self, stride: int) -> None:
         self.stride = stride
         self._weight: DerivedTensor[Tensor] = DerivedTensor()
-        self.choice = MatmulChoice()  # the GEMM's form (``set_kernels`` reaches it through the owning module)
+        self.choice = MatmulChoice()  # the GEMM's form (``conv_choice.switch_kernels`` reaches it through the owning module)
 
     def __call__(self, x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: Tensor, log_params: bool,
                  weight: Tensor, bias: Tensor | None, in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels import conv_choice
-from ...kernels import snake as snake_kernel
 from ...kernels.snake import folds_biases, run_chain
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
@@ -120,9 +119,7 @@ class Qwen3TTSDecoder(nn.Module):
         """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``; before the last conv,
         Snake + that conv: ``kernels/snake_conv.py``), or torch ops. Returns whether the kernels are in use (False
         without Triton)."""
-        fused = snake_kernel.set_fused(self, SnakeBeta, enabled)
-        conv_choice.set_kernels(self, fused)  # the GEMM conv kernel, where a conv measures it fastest
-        return fused
+        return conv_choice.switch_kernels(self, SnakeBeta, enabled)  # with the conv and GEMM kernels' choices
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""

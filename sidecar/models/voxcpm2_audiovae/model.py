@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels import conv_choice
-from ...kernels import snake as snake_kernel
 from .blocks import CausalConv, DecoderBlock, ScaleBias, Snake, StatefulBlock, StreamCtx
 from .config import AudioVAEConfig
 
@@ -71,9 +70,7 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
         (``kernels/depthwise.py``), Snake + the last conv (``kernels/snake_conv.py``), or torch ops everywhere.
         In float32 the GEMMs (transposed convs, 1x1 convs) may then run as ``kernels/matmul.py``'s 3xTF32 kernel
         where it measures faster than cuBLAS. Returns whether the kernels are in use (False without Triton)."""
-        fused = snake_kernel.set_fused(self, Snake, enabled)
-        conv_choice.set_kernels(self, fused)
-        return fused
+        return conv_choice.switch_kernels(self, Snake, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype): conv input tails and the last input
