@@ -2,28 +2,29 @@
 
 Runs one step of ``MODEL`` at ``BATCH`` x ``FRAMES`` (``StreamRoutine.forward``, as ``kernel_count.py``) and keeps
 the arguments of every ``code2wav::snake_cat`` / ``snake_cat_add_bias_`` / ``snake_pairs`` call. Then each call runs
-alone (CUDA events, median of ``ITERS``; each call queued behind a ~1 ms GPU spin, as ``conv_choice.py`` times its
-forms, so the ~100 us of host work per Triton launch stays out of the device time) with each sine of
-``snake_apply`` (``SINE``: 0 libdevice ``sinf``, 1 ``sin_squared``, 2 the hardware's ``sin.approx``), and for the
-tiled kernel (channels-last input or output, frame pairs) with other ``(channels, columns)`` tiles (sine 1). Per
+alone, timed as ``ConvChoice`` times its forms (``conv_choice.min_device_ms``: CUDA events, the minimum of a few
+calls, each queued behind a ~1 ms GPU spin, so the ~100 us of host work per Triton launch stays out of the device
+time) with each sine of ``snake_apply`` (``SINE``: 0 libdevice ``sinf``, 1 ``sin_squared``, 2 the hardware's
+``sin.approx``), and for the tiled kernel (channels-last input or output, frame pairs) with other ``(channels,
+columns)`` tiles (sine 1). Per
 call: the layouts, the bytes it must move (``x`` read, output written, ``x`` written back when a bias is added) and
 the bandwidth each variant reaches; then the sums over the step. (Run without the spin, the 2026-12-02 H200 run
 that chose ``sin_squared`` counted ~100 us of launch per call: its b1 rows are that floor.)
 
-``python loadgen/probes/snake_tiles.py`` (``MODEL=default BATCH=16 FRAMES=25 DTYPE=bfloat16 ITERS=20``;
+``python loadgen/probes/snake_tiles.py`` (``MODEL=default BATCH=16 FRAMES=25 DTYPE=bfloat16``;
 ``TILES=32x128,64x64`` picks the tiles).
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.kernels import snake
+from code2wav.sidecar.kernels.conv_choice import min_device_ms
 from code2wav.sidecar.models import load_model
 from code2wav.sidecar.state_store import StateArena
 
@@ -31,7 +32,6 @@ MODEL = os.environ.get("MODEL", "default")
 BATCH = int(os.environ.get("BATCH", "16"))
 FRAMES = int(os.environ.get("FRAMES", "25"))
 DTYPE = os.environ.get("DTYPE", "bfloat16")
-ITERS = int(os.environ.get("ITERS", "20"))
 TILES = [tuple(int(n) for n in t.split("x")) for t in os.environ.get("TILES", "32x128,64x64,16x256,64x128").split(",")]
 OPS = ("snake_cat", "snake_cat_add_bias_", "snake_pairs")
 
@@ -65,19 +65,8 @@ def _launcher(name: str, a: dict):
     return run, channels_last, pairs
 
 
-def _time_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms spin: the launch's host work is queued before the GPU gets there
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+def _time_us(fn, x: torch.Tensor) -> float:
+    return min_device_ms(lambda _: fn(), x) * 1e3
 
 
 def main() -> None:
@@ -108,7 +97,7 @@ def main() -> None:
             for tile, sine in variants:  # the one-channel-per-program kernel has no tile: timed once per sine
                 key = (tile if tiled else None, sine)
                 if key not in timed:
-                    timed[key] = _time_us(lambda: run(tile, sine))
+                    timed[key] = _time_us(lambda: run(tile, sine), x)
             us = [timed[(t if tiled else None, f)] for t, f in variants]
             sums = [total + u for total, u in zip(sums, us)]
             best = min(us)
