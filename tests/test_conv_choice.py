@@ -63,7 +63,7 @@ def test_the_gemm_kernel_is_a_form_only_with_the_kernels_on_and_autograd_off():
     x = torch.zeros(1, 8, 30, dtype=torch.bfloat16)
     choice = ConvChoice()
     with torch.inference_mode():
-        assert choice.forms(x, conv) == ["cudnn", "polyphase"]  # engine.fused_kernels off (the default here)
+        assert choice.forms(x, conv) == ["cudnn", "cudnn_cl", "polyphase"]  # engine.fused_kernels off (the default)
         choice.kernels = True
         assert "gemm0" in choice.forms(x, conv) and "gemm0" not in choice.forms(x.float(), conv.float())
     assert choice.forms(x, conv) == ["cudnn", "polyphase"]  # autograd on: the kernel has no backward
@@ -186,30 +186,29 @@ def test_the_decoder_streams_the_golden_with_every_conv_channels_last(monkeypatc
     calls = []
 
     def always_channels_last(self, x, conv, with_bias=True, act=None, channels_last_ok=False):
-        if not channels_last_ok:
-            return self.run("cudnn", x, conv, with_bias, act)
-        assert x.stride(1) == 1 and x.shape[1] > 1  # written channels-last by the Snake kernel's op
-        calls.append(tuple(x.shape))
-        return self.run("cudnn_cl", x, conv, with_bias, act)
+        if channels_last_ok:
+            assert x.stride(1) == 1 and x.shape[1] > 1  # written channels-last by the Snake kernel's op
+        calls.append((tuple(x.shape), channels_last_ok))
+        return self.run("cudnn_cl", x, conv, with_bias, act)  # otherwise the form copies x to channels-last
 
     monkeypatch.setattr(ConvChoice, "__call__", always_channels_last)
     monkeypatch.setattr(ConvChoice, "wants_channels_last", lambda self, *args: True)
     _assert_streams_the_golden(golden_cases)
-    assert calls  # the residual units' dilated convs ran channels-last
+    assert {ok for _, ok in calls} == {True, False}  # the residual units' convs, and pre_conv and the first conv
 
 
-def test_the_channels_last_form_is_offered_only_to_callers_that_can_write_it():
+def test_the_channels_last_form_is_offered_where_autograd_is_off_and_takes_either_layout():
     conv = torch.nn.Conv1d(8, 8, 7, dilation=3)
     x = torch.randn(2, 8, 40)
     choice = ConvChoice()
-    assert "cudnn_cl" not in choice.forms(x, conv, channels_last_ok=True)  # autograd on: its weight copy is detached
+    assert "cudnn_cl" not in choice.forms(x, conv)  # autograd on: its weight copy is detached
     with torch.inference_mode():
-        assert "cudnn_cl" not in choice.forms(x, conv)
-        assert "cudnn_cl" in choice.forms(x, conv, channels_last_ok=True)
+        assert "cudnn_cl" in choice.forms(x, conv)
     assert not choice.wants_channels_last((2, 8, 40), x.dtype, x.device, False)  # nothing measured yet
-    with torch.inference_mode():
-        got = choice.run("cudnn_cl", x.transpose(1, 2).contiguous().transpose(1, 2), conv, True, None)
-    assert got.stride(1) == 1 and (got - conv(x)).abs().max().item() < 1e-5
+    with torch.inference_mode():  # written channels-last by the caller, or copied so by the form itself
+        for layout in (x.transpose(1, 2).contiguous().transpose(1, 2), x):
+            got = choice.run("cudnn_cl", layout, conv, True, None)
+            assert got.stride(1) == 1 and (got - conv(x)).abs().max().item() < 1e-5
 
 
 @pytest.mark.cuda

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from code2wav.sidecar.models import load_model
-from code2wav.sidecar.models.qwen3_tts.blocks import SnakeBeta
+from code2wav.sidecar.models.qwen3_tts.blocks import CausalConv, SnakeBeta
 from code2wav.sidecar.models.voxcpm2_audiovae.blocks import Snake
 from conftest import TINY, VOXCPM2_TINY
 
@@ -41,6 +41,8 @@ def forced_fused(monkeypatch):
     """Both families' Snakes run their fused paths on CPU tensors (``runs_fused`` normally needs CUDA)."""
     for activation in (SnakeBeta, Snake):
         monkeypatch.setattr(activation, "runs_fused", lambda self, x: not torch.compiler.is_compiling())
+    monkeypatch.setattr(CausalConv, "runs_depthwise_kernel",  # Qwen3-TTS's ConvNeXt stage: depthwise_snake
+                        lambda self, x: self.depthwise and not torch.compiler.is_compiling())
 
 
 def test_qwen3_fused_path_streams_the_golden(forced_fused, golden_cases):
@@ -53,7 +55,7 @@ def test_qwen3_fused_path_streams_the_golden(forced_fused, golden_cases):
     with torch.inference_mode(), OpNames() as ops:
         out_a, out_b = stream_interleaved(engine, golden_cases["codes"], plans)
     assert {"code2wav.snake_cat", "code2wav.snake_cat_add_bias_", "code2wav.snake_pairs",
-            "code2wav.snake_conv_out"} <= ops.names
+            "code2wav.snake_conv_out", "code2wav.depthwise_snake"} <= ops.names
     assert "aten.add_" not in ops.names  # the residual units' bias adds went into the kernels
     assert (out_a - full[0]).abs().max().item() <= TOL
     assert (out_b - full[1]).abs().max().item() <= TOL

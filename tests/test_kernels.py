@@ -297,6 +297,26 @@ def test_the_bias_variant_adds_the_bias_to_x_in_place_and_returns_what_snake_cat
         assert torch.equal(x_after, x_before + in_bias[None, :, None] + bias[None, :, None])
 
 
+@pytest.mark.parametrize("stride", [1, 2, 5])
+def test_a_transposed_conv_of_kernel_stride_is_one_linear(stride):
+    """``FrameTransposedConv`` equals ``conv_transpose1d`` of kernel = stride (no partial frames, no state), with and
+    without its bias, from a contiguous or a channels-last input; its output is channels-last."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(stride)
+    c_in, c_out, num_frames = 6, 4, 5
+    weight = torch.randn(c_in, c_out, stride, generator=gen, dtype=torch.float64)
+    bias = torch.randn(c_out, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, c_in, num_frames, generator=gen, dtype=torch.float64)
+    conv = transposed.FrameTransposedConv(stride)
+    for layout in (x, _channels_last(x)):
+        for b in (bias, None):
+            ref = F.conv_transpose1d(x, weight, b, stride=stride)  # [B, C_out, T s]
+            y = conv(layout, weight, b)
+            assert y.shape == ref.shape == (3, c_out, num_frames * stride) and y.stride(1) == 1
+            assert (y - ref).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("stride", [2, 3, 8])
 def test_a_transposed_conv_is_one_gemm_over_frame_pairs(stride):
     """``transposed.conv`` over ``snake_pairs``' layout equals ``conv_transpose1d`` over ``[prev, x]`` with the

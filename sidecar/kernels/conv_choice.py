@@ -3,9 +3,10 @@
 A dense stride-1 conv of the decoders can run four ways: cuDNN as PyTorch calls it, cuDNN on channels-last tensors
 (``"cudnn_cl"``: ``conv2d`` over ``[B, C, 1, L]`` with the channels contiguous in the input, the weight and the
 output, so cuDNN's NHWC kernels run without the layout conversions it wraps around an NCHW call: 30 of the 385
-kernels of a batch-1 step; offered only where the caller writes its input channels-last at no cost,
-``channels_last_ok``), ``dilated.polyphase_conv`` (a dilated conv as one undilated conv over its input's phases) and
-``conv_gemm``'s implicit-GEMM Triton kernel (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is
+kernels of a batch-1 step; where the caller writes its input channels-last at no cost, ``channels_last_ok``, it is
+timed on such an input, elsewhere on the input as it comes, its copy to channels-last included),
+``dilated.polyphase_conv`` (a dilated conv as one undilated conv over its input's phases) and ``conv_gemm``'s
+implicit-GEMM Triton kernel (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is
 fastest depends on the shape, cuDNN's version and the GPU (on the H200, cuDNN picked a kernel without tensor cores
 for one dilated conv, and wraps the others in layout conversions), so nothing is written down: ``ConvChoice`` times
 every form once per input shape (CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one
@@ -116,24 +117,26 @@ class ConvChoice(KernelChoice):
                  channels_last_ok: bool = False) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
         or with ``act``, ``act(conv(x) + bias)``. ``channels_last_ok``: the caller writes ``x`` channels-last for
-        free when ``wants_channels_last`` says so (then ``"cudnn_cl"`` is a candidate)."""
+        free when ``wants_channels_last`` says so (then ``"cudnn_cl"`` is timed on such an input; else on ``x`` as
+        it comes, the copy included)."""
         if not x.is_cuda or torch.compiler.is_compiling() or not plain(conv):
             return self.run("cudnn", x, conv, with_bias, act)
         key = self.key(tuple(x.shape), x.dtype, x.device, act is not None)
         form = self.decisions.get(key)
         if form is None:
-            forms = self.forms(x, conv, channels_last_ok)
+            forms = self.forms(x, conv)
             if len(forms) == 1 or torch.cuda.is_current_stream_capturing() or \
                     len(self.decisions) >= MAX_MEASURED_SHAPES:
                 form = "cudnn"  # nothing to choose, not timed inside a capture, nor past the cap
             else:
-                form = self.measure(key, forms, x, conv, with_bias, act)
+                form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok)
         return self.run(form, x, conv, with_bias, act)
 
-    def forms(self, x: Tensor, conv: torch.nn.Conv1d, channels_last_ok: bool = False) -> list[str]:
+    def forms(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
         """The forms that can run ``conv`` on ``x``."""
-        # cudnn_cl keeps a detached channels-last copy of the weight: where autograd is on it is not offered
-        names = ["cudnn", "cudnn_cl"] if channels_last_ok and not torch.is_grad_enabled() else ["cudnn"]
+        # cudnn_cl keeps a detached channels-last copy of the weight: where autograd is on it is not offered. A
+        # caller that cannot write x channels-last gets it too, with the copy to channels-last in its time
+        names = ["cudnn", "cudnn_cl"] if not torch.is_grad_enabled() else ["cudnn"]
         if conv.dilation[0] > 1:
             names.append("polyphase")
         if conv.groups == 1 and self.kernels_allowed() and x.dtype in (torch.bfloat16, torch.float16):
@@ -176,9 +179,10 @@ class ConvChoice(KernelChoice):
         return self._gemm_weight.get((conv.weight,), lambda: conv_gemm.kernel_weight(conv.weight))
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
-                act: Act | None) -> str:
+                act: Act | None, channels_last_ok: bool = False) -> str:
         timings: dict[str, float] = {}
-        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if "cudnn_cl" in forms else None  # as it would come
+        # as it would come: channels-last where the caller writes it so (else cudnn_cl's time has the copy in it)
+        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if "cudnn_cl" in forms and channels_last_ok else x
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
             for form in forms:
                 try:

@@ -29,6 +29,7 @@ The pairs write each activated input frame twice: the input of an upsampling con
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import snake
@@ -63,6 +64,37 @@ def conv(pairs: Tensor, weight_pairs: Tensor, bias: Tensor | None, stride: int,
         y = torch.addmm(bias.repeat(stride), rows, weight_pairs)  # [B L, s C_out]
     c_out = weight_pairs.shape[1] // stride
     return y.view(batch, num_frames * stride, c_out).transpose(1, 2)  # [B, C_out, L s]
+
+
+def frame_weight(weight: Tensor) -> Tensor:
+    """``[s C_out, C_in]`` from a ``ConvTranspose1d`` weight ``[C_in, C_out, s]`` of kernel ``s`` (= its stride): row
+    ``r C_out + o`` is tap ``r`` of output channel ``o`` (``F.linear``'s weight layout)."""
+    c_in, c_out, ksize = weight.shape
+    return weight.detach().permute(2, 1, 0).reshape(ksize * c_out, c_in).contiguous()  # [s C_out, C_in]
+
+
+class FrameTransposedConv:
+    """A transposed conv whose kernel equals its stride ``s`` (an upsampling stage with no overlap between frames):
+    output frame ``t`` sees input frame ``t`` alone, so there is no state and the conv is one ``F.linear``:
+    ``[B, T, C_in] @ [C_in, s C_out]`` plus the bias (cuBLAS's epilogue), whose output ``[B, T, s, C_out]`` is
+    ``[B, C_out, T s]`` channels-last. cuDNN runs it as a backward-data conv wrapped in layout conversions of its
+    input, weight and output. The weight's copy is kept as ``derived.py`` says."""
+
+    def __init__(self, stride: int) -> None:
+        self.stride = stride
+        self._weight: DerivedTensor[Tensor] = DerivedTensor()
+        self._bias: DerivedTensor[Tensor] = DerivedTensor()
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``y`` ``[B, C_out, T s]`` (channels-last) for ``x`` ``[B, C_in, T]`` (any strides; channels-last is read
+        without a copy), ``weight`` ``[C_in, C_out, s]``."""
+        batch, _, num_frames = x.shape
+        frames = self._weight.get((weight,), lambda: frame_weight(weight))  # [s C_out, C_in]
+        c_out = frames.shape[0] // self.stride
+        # [s C_out]: column r C_out + o is bias[o] (made once, as the weight's copy)
+        full_bias = None if bias is None else self._bias.get((bias,), lambda: bias.detach().repeat(self.stride))
+        y = F.linear(x.transpose(1, 2), frames, full_bias)  # [B, T, s C_out]
+        return y.reshape(batch, num_frames * self.stride, c_out).transpose(1, 2)  # [B, C_out, T s]
 
 
 class SnakeThenTransposedConv:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
+from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
 from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
@@ -68,9 +69,16 @@ class CausalConv(StatefulBlock):
         # dense k > 1: cuDNN, the polyphase form (dilated) or the implicit-GEMM kernel, whichever measured fastest
         # per shape (``kernels/conv_choice.py``)
         self.choice = ConvChoice() if groups == 1 and kernel_size > 1 and not self.one_output else None
+        # depthwise (the ConvNeXt stage's): ``kernels/depthwise.py``'s kernel on CUDA where the family switched its
+        # kernels on (``depthwise_kernel``, set by ``Qwen3TTSDecoder.use_fused_kernels``), else cuDNN
+        self.depthwise = groups > 1 and groups == in_channels == out_channels
+        self.depthwise_kernel = False
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
+
+    def runs_depthwise_kernel(self, x: Tensor) -> bool:
+        return self.depthwise_kernel and x.is_cuda and not torch.compiler.is_compiling()
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: "SnakeBeta | None" = None,
                 bias_into_x: Tensor | None = None, in_bias: Tensor | None = None, bias_later: bool = False,
@@ -94,6 +102,9 @@ class CausalConv(StatefulBlock):
         if self.choice is None:
             if then_act is not None or bias_later:
                 raise ValueError("then_act and bias_later need a conv with a ConvChoice (dense, k > 1)")
+            if self.runs_depthwise_kernel(x_cat):
+                return torch.ops.code2wav.depthwise_snake(x_cat, self.conv.weight, self.conv.bias,
+                                                          self.conv.dilation[0], None, None, False), lengths
             return self.conv(x_cat), lengths  # [B, C_out, T]
         if then_act is not None:
             params = (then_act.alpha, then_act.beta, True)
@@ -108,8 +119,8 @@ class CausalTransConv(StatefulBlock):
 
     Output block ``t`` depends on inputs ``t - P .. t`` with ``P = ceil(k / s) - 1``; those ``P`` input
     columns are the state. ``T`` inputs give ``T * s`` samples. With ``k = 2s`` (the decoder blocks) and the Snake
-    before it fused, the Snake writes frame pairs and the conv is one GEMM (``kernels/transposed.py``); its output is
-    then channels-last.
+    before it fused, the Snake writes frame pairs and the conv is one GEMM (``kernels/transposed.py``); with
+    ``k = s`` (the upsampling stage) the conv is one ``F.linear`` on every device. Either output is channels-last.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
@@ -119,6 +130,8 @@ class CausalTransConv(StatefulBlock):
         self.num_state_cols = math.ceil(kernel_size / stride) - 1
         # kernel 2s (the decoder blocks): the Snake's frame pairs and one GEMM, where the Snake runs fused
         self.pairs = transposed.SnakeThenTransposedConv(stride) if kernel_size == 2 * stride else None
+        # kernel s (the upsampling stage): one GEMM everywhere (no state, no Snake before it)
+        self.frames = transposed.FrameTransposedConv(stride) if kernel_size == stride else None
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
@@ -133,6 +146,9 @@ class CausalTransConv(StatefulBlock):
             y, tail = self.pairs(x, ctx.state_in[self.state_key], act.alpha, act.beta, lengths, True, self.conv.weight,
                                  None if bias_later else self.conv.bias, in_bias)  # [B, C_out, T * s] channels-last
             ctx.state_out[self.state_key] = tail  # [B, C_in, 1]
+            return y, lengths * self.stride
+        if self.frames is not None and act is None and in_bias is None:
+            y = self.frames(x, self.conv.weight, None if bias_later else self.conv.bias)  # [B, C_out, T s] (CL)
             return y, lengths * self.stride
         x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev, in_bias=in_bias)  # [B, C, P + T]
         y = self.conv(x) if not bias_later else F.conv_transpose1d(

@@ -119,7 +119,11 @@ class Qwen3TTSDecoder(nn.Module):
         """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``; before the last conv,
         Snake + that conv: ``kernels/snake_conv.py``), or torch ops. Returns whether the kernels are in use (False
         without Triton)."""
-        return conv_choice.switch_kernels(self, SnakeBeta, enabled)  # with the conv and GEMM kernels' choices
+        fused = conv_choice.switch_kernels(self, SnakeBeta, enabled)  # with the conv and GEMM kernels' choices
+        for sub in self.modules():  # the ConvNeXt stage's depthwise convs: kernels/depthwise.py
+            if isinstance(sub, CausalConv) and sub.depthwise:
+                sub.depthwise_kernel = fused
+        return fused
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""
