@@ -228,10 +228,12 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
         assert "gemm0" not in choice.forms(x.to(dtype), layer)  # autograd on: no kernel without a backward
         with torch.inference_mode():
             assert ("gemm0" in choice.forms(x.to(dtype), layer)) == (dtype == torch.bfloat16)
-            for form in choice.forms(x.to(dtype), layer, channels_last_ok=True):
-                x_in = x.to(dtype)
-                if form == "cudnn_cl":  # as the Snake kernel writes it for this form
-                    x_in = x_in.transpose(1, 2).contiguous().transpose(1, 2)
+            forms = choice.forms(x.to(dtype), layer)
+            assert "cudnn_cl" in forms  # offered to every dense conv (copied to channels-last where it is not)
+            inputs = [(form, x.to(dtype)) for form in forms]
+            # cudnn_cl also as a Snake kernel writes its input for it: channels-last
+            inputs.append(("cudnn_cl", x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)))
+            for form, x_in in inputs:
                 got = choice.run(form, x_in, layer, True, None)
                 assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item(), (dtype, form)
                 got = choice.run(form, x_in, layer, True, (alpha.to(dtype), beta.to(dtype), True))

@@ -112,16 +112,23 @@ def test_bfloat16_runs_and_outputs_float32(golden_cases):
 
 
 @pytest.mark.parametrize("config", ["tiny", "shipped"])
-def test_few_kernel_transformer_equals_the_plain_form(config):
+@pytest.mark.parametrize("rope_kernel", [False, True])
+def test_few_kernel_transformer_equals_the_plain_form(config, rope_kernel):
     """The transformer's two forms (module docstring of ``transformer.py``): the few-kernel one, which the sidecar's
     steps run (autograd off), against the checkpoint's modules one by one (autograd on, as under training or
     ``torch.compile``), over three chunks that carry the key/value cache, rows at different positions, the second
-    row right-padded. Float32: the same maths, summed in another order."""
+    row right-padded. Float32: the same maths, summed in another order. ``rope_kernel``: the rotary embedding and
+    cache update as one op (``kernels/rope_cache.py``; its CPU implementation here, its kernel in
+    ``tests/test_rope_cache.py``)."""
     from code2wav.sidecar.models.qwen3_tts.loader import random_model
     from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
+    from code2wav.sidecar.models.qwen3_tts.transformer import Attention
 
     model = load_folder(TINY)[0] if config == "tiny" else random_model(SHIPPED, seed=3)
     pre = model.decoder.pre_transformer
+    for sub in pre.modules():
+        if isinstance(sub, Attention):
+            sub.rope_kernel = rope_kernel
     layout = {k: v for k, v in model.state_layout().items() if k.startswith("pre_transformer")}
     gen = torch.Generator().manual_seed(0)
     state = {k: torch.randn((2, *shape), generator=gen) for k, shape in layout.items()}

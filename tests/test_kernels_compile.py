@@ -42,7 +42,9 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
 
 
 def _variants():
-    from code2wav.sidecar.kernels import conv_gemm, depthwise, matmul, snake, snake_conv
+    import triton
+
+    from code2wav.sidecar.kernels import conv_gemm, depthwise, matmul, rope_cache, snake, snake_conv
 
     for dtype in ("bf16", "fp32"):
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
@@ -71,6 +73,9 @@ def _variants():
                 yield (f"depthwise_cl-{dtype}-act{activate:d}-c{block_c}", depthwise._depthwise_cl_kernel, dtype,
                        dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=snake.SINE,
                             BLOCK_T=depthwise.BLOCK_CL[0], BLOCK_C=block_c), {})
+        for heads, dim in ((16, 64), (3, 6)):  # the shipped transformer's heads, and neither a power of two
+            yield (f"rope_kv_cache-{dtype}-h{heads}-d{dim}", rope_cache._rope_kv_cache_kernel, dtype,
+                   dict(DIM=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim)), {})
     for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
         for has_bias, activate in ((True, True), (False, False), (True, False)):
             yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",

@@ -15,7 +15,7 @@ from ...kernels.snake import folds_biases, run_chain
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
-from .transformer import PreTransformer
+from .transformer import Attention, PreTransformer
 
 
 class Codebook(nn.Module):
@@ -120,9 +120,11 @@ class Qwen3TTSDecoder(nn.Module):
         Snake + that conv: ``kernels/snake_conv.py``), or torch ops. Returns whether the kernels are in use (False
         without Triton)."""
         fused = conv_choice.switch_kernels(self, SnakeBeta, enabled)  # with the conv and GEMM kernels' choices
-        for sub in self.modules():  # the ConvNeXt stage's depthwise convs: kernels/depthwise.py
-            if isinstance(sub, CausalConv) and sub.depthwise:
+        for sub in self.modules():
+            if isinstance(sub, CausalConv) and sub.depthwise:  # the ConvNeXt stage's: kernels/depthwise.py
                 sub.depthwise_kernel = fused
+            elif isinstance(sub, Attention):  # rotary embedding and cache update: kernels/rope_cache.py
+                sub.rope_kernel = fused
         return fused
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:

@@ -9,7 +9,8 @@ Two forms of each layer, the same maths. Where autograd is off and ``torch.compi
 sidecar's steps: eager and CUDA graphs), a layer runs in few kernels, since at batch 1 the step is bound by
 kernel launches, not bytes: the q/k/v projections as one GEMM and gate/up as one (``StackedWeights``), the
 rotary embedding over q and k together, written back into the projection's output, the new keys and values
-joined to the cache with one ``cat`` and the next cache taken with one ``gather``, the norms as
+joined to the cache with one ``cat`` and the next cache taken with one ``gather`` (where the family's kernels are
+on, those three and the rotary embedding are one op, ``kernels/rope_cache.py``), the norms as
 ``F.rms_norm`` (one kernel on CUDA), each layer scale and residual add as one ``addcmul``: about 18 kernels a
 layer instead of about 48. Otherwise (``torch.compile``, which fuses the plain form itself, and autograd) the
 plain form below runs: the checkpoint's modules one by one.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...kernels import rope_cache as _registers_rope_kv_cache  # noqa: F401  (torch.ops.code2wav.rope_kv_cache)
 from ...kernels.derived import DerivedTensor
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
@@ -113,6 +115,9 @@ class Attention(StatefulBlock):
         self.head_dim = cfg.head_dim
         self.num_cached = cfg.sliding_window - 1
         self.qkv = StackedWeights([self.q_proj, self.k_proj, self.v_proj])
+        # the few-kernel form's rotary embedding and cache update as one op (``kernels/rope_cache.py``: a Triton
+        # kernel on CUDA), where the family switched its kernels on (set by ``Qwen3TTSDecoder.use_fused_kernels``)
+        self.rope_kernel = False
 
     def state_shape(self) -> tuple[int, ...] | None:
         # K and V stacked: [2, H, W-1, D]
@@ -125,7 +130,7 @@ class Attention(StatefulBlock):
         ``PreTransformer.few_kernel_inputs``, the same for every layer) the few-kernel form runs, and ``rope``'s
         second tensor is its signed sine."""
         if cache_index is not None:
-            return self._few_kernels(x, rope, mask, cache_index, ctx)
+            return self._few_kernels(x, rope, mask, lengths, cache_index, ctx)
         batch, num_new, _ = x.shape
         cos, sin = rope[0][:, None], rope[1][:, None]  # [B, 1, T, D] each
         q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -145,15 +150,21 @@ class Attention(StatefulBlock):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))  # [B, T, hidden]
 
-    def _few_kernels(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache_index: Tensor,
-                     ctx: StreamCtx) -> Tensor:
+    def _few_kernels(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, lengths: Tensor,
+                     cache_index: Tensor, ctx: StreamCtx) -> Tensor:
         """``forward``'s maths in about 9 kernels: one GEMM for q/k/v; the rotary embedding of q and k together,
         in place in its output (``x * cos + rotate_half(x) * sin`` as ``x * cos + swap_halves(x) * signed sin``,
-        the same numbers); one ``cat`` with the cache and one ``gather`` for the next cache."""
+        the same numbers); one ``cat`` with the cache and one ``gather`` for the next cache. With ``rope_kernel``
+        the rotary embedding, the join with the cache and the next cache are one op (``kernels/rope_cache.py``)."""
         batch, num_new, _ = x.shape
         heads, dim = self.num_heads, self.head_dim
         weight, bias = self.qkv.get()
         qkv = F.linear(x, weight, bias).view(batch, num_new, 3, heads, dim)  # [B, T, 3, H, D]
+        if self.rope_kernel and self.num_cached:
+            q, kv, ctx.state_out[self.state_key] = torch.ops.code2wav.rope_kv_cache(
+                qkv, rope[0], rope[1], ctx.state_in[self.state_key], lengths)  # [B, T, H, D], [B, 2, H, W-1+T, D]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0], kv[:, 1], attn_mask=mask)  # [B, H, T, D]
+            return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))  # [B, T, hidden]
         qk = qkv[:, :, :2]  # [B, T, 2, H, D] (a view)
         cos, signed_sin = rope[0][:, :, None, None], rope[1][:, :, None, None]  # [B, T, 1, 1, D] each
         half = dim // 2

@@ -1,0 +1,110 @@
+"""The attention layer's rotary embedding and cache update as one op (``sidecar/kernels/rope_cache.py``).
+
+CPU: the Triton kernel's own code under Triton's interpreter (a subprocess: ``TRITON_INTERPRET`` must be set before
+Triton is imported) against the torch expression: heads and a head size that are not powers of two, a strided
+cache (a view of the arena's rows, as the step passes it), rows whose valid lengths differ (a padding row of
+length 0: its next cache is the cache it had). The expression against the plain form of the transformer is in
+``tests/test_decoder.py``. CUDA: the compiled kernel against the expression, float32 and bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from code2wav.sidecar.kernels import rope_cache
+from conftest import interpreted_json
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+CASES = [  # (batch, new positions, heads, head size, cached positions, lengths)
+    (2, 5, 3, 6, 4, [5, 2]),
+    (3, 1, 2, 8, 7, [1, 0, 1]),  # one new position (a first chunk); a padding row
+    (1, 9, 4, 4, 3, [9]),  # more new positions than cached ones
+]
+
+
+def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    batch, num_new, heads, dim, num_cached, lengths = case
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, num_new, 3, heads, dim, generator=gen)  # [B, T, 3, H, D]
+    angles = torch.randn(batch, num_new, dim // 2, generator=gen) * 3
+    angles = torch.cat([angles, angles], dim=-1)  # [B, T, D]
+    sin = angles.sin()
+    signed_sin = torch.cat([-sin[..., :dim // 2], sin[..., dim // 2:]], dim=-1)  # [B, T, D]
+    rows = torch.randn(batch, 5 + 2 * heads * num_cached * dim, generator=gen)  # arena rows: the entry at offset 5
+    cache = rows[:, 5:].view(batch, 2, heads, num_cached, dim)  # [B, 2, H, P, D], strided across rows
+    to = dict(device=device, dtype=dtype)
+    return (qkv.to(**to), angles.cos().to(**to), signed_sin.to(**to), cache.to(**to) if dtype != torch.float32
+            or device != "cpu" else cache, torch.tensor(lengths, device=device))
+
+
+def _max_err(got, ref) -> float:
+    return max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
+
+
+INTERPRETED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from code2wav.sidecar.kernels import rope_cache
+from test_rope_cache import CASES, _inputs, _max_err
+out = []
+for case in CASES:
+    args = _inputs(case)
+    got, ref = rope_cache.run_interpreted(*args), rope_cache.reference(*args)
+    out.append([_max_err(got, ref), [list(t.shape) for t in got] == [list(t.shape) for t in ref]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_kernel_matches_the_torch_expression_under_the_interpreter():
+    results = interpreted_json(INTERPRETED.format(tests=os.path.dirname(__file__)))
+    assert len(results) == len(CASES)
+    for case, (err, same_shapes) in zip(CASES, results):
+        assert same_shapes, case
+        assert err < 1e-6, (case, err)
+
+
+def test_reference_joins_the_cache_and_takes_each_rows_window():
+    """The expression's parts, checked by hand: q and k rotated, v as it is, the cache in front, and the next cache
+    the ``P`` positions ending at each row's last valid one."""
+    args = _inputs(CASES[0])
+    qkv, cos, signed_sin, cache, lengths = args
+    q, kv, next_cache = rope_cache.reference(*args)
+    half = qkv.shape[-1] // 2
+    q_in = qkv[:, :, 0]  # [B, T, H, D]
+    swapped = torch.cat([q_in[..., half:], q_in[..., :half]], dim=-1)
+    assert torch.allclose(q, q_in * cos[:, :, None] + swapped * signed_sin[:, :, None], atol=1e-6)
+    num_cached = cache.shape[3]
+    assert torch.equal(kv[:, :, :, :num_cached], cache)
+    assert torch.equal(kv[:, 1, :, num_cached:], qkv[:, :, 2].transpose(1, 2))
+    for b, length in enumerate(lengths.tolist()):
+        assert torch.equal(next_cache[b], kv[b, :, :, length:length + num_cached])
+
+
+def test_shapes_are_checked_with_what_was_expected():
+    qkv, cos, signed_sin, cache, lengths = _inputs(CASES[0])
+    with pytest.raises(ValueError, match=r"cos and signed_sin \[B, T, D\]"):
+        torch.ops.code2wav.rope_kv_cache(qkv, cos[:, :1], signed_sin, cache, lengths)
+    with pytest.raises(ValueError, match=r"cache \[B, 2, H, P, D\]"):
+        torch.ops.code2wav.rope_kv_cache(qkv, cos, signed_sin, cache[:, :1], lengths)
+    with pytest.raises(ValueError, match=r"D even"):
+        torch.ops.code2wav.rope_kv_cache(qkv[..., :5], cos, signed_sin, cache, lengths)
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_matches_the_torch_expression():
+    """float32: the same numbers up to the order of one multiply-add; bf16: float32 math and one rounding, so within
+    a bf16 step of the float32 expression of the same bf16 inputs."""
+    for case in CASES:
+        args = _inputs(case, device="cuda")
+        assert _max_err(torch.ops.code2wav.rope_kv_cache(*args), rope_cache.reference(*args)) < 1e-6, case
+        bf = _inputs(case, device="cuda", dtype=torch.bfloat16)
+        exact = rope_cache.reference(*(a.float() if a.is_floating_point() else a for a in bf))
+        got = torch.ops.code2wav.rope_kv_cache(*bf)
+        assert all(g.dtype == torch.bfloat16 for g in got)
+        assert _max_err(got, exact) <= 0.0079 * max(1.0, max(e.abs().max().item() for e in exact)), case
