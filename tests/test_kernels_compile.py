@@ -17,7 +17,8 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (the CUDA wheel of torch ships it)")
 
-POINTER_TYPES = {"lengths_ptr": "*i64", "sums_ptr": "*fp32"}
+POINTER_TYPES = {"lengths_ptr": "*i64", "sums_ptr": "*fp32", "start_ptr": "*i64", "index_ptr": "*i64",
+                 "inv_freq_ptr": "*fp32", "mask_ptr": "*i1"}
 """Pointer arguments that are not of the activation dtype."""
 
 
@@ -44,7 +45,7 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
 def _variants():
     import triton
 
-    from code2wav.sidecar.kernels import conv_gemm, depthwise, matmul, rope_cache, snake, snake_conv
+    from code2wav.sidecar.kernels import conv_gemm, depthwise, matmul, rope_cache, snake, snake_conv, window_inputs
 
     for dtype in ("bf16", "fp32"):
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
@@ -76,6 +77,9 @@ def _variants():
         for heads, dim in ((16, 64), (3, 6)):  # the shipped transformer's heads, and neither a power of two
             yield (f"rope_kv_cache-{dtype}-h{heads}-d{dim}", rope_cache._rope_kv_cache_kernel, dtype,
                    dict(DIM=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim)), {})
+        for half in (32, 3):  # the shipped head size's half, and one that is not a power of two
+            yield (f"window_inputs-{dtype}-half{half}", window_inputs._window_inputs_kernel, dtype,
+                   dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_K=window_inputs.BLOCK_COLS), {})
     for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
         for has_bias, activate in ((True, True), (False, False), (True, False)):
             yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",

@@ -125,6 +125,8 @@ class Qwen3TTSDecoder(nn.Module):
                 sub.depthwise_kernel = fused
             elif isinstance(sub, Attention):  # rotary embedding and cache update: kernels/rope_cache.py
                 sub.rope_kernel = fused
+            elif isinstance(sub, PreTransformer):  # the layers' shared inputs: kernels/window_inputs.py
+                sub.inputs_kernel = fused
         return fused
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...kernels import rope_cache as _registers_rope_kv_cache  # noqa: F401  (torch.ops.code2wav.rope_kv_cache)
+from ...kernels import window_inputs  # (registers torch.ops.code2wav.window_inputs)
 from ...kernels.derived import DerivedTensor
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
@@ -212,34 +213,45 @@ class PreTransformer(nn.Module):
         self.window = cfg.sliding_window
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self._inv_freq: dict[torch.device, Tensor] = {}
+        # the few-kernel form's per-step inputs as one op (a Triton kernel on CUDA), where the family switched its
+        # kernels on (set by ``Qwen3TTSDecoder.use_fused_kernels``)
+        self.inputs_kernel = False
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(cos, sin)`` ``[B, T, D]`` of ``positions`` ``[B, T]``."""
-        # Computed in float32 on every call (not a buffer: a dtype cast of the module must not round it).
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** exponents)  # [D/2]
-        angles = positions.float()[:, :, None] * inv_freq[None, None, :]  # [B, T, D/2]
-        angles = torch.cat([angles, angles], dim=-1)  # [B, T, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return window_inputs.rotary(positions, self.inverse_frequencies(positions.device), dtype)
+
+    def inverse_frequencies(self, device: torch.device) -> Tensor:
+        """The rotary inverse frequencies ``[D/2]`` in float32 (not a buffer: a dtype cast of the module must not
+        round them), made once per device (not kept when made inside a CUDA graph capture, which does not run
+        them, nor under ``torch.compile``, which traces them)."""
+        if torch.compiler.is_compiling():
+            return window_inputs.inverse_frequencies(self.head_dim, self.rope_theta, device)  # [D/2]
+        made = self._inv_freq.get(device)
+        if made is None:
+            made = window_inputs.inverse_frequencies(self.head_dim, self.rope_theta, device)  # [D/2]
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._inv_freq[device] = made
+        return made
 
     def window_mask(self, start_positions: Tensor, num_new: int) -> Tensor:
         """Query ``i`` sees keys ``j`` with ``i - W < j <= i`` and ``j >= 0``; keys are cache then new."""
-        device = start_positions.device
-        num_cached = self.window - 1
-        q_pos = start_positions[:, None] + torch.arange(num_new, device=device)[None, :]  # [B, T]
-        k_pos = start_positions[:, None] - num_cached + torch.arange(num_cached + num_new, device=device)[None, :]
-        diff = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, W-1+T]
-        mask = (diff >= 0) & (diff < self.window) & (k_pos[:, None, :] >= 0)  # [B, T, W-1+T]
-        return mask[:, None]  # [B, 1, T, W-1+T]
+        return window_inputs.window_mask(start_positions, num_new, self.window)  # [B, 1, T, W-1+T]
 
     def forward(self, x: Tensor, start_positions: Tensor, lengths: Tensor, ctx: StreamCtx) -> Tensor:
         num_new = x.shape[1]
-        positions = start_positions[:, None] + torch.arange(num_new, device=x.device)[None, :]  # [B, T]
-        rope = self.rope(positions, x.dtype)
-        mask = self.window_mask(start_positions, num_new)
         cache_index = None
-        if few_kernels():
-            rope, cache_index = self.few_kernel_inputs(rope, lengths)
+        if few_kernels() and self.inputs_kernel:  # one op (kernels/window_inputs.py)
+            cos, signed_sin, mask, cache_index = torch.ops.code2wav.window_inputs(
+                start_positions, lengths, self.inverse_frequencies(x.device), num_new, self.window, x.dtype)
+            rope = (cos, signed_sin)
+        else:
+            positions = start_positions[:, None] + torch.arange(num_new, device=x.device)[None, :]  # [B, T]
+            rope = self.rope(positions, x.dtype)
+            mask = self.window_mask(start_positions, num_new)
+            if few_kernels():
+                rope, cache_index = self.few_kernel_inputs(rope, lengths)
         h = self.input_proj(x)  # [B, T, hidden]
         for layer in self.layers:
             h = layer(h, rope, mask, lengths, ctx, cache_index)
@@ -248,11 +260,7 @@ class PreTransformer(nn.Module):
     def few_kernel_inputs(self, rope: tuple[Tensor, Tensor], lengths: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
         """What every layer's few-kernel form shares, computed once per step: ``(cos, signed sin)`` (``[B, T, D]``,
         the sine's first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed sin``) and the next cache's
-        positions in ``[cache, new]``, ``[B, 1, 1, W-1, 1]`` (the ``W-1`` ending at each row's last valid one)."""
+        positions in ``[cache, new]``, ``[B, 1, 1, W-1, 1]`` (the ``W-1`` ending at each row's last valid one).
+        With ``inputs_kernel`` these, the rotary tables and the mask are one op (``kernels/window_inputs.py``)."""
         cos, sin = rope
-        half = self.head_dim // 2
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [B, T, D]
-        num_cached = self.window - 1
-        offsets = torch.arange(num_cached, device=lengths.device)  # [W-1]
-        cache_index = (lengths[:, None] + offsets[None, :])[:, None, None, :, None]  # [B, 1, 1, W-1, 1]
-        return (cos, signed_sin), cache_index
+        return (cos, window_inputs.signed_sine(sin)), window_inputs.cache_index(lengths, self.window - 1)
