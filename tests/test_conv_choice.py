@@ -248,7 +248,7 @@ def test_the_choice_is_measured_once_per_shape_and_keeps_the_output(no_tf32):
     with torch.inference_mode():
         for num_in in (54 + 400, 54 + 401, 54 + 400):
             x = torch.randn(4, 64, num_in, device="cuda", dtype=torch.bfloat16)
-            got = choice(x, conv, channels_last_ok=True)  # x stays contiguous here: measured with a copy
+            got = choice(x, conv, channels_last_ok=True)  # x contiguous: cudnn_cl, if chosen, copies it
             ref = conv(x).float()
             assert (got.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
     assert len(choice.decisions) == 2 and len(choice.timings_ms) == 2  # the repeated shape was not timed again

@@ -37,11 +37,10 @@ def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
     angles = torch.cat([angles, angles], dim=-1)  # [B, T, D]
     sin = angles.sin()
     signed_sin = torch.cat([-sin[..., :dim // 2], sin[..., dim // 2:]], dim=-1)  # [B, T, D]
-    rows = torch.randn(batch, 5 + 2 * heads * num_cached * dim, generator=gen)  # arena rows: the entry at offset 5
-    cache = rows[:, 5:].view(batch, 2, heads, num_cached, dim)  # [B, 2, H, P, D], strided across rows
     to = dict(device=device, dtype=dtype)
-    return (qkv.to(**to), angles.cos().to(**to), signed_sin.to(**to), cache.to(**to) if dtype != torch.float32
-            or device != "cpu" else cache, torch.tensor(lengths, device=device))
+    rows = torch.randn(batch, 5 + 2 * heads * num_cached * dim, generator=gen).to(**to)  # arena rows
+    cache = rows[:, 5:].view(batch, 2, heads, num_cached, dim)  # [B, 2, H, P, D]: the entry at offset 5, strided
+    return (qkv.to(**to), angles.cos().to(**to), signed_sin.to(**to), cache, torch.tensor(lengths, device=device))
 
 
 INPUT_CASES = [  # (start positions, lengths, new positions, window, head size)
@@ -65,6 +64,7 @@ def _max_err(got, ref) -> float:
 
 INTERPRETED = """
 import json, sys
+import torch
 sys.path.insert(0, {tests!r})
 from code2wav.sidecar.kernels import rope_cache, window_inputs
 from test_rope_cache import CASES, _inputs, _max_err
@@ -73,8 +73,10 @@ from code2wav.sidecar.kernels import window_inputs
 out = []
 for case in CASES:
     args = _inputs(case)
-    got, ref = rope_cache.run_interpreted(*args), rope_cache.reference(*args)
-    out.append([_max_err(got, ref), [list(t.shape) for t in got] == [list(t.shape) for t in ref]])
+    strided = torch.stack([args[4], torch.full_like(args[4], 99)], dim=1)[:, 0]  # lengths as a strided slice
+    for lengths in (args[4], strided):
+        got, ref = rope_cache.run_interpreted(*args[:4], lengths), rope_cache.reference(*args)
+        out.append([_max_err(got, ref), [list(t.shape) for t in got] == [list(t.shape) for t in ref]])
 for case in INPUT_CASES:
     args = _step_inputs(case)
     got, ref = window_inputs.run_interpreted(*args), window_inputs.reference(*args)
@@ -88,8 +90,8 @@ print(json.dumps(out))
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
 def test_kernel_matches_the_torch_expression_under_the_interpreter():
     results = interpreted_json(INTERPRETED.format(tests=os.path.dirname(__file__)))
-    assert len(results) == len(CASES) + len(INPUT_CASES)
-    for case, (err, same_shapes) in zip(CASES + INPUT_CASES, results):
+    assert len(results) == 2 * len(CASES) + len(INPUT_CASES)
+    for case, (err, same_shapes) in zip([c for c in CASES for _ in range(2)] + INPUT_CASES, results):
         assert same_shapes, case
         assert err < 1e-6, (case, err)
 
@@ -109,6 +111,14 @@ def test_reference_joins_the_cache_and_takes_each_rows_window():
     assert torch.equal(kv[:, 1, :, num_cached:], qkv[:, :, 2].transpose(1, 2))
     for b, length in enumerate(lengths.tolist()):
         assert torch.equal(next_cache[b], kv[b, :, :, length:length + num_cached])
+
+
+def test_the_cache_stays_a_strided_view_of_arena_rows_and_lengths_may_be_strided():
+    """As the step passes them: the cache a view across rows (the kernel reads its strides), and lengths a slice."""
+    args = _inputs(CASES[0])
+    assert not args[3].is_contiguous()
+    lengths = torch.tensor([5, 9, 2])[::2]  # [5, 2], not contiguous
+    assert torch.equal(rope_cache.reference(*args[:4], lengths)[2], rope_cache.reference(*args)[2])
 
 
 def test_shapes_are_checked_with_what_was_expected():

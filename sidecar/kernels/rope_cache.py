@@ -8,7 +8,8 @@ and ``lengths`` ``[B]`` (valid new positions per row):
 - ``q`` ``[B, T, H, D]``: ``x * cos + swap_halves(x) * signed_sin`` of ``qkv[:, :, 0]``;
 - ``kv`` ``[B, 2, H, P + T, D]``: the cache, then the new keys (rotated as ``q``) and values;
 - ``next_cache`` ``[B, 2, H, P, D]``: ``kv``'s ``P`` positions that end at each row's last valid one
-  (``lengths[b] .. lengths[b] + P - 1``).
+  (``lengths[b] .. lengths[b] + P - 1``). ``lengths`` must lie in ``[0, T]`` (the step's routine clamps them):
+  the kernel does not check it (that would cost a sync) and leaves other rows' next cache partly unwritten.
 
 float32 math, one rounding to the output dtype (torch's form rounds the product with ``cos`` first).
 
@@ -131,7 +132,7 @@ def _launch(qkv: Tensor, cos: Tensor, signed_sin: Tensor, cache: Tensor,
         return q, kv, next_cache
     if qkv.stride(4) != 1 or cache.stride(4) != 1:  # the kernel reads the last dimension contiguous
         qkv, cache = qkv.contiguous(), cache.contiguous()
-    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+    cos, signed_sin, lengths = cos.contiguous(), signed_sin.contiguous(), lengths.contiguous()
     grid = (num_cached + num_new, batch)
     _rope_kv_cache_kernel[grid](qkv, cos, signed_sin, cache, lengths, q, kv, next_cache, num_new, num_cached, heads,
                                 qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3), cos.stride(0),

@@ -113,12 +113,12 @@ if triton is not None:
         in_half = i < HALF
         angles = pos.to(tl.float32) * tl.load(inv_freq_ptr + i, mask=in_half, other=0.0)  # [BLOCK_HALF]
         c = tl.cos(angles).to(cos_ptr.dtype.element_ty)
-        s = tl.sin(angles).to(sin_ptr.dtype.element_ty)
+        s = tl.sin(angles)  # negated in float32, then rounded (the same numbers: rounding is symmetric)
         row = (b * num_new + t) * (2 * HALF)  # [B, T, D]
         tl.store(cos_ptr + row + i, c, mask=in_half)
         tl.store(cos_ptr + row + HALF + i, c, mask=in_half)
-        tl.store(sin_ptr + row + i, -s, mask=in_half)
-        tl.store(sin_ptr + row + HALF + i, s, mask=in_half)
+        tl.store(sin_ptr + row + i, (-s).to(sin_ptr.dtype.element_ty), mask=in_half)
+        tl.store(sin_ptr + row + HALF + i, s.to(sin_ptr.dtype.element_ty), mask=in_half)
         num_cached = window - 1
         num_keys = num_cached + num_new
         for k0 in range(0, num_keys, BLOCK_K):

@@ -120,7 +120,8 @@ class CausalTransConv(StatefulBlock):
     Output block ``t`` depends on inputs ``t - P .. t`` with ``P = ceil(k / s) - 1``; those ``P`` input
     columns are the state. ``T`` inputs give ``T * s`` samples. With ``k = 2s`` (the decoder blocks) and the Snake
     before it fused, the Snake writes frame pairs and the conv is one GEMM (``kernels/transposed.py``); with
-    ``k = s`` (the upsampling stage) the conv is one ``F.linear`` on every device. Either output is channels-last.
+    ``k = s`` (the upsampling stage) the conv is one ``F.linear`` on every device where autograd is off and
+    ``torch.compile`` is not tracing. Either output is channels-last.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
@@ -147,7 +148,7 @@ class CausalTransConv(StatefulBlock):
                                  None if bias_later else self.conv.bias, in_bias)  # [B, C_out, T * s] channels-last
             ctx.state_out[self.state_key] = tail  # [B, C_in, 1]
             return y, lengths * self.stride
-        if self.frames is not None and act is None and in_bias is None:
+        if self.frames is not None and act is None and in_bias is None and transposed.frames_allowed():
             y = self.frames(x, self.conv.weight, None if bias_later else self.conv.bias)  # [B, C_out, T s] (CL)
             return y, lengths * self.stride
         x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev, in_bias=in_bias)  # [B, C, P + T]
