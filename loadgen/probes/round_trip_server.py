@@ -5,6 +5,7 @@ import atexit, cProfile, json, os, sys, time
 sys.path.insert(0, ".")
 import code2wav.sidecar.server as S
 import code2wav.sidecar.sessions as SS
+import code2wav.sidecar.stepper as ST
 import code2wav.sidecar.engine as E
 rows, cur = [], {}
 PROF = os.environ.get("PROF") == "1"
@@ -12,17 +13,17 @@ prof = cProfile.Profile() if PROF else None
 wrap = functools.partial(_marks.wrap, marks=cur)
 wrap(S.Server, "_on_readable", "wake")
 wrap(SS.Sessions, "on_message", "recv", "parsed")
-wrap(S.Server, "_engine_step", "step0", "step1")
-wrap(S, "load_codes", None, "loaded")
+wrap(ST.Stepper, "engine_step", "step0", "step1")
+wrap(ST, "load_codes", None, "loaded")  # the stepper's own imported names (sidecar/ipc/io.py)
 wrap(SS.Sessions, "build_items", None, "items")
 wrap(E.Engine, "decode", None, "decoded")
-wrap(S, "store_audio", None, "stored")
-orig_flush = S.Server._flush
+wrap(ST, "store_audio", None, "stored")
+orig_flush = S.Server.flush
 def flush(self):
-    n = len(self.sessions.outbox); orig_flush(self)
+    n = len(self.sessions.out.messages); orig_flush(self)
     if n and "step1" in cur:
         cur["sent"] = time.perf_counter(); rows.append(dict(cur)); cur.clear()
-S.Server._flush = flush
+S.Server.flush = flush
 orig_serve = S.Server.serve
 async def serve(self):
     if prof: prof.enable()
