@@ -42,3 +42,31 @@ def test_probe_imports_resolve(name):
         missing = [n for n in names if not hasattr(module, n)
                    and importlib.util.find_spec(f"{module_name}.{n}") is None]
         assert not missing, f"{name}.py: {module_name} has no {missing}"
+
+
+def _wrapped_names(source: str) -> list[tuple[str, str, str]]:
+    """``(alias, dotted attribute, name)`` of every ``wrap(Alias[.Attr], "name", ...)`` call in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "wrap" and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant):
+            target = ast.unparse(node.args[0])
+            alias, _, attr = target.partition(".")
+            found.append((alias, attr, node.args[1].value))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PROBES.glob("*.py")))
+def test_what_a_probe_wraps_exists(name):
+    """The probes that time the server wrap its functions by name (``_marks.wrap``); a renamed or moved one made
+    ``round_trip_server.py`` fail at start (it wrapped ``Server._engine_step`` after the stepper took it over)."""
+    source = (PROBES / f"{name}.py").read_text()
+    aliases = {alias.asname: alias.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import)
+               for alias in node.names if alias.asname and alias.name.startswith("code2wav")}
+    for alias, attr, wrapped in _wrapped_names(source):
+        if alias not in aliases:
+            continue
+        obj = importlib.import_module(aliases[alias])
+        for part in filter(None, attr.split(".")):
+            obj = getattr(obj, part)
+        assert hasattr(obj, wrapped), f"{name}.py wraps {alias}.{attr}.{wrapped}, which does not exist"
