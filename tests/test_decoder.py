@@ -126,10 +126,9 @@ def test_few_kernel_transformer_equals_the_plain_form(config, rope_kernel):
 
     model = load_folder(TINY)[0] if config == "tiny" else random_model(SHIPPED, seed=3)
     pre = model.decoder.pre_transformer
-    pre.inputs_kernel = rope_kernel
     for sub in pre.modules():
-        if isinstance(sub, Attention):
-            sub.rope_kernel = rope_kernel
+        if isinstance(sub, (Attention, type(pre))):
+            sub.kernels_on = rope_kernel
     layout = {k: v for k, v in model.state_layout().items() if k.startswith("pre_transformer")}
     gen = torch.Generator().manual_seed(0)
     state = {k: torch.randn((2, *shape), generator=gen) for k, shape in layout.items()}

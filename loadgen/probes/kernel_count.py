@@ -115,10 +115,8 @@ def main() -> None:
     model = load_model(MODEL, DEVICE, DTYPE)
     if DEVICE.type == "cpu":  # the transformer's one-op forms (rotary and cache, per-step inputs), as on the GPU
         for sub in model.module.modules():
-            if isinstance(sub, Attention):
-                sub.rope_kernel = True
-            elif isinstance(sub, PreTransformer):
-                sub.inputs_kernel = True
+            if isinstance(sub, (Attention, PreTransformer)):
+                sub.kernels_on = True
     arena = StateArena(model.module.state_layout(), BATCH, model.dtype, model.device)
     routine = StreamRoutine(model, arena, BATCH, FRAMES)
     routine.prime(BATCH, FRAMES)

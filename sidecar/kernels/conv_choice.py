@@ -217,9 +217,12 @@ def held_choices(obj: object, depth: int = 1):
 def switch_kernels(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
     """Every hand-written kernel under ``module`` on or off (a family's ``use_fused_kernels``): the Snake kernels on
     the family's ``activation`` modules (``snake.set_fused``) and, as they are, every ``KernelChoice`` a submodule
-    holds (``held_choices``). Returns whether the kernels are in use (False without Triton)."""
+    holds (``held_choices``) and ``kernels_on`` on every submodule that has it (a block that calls a kernel op
+    itself, such as a transformer's rotary op). Returns whether the kernels are in use (False without Triton)."""
     fused = snake.set_fused(module, activation, enabled)
     for sub in module.modules():
         for choice in held_choices(sub):
             choice.kernels = fused
+        if hasattr(sub, "kernels_on"):
+            sub.kernels_on = fused
     return fused

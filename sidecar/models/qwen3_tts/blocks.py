@@ -70,15 +70,15 @@ class CausalConv(StatefulBlock):
         # per shape (``kernels/conv_choice.py``)
         self.choice = ConvChoice() if groups == 1 and kernel_size > 1 and not self.one_output else None
         # depthwise (the ConvNeXt stage's): ``kernels/depthwise.py``'s kernel on CUDA where the family switched its
-        # kernels on (``depthwise_kernel``, set by ``Qwen3TTSDecoder.use_fused_kernels``), else cuDNN
+        # kernels on (``kernels_on``, set by ``conv_choice.switch_kernels``), else cuDNN
         self.depthwise = groups > 1 and groups == in_channels == out_channels
-        self.depthwise_kernel = False
+        self.kernels_on = False
 
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.conv.in_channels, self.num_state_cols) if self.num_state_cols else None
 
     def runs_depthwise_kernel(self, x: Tensor) -> bool:
-        return self.depthwise_kernel and x.is_cuda and not torch.compiler.is_compiling()
+        return self.depthwise and self.kernels_on and x.is_cuda and not torch.compiler.is_compiling()
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: "SnakeBeta | None" = None,
                 bias_into_x: Tensor | None = None, in_bias: Tensor | None = None, bias_later: bool = False,

@@ -15,7 +15,7 @@ from ...kernels.snake import folds_biases, run_chain
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
-from .transformer import Attention, PreTransformer
+from .transformer import PreTransformer
 
 
 class Codebook(nn.Module):
@@ -119,15 +119,9 @@ class Qwen3TTSDecoder(nn.Module):
         """Snake + state concatenation as one Triton kernel on CUDA (``kernels/snake.py``; before the last conv,
         Snake + that conv: ``kernels/snake_conv.py``), or torch ops. Returns whether the kernels are in use (False
         without Triton)."""
-        fused = conv_choice.switch_kernels(self, SnakeBeta, enabled)  # with the conv and GEMM kernels' choices
-        for sub in self.modules():
-            if isinstance(sub, CausalConv) and sub.depthwise:  # the ConvNeXt stage's: kernels/depthwise.py
-                sub.depthwise_kernel = fused
-            elif isinstance(sub, Attention):  # rotary embedding and cache update: kernels/rope_cache.py
-                sub.rope_kernel = fused
-            elif isinstance(sub, PreTransformer):  # the layers' shared inputs: kernels/window_inputs.py
-                sub.inputs_kernel = fused
-        return fused
+        # with the conv and GEMM kernels' choices and every block's ``kernels_on`` (the depthwise convs, the
+        # transformer's rotary and shared-inputs ops)
+        return conv_choice.switch_kernels(self, SnakeBeta, enabled)
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""

@@ -117,8 +117,8 @@ class Attention(StatefulBlock):
         self.num_cached = cfg.sliding_window - 1
         self.qkv = StackedWeights([self.q_proj, self.k_proj, self.v_proj])
         # the few-kernel form's rotary embedding and cache update as one op (``kernels/rope_cache.py``: a Triton
-        # kernel on CUDA), where the family switched its kernels on (set by ``Qwen3TTSDecoder.use_fused_kernels``)
-        self.rope_kernel = False
+        # kernel on CUDA), where the family switched its kernels on (set by ``conv_choice.switch_kernels``)
+        self.kernels_on = False
 
     def state_shape(self) -> tuple[int, ...] | None:
         # K and V stacked: [2, H, W-1, D]
@@ -155,13 +155,13 @@ class Attention(StatefulBlock):
                      cache_index: Tensor, ctx: StreamCtx) -> Tensor:
         """``forward``'s maths in about 9 kernels: one GEMM for q/k/v; the rotary embedding of q and k together,
         in place in its output (``x * cos + rotate_half(x) * sin`` as ``x * cos + swap_halves(x) * signed sin``,
-        the same numbers); one ``cat`` with the cache and one ``gather`` for the next cache. With ``rope_kernel``
+        the same numbers); one ``cat`` with the cache and one ``gather`` for the next cache. With ``kernels_on``
         the rotary embedding, the join with the cache and the next cache are one op (``kernels/rope_cache.py``)."""
         batch, num_new, _ = x.shape
         heads, dim = self.num_heads, self.head_dim
         weight, bias = self.qkv.get()
         qkv = F.linear(x, weight, bias).view(batch, num_new, 3, heads, dim)  # [B, T, 3, H, D]
-        if self.rope_kernel and self.num_cached:
+        if self.kernels_on and self.num_cached:
             q, kv, ctx.state_out[self.state_key] = torch.ops.code2wav.rope_kv_cache(
                 qkv, rope[0], rope[1], ctx.state_in[self.state_key], lengths)  # [B, T, H, D], [B, 2, H, W-1+T, D]
             out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0], kv[:, 1], attn_mask=mask)  # [B, H, T, D]
@@ -215,8 +215,8 @@ class PreTransformer(nn.Module):
         self.rope_theta = cfg.rope_theta
         self._inv_freq: dict[torch.device, Tensor] = {}
         # the few-kernel form's per-step inputs as one op (a Triton kernel on CUDA), where the family switched its
-        # kernels on (set by ``Qwen3TTSDecoder.use_fused_kernels``)
-        self.inputs_kernel = False
+        # kernels on (set by ``conv_choice.switch_kernels``)
+        self.kernels_on = False
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(cos, sin)`` ``[B, T, D]`` of ``positions`` ``[B, T]``."""
@@ -242,7 +242,7 @@ class PreTransformer(nn.Module):
     def forward(self, x: Tensor, start_positions: Tensor, lengths: Tensor, ctx: StreamCtx) -> Tensor:
         num_new = x.shape[1]
         cache_index = None
-        if few_kernels() and self.inputs_kernel:  # one op (kernels/window_inputs.py)
+        if few_kernels() and self.kernels_on:  # one op (kernels/window_inputs.py)
             cos, signed_sin, mask, cache_index = torch.ops.code2wav.window_inputs(
                 start_positions, lengths, self.inverse_frequencies(x.device), num_new, self.window, x.dtype)
             rope = (cos, signed_sin)
@@ -261,6 +261,6 @@ class PreTransformer(nn.Module):
         """What every layer's few-kernel form shares, computed once per step: ``(cos, signed sin)`` (``[B, T, D]``,
         the sine's first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed sin``) and the next cache's
         positions in ``[cache, new]``, ``[B, 1, 1, W-1, 1]`` (the ``W-1`` ending at each row's last valid one).
-        With ``inputs_kernel`` these, the rotary tables and the mask are one op (``kernels/window_inputs.py``)."""
+        With ``kernels_on`` these, the rotary tables and the mask are one op (``kernels/window_inputs.py``)."""
         cos, sin = rope
         return (cos, window_inputs.signed_sine(sin)), window_inputs.cache_index(lengths, self.window - 1)
