@@ -32,7 +32,6 @@ from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.models import load_model
 from code2wav.sidecar.models.qwen3_tts.blocks import SnakeBeta
 from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
-from code2wav.sidecar.models.qwen3_tts.transformer import Attention, PreTransformer
 from code2wav.sidecar.models.voxcpm2_audiovae.blocks import Snake
 from code2wav.sidecar.state_store import StateArena
 
@@ -113,9 +112,9 @@ def main() -> None:
         for activation in (SnakeBeta, Snake):
             activation.runs_fused = lambda self, x: not torch.compiler.is_compiling()
     model = load_model(MODEL, DEVICE, DTYPE)
-    if DEVICE.type == "cpu":  # the transformer's one-op forms (rotary and cache, per-step inputs), as on the GPU
+    if DEVICE.type == "cpu":  # the blocks' own kernel ops (their CPU implementations here), as switched on the GPU
         for sub in model.module.modules():
-            if isinstance(sub, (Attention, PreTransformer)):
+            if hasattr(sub, "kernels_on"):
                 sub.kernels_on = True
     arena = StateArena(model.module.state_layout(), BATCH, model.dtype, model.device)
     routine = StreamRoutine(model, arena, BATCH, FRAMES)
