@@ -113,8 +113,8 @@ def client_main(args: argparse.Namespace) -> int:
             codes = torch.randint(0, info.codebook_size, (info.num_quantizers, args.chunk_frames), generator=gen)
             try:
                 future = stream.submit(codes, final=final)  # [Q, n] -> [n * U]
-            except SidecarError as exc:
-                rec.unsent(exc)
+            except SidecarError as exc:  # e.g. out_of_order: an earlier chunk is in doubt (no reply before the
+                rec.unsent(exc)  # sidecar went down, restart not seen yet); the soak drops the stream, no resend
                 slot["stream"] = None
                 continue
             with rec.lock:

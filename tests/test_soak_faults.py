@@ -40,7 +40,12 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     assert report["decoded"] + sum(report["failed"].values()) <= report["sent"]  # (killed clients: in flight)
     assert set(report["failed"]) <= {"unavailable", "stream_lost", "deadline_exceeded", "not_found"}, report
     # a failed open across the restart is retried under a new id, never its old one (already_exists forever)
-    assert set(report["failed_unsent"]) <= {"unavailable", "stream_lost", "deadline_exceeded"}, report
+    assert set(report["failed_unsent"]) <= {"unavailable", "stream_lost", "deadline_exceeded", "out_of_order"}, report
+    # out_of_order before sending: the client refuses a stream's next chunk while an earlier one is in doubt (sent,
+    # then the server went down before replying, and the restart not seen yet); the soak then drops that stream,
+    # so there are at most as many as chunks that failed without a reply
+    in_doubt = report["failed"].get("unavailable", 0) + report["failed"].get("deadline_exceeded", 0)
+    assert report["failed_unsent"].get("out_of_order", 0) <= in_doubt, report
     assert report["crashed_clients"] == []  # every client process lived until the driver killed or stopped it
     rss = [m["sidecar_rss_bytes"] for m in report["memory"] if m["sidecar_rss_bytes"]]
     assert rss and report["p99_by_window"]
