@@ -134,13 +134,13 @@ async def _audio_ready(cuda_stream, spin: bool) -> None:
 
 async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
                       start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float = FRAME_S,
-                      spin: bool = True) -> None:
+                      spin: bool = True, cuda_stream=None) -> None:
+    """``cuda_stream``: the slot's own CUDA stream when ``codes`` are on the GPU (``_audio_ready``), else None."""
     now = time.perf_counter()
     if start_at_s > now:
         await asyncio.sleep(start_at_s - now)
     t_start = time.perf_counter()
     frames_done = 0
-    cuda_stream = torch.cuda.Stream(codes.device) if codes.is_cuda else None  # this stream's own (_audio_ready)
     for i, n in enumerate(sizes):
         t0 = time.perf_counter()
         if arrival == "realtime":
@@ -169,16 +169,17 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
 
 async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode: str, codes, sizes: list[int],
                 arrival: str, start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float,
-                spin: bool) -> None:
+                spin: bool, cuda_stream=None) -> None:
     """One concurrency slot: ``stream`` (already open), then ``rounds - 1`` more streams, each opened when the
-    previous one ended."""
+    previous one ended, all submitted on the slot's ``cuda_stream`` (GPU inputs) as a runner submits on its own."""
     for r in range(rounds):
         if r:
             stream = await _open(client, f"{stream_id}-r{r}", mode, result)
             if stream is None:
                 return
         result.streams += 1
-        await _one_stream(stream, mode, codes, sizes, arrival, start_at_s, sample_rate_hz, result, frame_s, spin)
+        await _one_stream(stream, mode, codes, sizes, arrival, start_at_s, sample_rate_hz, result, frame_s, spin,
+                          cuda_stream)
 
 
 async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, num_frames: int,
@@ -206,9 +207,18 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
     inputs = [synthetic_inputs(InputContract.of(info), num_frames, seed=i)  # [Q, T] codes or [D, T] latents
               for i in range(len(streams))]
+    cuda_streams: list = [None] * len(streams)
     if input_device is not None:
         inputs = [t.to(input_device) for t in inputs]
-        torch.cuda.synchronize(input_device)  # there before any stream's own CUDA stream reads them
+        # one CUDA stream per slot, used once before the clock starts and then by each of the slot's streams in
+        # turn, as a runner submits every request on its own long-lived stream; with a new pool stream per stream
+        # (before) each first chunk was also that CUDA stream's first work, which loadgen/probes/first_chunk.py
+        # times apart (not yet measured on the GPU)
+        cuda_streams = [torch.cuda.Stream(input_device) for _ in streams]
+        for cuda_stream in cuda_streams:
+            with torch.cuda.stream(cuda_stream):
+                torch.ones(1, device=input_device).add_(1)
+        torch.cuda.synchronize(input_device)  # inputs there before any slot's CUDA stream reads them
     t0 = time.perf_counter()
     stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
     tasks = []
@@ -217,7 +227,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         if stream is None:
             continue
         tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, inputs[i],
-                           sizes, arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1))
+                           sizes, arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1,
+                           cuda_stream=cuda_streams[i]))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
     result.ipc_chunks = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients) - ipc_before

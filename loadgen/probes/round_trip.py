@@ -9,6 +9,8 @@ import code2wav.client.cuda_ipc.channel as CH
 import code2wav.client._io as IO
 out_dir = Path(os.environ.get("OUT", "/tmp"))
 dtype = os.environ.get("PROBE_DTYPE", "bfloat16")
+model = os.environ.get("PROBE_MODEL", "default")  # or voxcpm2-default (then PROBE_FRAMES=4, PROBE_DTYPE=float32)
+num_frames = int(os.environ.get("PROBE_FRAMES", "25"))
 cfg = Path("/tmp/w0.yaml"); cfg.write_text("scheduler:\n  batch_window_us: 0\n" + os.environ.get("EXTRA_CFG", ""))
 cur = {}
 wrap = functools.partial(_marks.wrap, marks=cur)
@@ -17,7 +19,7 @@ def run(prof: bool, n: int, label: str):
     out = f"/tmp/prof-{label}.json"
     env = dict(os.environ, PROF="1" if prof else "0")
     pin = ["taskset", "-c", os.environ["SERVER_CPUS"]] if os.environ.get("SERVER_CPUS") else []  # pinned sidecar
-    p = subprocess.Popen(pin + [sys.executable, "loadgen/probes/round_trip_server.py", "serve", "--address", addr, "--model", "default",
+    p = subprocess.Popen(pin + [sys.executable, "loadgen/probes/round_trip_server.py", "serve", "--address", addr, "--model", model,
                           "--device", "cuda", "--dtype", dtype, "--config", str(cfg), "--metrics-port", "0",
                           "--probe-out", out], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     while not p.stdout.readline().startswith("code2wav-sidecar ready"): pass
@@ -26,7 +28,11 @@ def run(prof: bool, n: int, label: str):
     try:
         with SidecarClient(addr, cuda_ipc=True) as c:
             st = c.open_stream("a")
-            codes = torch.randint(0, 2048, (16, 25)).cuda()
+            info = c.models[0]
+            if info.input_kind == "codes":
+                codes = torch.randint(0, info.codebook_size, (info.channels, num_frames)).cuda()  # [Q, n]
+            else:
+                codes = torch.randn(info.channels, num_frames).cuda()  # [D, n] latents
             for i in range(n + 50):
                 cur.clear()
                 if prof and i == 50: cp.enable()
