@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -33,6 +35,19 @@ GRAPH_MISS_REASONS = ("no_buckets", "batch_too_large", "frames_too_long", "not_c
 IPC_DIRECTIONS = ("codes_in", "audio_out")
 IPC_REGISTER_FAILURE_REASONS = ("unsupported", "different_gpu", "open_failed")
 """Why a CUDA IPC region registration was refused (ipc/regions.py)."""
+
+
+@dataclass(frozen=True)
+class ModeSeries:
+    """One (model, mode)'s labelled children, looked up once: ``.labels()`` costs a few microseconds per call
+    (a lock, a key tuple, a dict), and a chunk at concurrency 1 made nine such calls on its way."""
+
+    chunks: Any
+    frames: Any
+    audio_seconds: Any
+    chunk_latency: Any
+    step_seconds: Any
+    batch_size: Any
 
 
 class Metrics:
@@ -88,6 +103,19 @@ class Metrics:
                                      "busy polling (busy_poll_us), woken = after sleeping", ["how"], registry=r)
         for how in ("polled", "woken"):
             self.input_pickups.labels(how=how)
+        self.ipc_codes_in = self.ipc_chunks.labels(direction="codes_in")
+        self.ipc_audio_out = self.ipc_chunks.labels(direction="audio_out")
+        self._mode_series: dict[tuple[str, str], ModeSeries] = {}
+
+    def mode_series(self, model: str, mode: str) -> ModeSeries:
+        """``(model, mode)``'s per-chunk and per-step children (made on first use, then reused)."""
+        series = self._mode_series.get((model, mode))
+        if series is None:
+            series = ModeSeries(self.chunks.labels(model=model, mode=mode), self.frames.labels(model=model, mode=mode),
+                                self.audio_seconds.labels(model=model, mode=mode), self.chunk_latency.labels(mode=mode),
+                                self.step_seconds.labels(mode=mode), self.batch_size.labels(mode=mode))
+            self._mode_series[(model, mode)] = series
+        return series
 
     def start_series(self, model: str, graph_buckets: tuple[tuple[str, str], ...] = ()) -> None:
         """Create every labelled series the dashboard and the alerts query, at 0: per-mode counters and

@@ -65,6 +65,7 @@ class Sessions:
         self.arena = arena
         self.scheduler = scheduler
         self.metrics = metrics
+        self._arena_used = metrics.arena_slots.labels(model=model.name, kind="used")  # set after every step
         self.clock = clock
         self.boot_epoch = uuid.uuid4().hex
         self.server_id = f"code2wav-sidecar-{self.boot_epoch[:8]}"
@@ -283,12 +284,11 @@ class Sessions:
             stream.last_num_frames = num_frames
             stream.last_active_s = self.clock()
             stream.mode.commit(stream, job.codes)
-            mode = stream.mode.name
-            self.metrics.chunks.labels(model=stream.model, mode=mode).inc()
-            self.metrics.frames.labels(model=stream.model, mode=mode).inc(job.codes.shape[1])
-            self.metrics.audio_seconds.labels(model=stream.model, mode=mode).inc(
-                audio.numel() / self.model.sample_rate_hz)
-            self.metrics.chunk_latency.labels(mode=mode).observe(self.clock() - job.arrived_s)
+            series = self.metrics.mode_series(stream.model, stream.mode.name)
+            series.chunks.inc()
+            series.frames.inc(job.codes.shape[1])
+            series.audio_seconds.inc(audio.numel() / self.model.sample_rate_hz)
+            series.chunk_latency.observe(self.clock() - job.arrived_s)
         job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames, ipc)
         self.out.emit_if_done(job.reply)
         if job.final or (stream.closing and stream.num_pending == 0):
@@ -400,4 +400,4 @@ class Sessions:
 
     # ------------------------------------------------------------------ metrics
     def _update_arena_metrics(self) -> None:
-        self.metrics.arena_slots.labels(model=self.model.name, kind="used").set(self.arena.num_used)
+        self._arena_used.set(self.arena.num_used)

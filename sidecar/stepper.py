@@ -125,13 +125,13 @@ class Stepper:
                 # forms in the queue until the device is done
                 io.flush()
                 await self.device_done()
-            self.metrics.step_seconds.labels(mode=mode).observe(time.monotonic() - now)
+            self.metrics.mode_series(batch[0].stream.model, mode).step_seconds.observe(time.monotonic() - now)
         finally:
             self.busy = False
         self.metrics.queue_depth.set(len(self.scheduler))  # counted after the launch: off the latency path
         for job in batch:
             self.metrics.batch_wait.observe(now - job.arrived_s)
-        self.metrics.batch_size.labels(mode=mode).observe(len(batch))
+        self.metrics.mode_series(batch[0].stream.model, mode).batch_size.observe(len(batch))
         sessions.release_in_flight(batch)
         io.flush()
         io.poll_until = time.monotonic() + io.busy_poll_s
@@ -174,8 +174,8 @@ class Stepper:
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
             audios = store_audio(done, audios)
-            self.metrics.ipc_chunks.labels(direction="audio_out").inc(num_out)
+            self.metrics.ipc_audio_out.inc(num_out)
         num_in = sum(job.ipc_codes is not None for job in done)
         if num_in:
-            self.metrics.ipc_chunks.labels(direction="codes_in").inc(num_in)
+            self.metrics.ipc_codes_in.inc(num_in)
         return done, audios, refused, deferred

@@ -218,3 +218,23 @@ def test_rules_and_dashboard_are_the_files_the_test_reads():
     assert list(DASHBOARDS.glob("*.json")) and (RULES / "alerts.yml").is_file()
     names = {sel.name for _, expr in shipped_queries() for sel in parse_promql(expr)[0]}
     assert PREFIX + "errors_total" in names and "up" in names
+
+
+def test_the_cached_children_are_the_series_start_series_made():
+    """The per-chunk code counts through children looked up once (``mode_series``, ``ipc_*``): they must be the
+    children ``start_series`` created and the exposition shows, not look-alikes in no registry."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from code2wav.sidecar.metrics import Metrics
+
+    metrics = Metrics(CollectorRegistry())
+    metrics.start_series("m")
+    series = metrics.mode_series("m", "exact")
+    assert series is metrics.mode_series("m", "exact")
+    assert series.chunks is metrics.chunks.labels(model="m", mode="exact")
+    assert series.step_seconds is metrics.step_seconds.labels(mode="exact")
+    series.chunks.inc(3)
+    metrics.ipc_codes_in.inc(2)
+    text = generate_latest(metrics.registry).decode()
+    assert 'code2wav_sidecar_chunks_total{mode="exact",model="m"} 3.0' in text
+    assert 'code2wav_sidecar_ipc_chunks_total{direction="codes_in"} 2.0' in text

@@ -16,6 +16,13 @@ wrap(SS.Sessions, "on_message", "recv", "parsed")
 wrap(ST.Stepper, "engine_step", "step0", "step1")
 wrap(ST, "load_codes", None, "loaded")  # the stepper's own imported names (sidecar/ipc/io.py)
 wrap(SS.Sessions, "build_items", None, "items")
+if os.environ.get("FINE") == "1":  # the parse step split: message decoded, inputs looked up, chunk queued
+    import code2wav.proto as P
+    import code2wav.sidecar.scheduler as SCH
+    wrap(P, "decode_client_message", None, "msg")
+    wrap(SS, "read_chunk_inputs", None, "inputs")
+    wrap(SCH.Scheduler, "submit", None, "queued")
+    wrap(ST, "incomplete_codes_events", None, "queried")
 wrap(E.Engine, "decode", None, "decoded")
 wrap(ST, "store_audio", None, "stored")
 orig_flush = S.Server.flush

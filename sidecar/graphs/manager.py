@@ -66,6 +66,7 @@ class BucketState:
     live_peak: tuple[int, int] = (0, 0)  # (num_slices, bytes): the step's live peak, measured at its last warm-up
     graph: Any = None
     output: Tensor | None = None
+    replays: Any = None  # its graph_replays child (looked up at the first replay)
 
 
 def max_split_bytes(environ: Mapping[str, str]) -> float:
@@ -360,7 +361,9 @@ class GraphManager:
         routine.copy_in(key.batch, key.frames, items)
         state.graph.replay()
         outputs = routine.copy_out(state.output, items)  # copied out before any later replay
-        self.metrics.graph_replays.labels(component=key.mode, bucket=key.label).inc()
+        if state.replays is None:
+            state.replays = self.metrics.graph_replays.labels(component=key.mode, bucket=key.label)
+        state.replays.inc()
         return outputs
 
     def summary(self) -> list[dict]:
