@@ -151,3 +151,35 @@ def test_time_sliced_routine_equals_the_whole_step_for_voxcpm2():
     assert max((a - b).abs().max().item() for a, b in zip(whole, sliced)) <= 1e-5
     assert max((whole_state[k] - sliced_state[k]).abs().max().item() for k in whole_state) <= 1e-4
     assert torch.equal(whole_pos, sliced_pos)
+
+
+def test_copy_in_stages_each_row_as_the_per_row_contract_says():
+    """``copy_in`` stages a batch in a few whole-batch ops: row ``b`` holds its inputs then zeros, padding rows
+    hold zeros, the scratch slot, no valid frames and each option's default, whatever an earlier, larger or
+    fuller batch left in the buffers; a row's stream option lands in its row. VoxCPM2 (float latents, one option)."""
+    from code2wav.sidecar.models import load_model
+
+    from conftest import VOXCPM2_TINY
+
+    model = load_model(str(VOXCPM2_TINY), torch.device("cpu"), "float32")
+    arena = StateArena(model.state_layout(), 6, torch.float32, torch.device("cpu"))
+    routine = StreamRoutine(model, arena, max_batch=8, max_frames=16)
+    (option,) = model.contract.stream_options
+    gen = torch.Generator().manual_seed(3)
+    full = [DecodeItem(torch.randn(model.num_channels, 16, generator=gen), slot, 0, options={option.name: 16000})
+            for slot in range(6)]
+    routine.copy_in(8, 16, full)  # leaves every row and frame of the b8 x t16 bucket written
+    ragged = [DecodeItem(torch.randn(model.num_channels, n, generator=gen), slot, 0, options=opts)
+              for n, slot, opts in ((3, 4, {option.name: 24000}), (5, 1, {}), (1, 2, {}))]
+    routine.copy_in(4, 8, ragged)  # a smaller bucket: 1 padding row, padded frames on every row
+    inputs = routine.inputs[:4, :, :8]
+    for b, item in enumerate(ragged):
+        n = item.codes.shape[1]
+        assert torch.equal(inputs[b, :, :n], item.codes) and not inputs[b, :, n:].any()
+    assert not inputs[3].any()
+    assert routine.num_frames[:4].tolist() == [3, 5, 1, 0]
+    assert routine.slots[:4].tolist() == [4, 1, 2, arena.scratch_slot]
+    assert routine.options[option.name][:4].tolist() == [24000, option.default, option.default, option.default]
+    routine.copy_in(1, 1, ragged[2:])  # one row: the frames of its bucket only
+    assert torch.equal(routine.inputs[:1, :, :1], ragged[2].codes[None])
+    assert routine.num_frames[:1].tolist() == [1] and routine.slots[:1].tolist() == [2]
