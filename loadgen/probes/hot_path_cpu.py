@@ -1,7 +1,7 @@
 """The Python a chunk costs outside the model, hot, on one thread, no sockets and no GPU: the client's encode of a
 ``decode`` message (one inline chunk), the sidecar parsing, checking and queueing it, taking the batch, completing
-the job (with audio made up front: no decode), encoding the reply, and the client parsing it. Tiny golden model on
-the CPU. A regression check for the per-chunk Python; at concurrency 1 on the GPU machine the same steps take
+the job (with audio made up front: no decode), encoding the reply, and the client parsing it; then a graph step's
+host staging (``StreamRoutine.copy_in``) at batch 1, 16 and 64. Tiny golden model on the CPU. A regression check for the per-chunk Python; at concurrency 1 on the GPU machine the same steps take
 several times longer cold (loadgen/probes/round_trip.py has the real way in and out).
 
     python loadgen/probes/hot_path_cpu.py          (PROF=1: cProfile of the timed loop, by own time)
@@ -75,3 +75,18 @@ names = ("client: encode the decode message", "sidecar: parse, check, queue", "s
 for k, name in enumerate(names):
     print(f"{name:>36}: p50 {statistics.median(r[k] for r in rows) * 1e6:6.1f} us")
 print(f"{'per chunk':>36}: p50 {statistics.median(sum(r) for r in rows) * 1e6:6.1f} us ({num_chunks} chunks)")
+
+# a graph step's host staging (StreamRoutine.copy_in; no graph on the CPU, the copy in itself is the same code)
+from code2wav.sidecar.graphs.routine import StreamRoutine  # noqa: E402
+from code2wav.sidecar.work import DecodeItem  # noqa: E402
+
+routine = StreamRoutine(model, parts.arena, 64, 25)
+for batch, frames in ((1, 1), (1, 25), (16, 25), (64, 25)):
+    items = [DecodeItem(torch.randint(0, model.codebook_size, (num_quantizers, frames)), slot % parts.arena.num_slots,
+                        0) for slot in range(batch)]
+    times = []
+    for i in range(550):
+        t0 = time.perf_counter()
+        routine.copy_in(batch, frames, items)
+        times.append(time.perf_counter() - t0)
+    print(f"{f'copy_in, batch {batch} x {frames} frames':>36}: p50 {statistics.median(times[50:]) * 1e6:6.1f} us")
