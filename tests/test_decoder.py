@@ -118,17 +118,18 @@ def test_few_kernel_transformer_equals_the_plain_form(config, rope_kernel):
     steps run (autograd off), against the checkpoint's modules one by one (autograd on, as under training or
     ``torch.compile``), over three chunks that carry the key/value cache, rows at different positions, the second
     row right-padded. Float32: the same maths, summed in another order. ``rope_kernel``: the rotary embedding and
-    cache update as one op (``kernels/rope_cache.py``) and the layers' shared inputs as one op
-    (``kernels/window_inputs.py``): their CPU implementations here, their kernels in ``tests/test_rope_cache.py``."""
+    cache update as one op (``kernels/rope_cache.py``), the layers' shared inputs as one op
+    (``kernels/window_inputs.py``), each residual add with the norm after it and the MLP's gate as one op each
+    (``kernels/layer_glue.py``): their CPU implementations here, their kernels in ``tests/test_rope_cache.py``."""
     from code2wav.sidecar.models.qwen3_tts.loader import random_model
     from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
-    from code2wav.sidecar.models.qwen3_tts.transformer import Attention
 
     model = load_folder(TINY)[0] if config == "tiny" else random_model(SHIPPED, seed=3)
     pre = model.decoder.pre_transformer
-    for sub in pre.modules():
-        if isinstance(sub, (Attention, type(pre))):
-            sub.kernels_on = rope_kernel
+    switched = [sub for sub in pre.modules() if hasattr(sub, "kernels_on")]
+    assert len(switched) == 2 * len(pre.layers) + 1  # each layer's attention and MLP, and the transformer
+    for sub in switched:
+        sub.kernels_on = rope_kernel
     layout = {k: v for k, v in model.state_layout().items() if k.startswith("pre_transformer")}
     gen = torch.Generator().manual_seed(0)
     state = {k: torch.randn((2, *shape), generator=gen) for k, shape in layout.items()}

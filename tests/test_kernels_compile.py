@@ -45,7 +45,8 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
 def _variants():
     import triton
 
-    from code2wav.sidecar.kernels import conv_gemm, depthwise, matmul, rope_cache, snake, snake_conv, window_inputs
+    from code2wav.sidecar.kernels import (conv_gemm, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
+                                          window_inputs)
 
     for dtype in ("bf16", "fp32"):
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
@@ -80,6 +81,12 @@ def _variants():
         for half in (32, 3):  # the shipped head size's half, and one that is not a power of two
             yield (f"window_inputs-{dtype}-half{half}", window_inputs._window_inputs_kernel, dtype,
                    dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_K=window_inputs.BLOCK_COLS), {})
+        for cols in (512, 37):  # the shipped hidden size, and one that is not a power of two
+            yield (f"add_rms_norm-{dtype}-c{cols}", layer_glue._add_rms_norm_kernel, dtype,
+                   dict(EPS=1e-5, BLOCK=triton.next_power_of_2(cols)), {})
+        for cols in (1024, 7):  # the shipped intermediate size (one full block), and a small odd one
+            yield (f"silu_mul-{dtype}-c{cols}", layer_glue._silu_mul_kernel, dtype,
+                   dict(BLOCK=min(layer_glue.MAX_GATE_BLOCK, triton.next_power_of_2(cols))), {})
     for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
         for has_bias, activate in ((True, True), (False, False), (True, False)):
             yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",

@@ -12,8 +12,9 @@ rotary embedding over q and k together, written back into the projection's outpu
 joined to the cache with one ``cat`` and the next cache taken with one ``gather`` (where the family's kernels are
 on, those three and the rotary embedding are one op, ``kernels/rope_cache.py``), the norms as
 ``F.rms_norm`` (one kernel on CUDA), each layer scale and residual add as one ``addcmul``: about 18 kernels a
-layer instead of about 48. Otherwise (``torch.compile``, which fuses the plain form itself, and autograd) the
-plain form below runs: the checkpoint's modules one by one.
+layer instead of about 48. Where the family's kernels are on, each residual add and the norm after it are one op
+and the MLP's gate is one (``kernels/layer_glue.py``): 9 ops a layer. Otherwise (``torch.compile``, which fuses
+the plain form itself, and autograd) the plain form below runs: the checkpoint's modules one by one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...kernels import layer_glue as _registers_layer_glue  # noqa: F401  (code2wav::add_rms_norm, ::silu_mul)
 from ...kernels import rope_cache as _registers_rope_kv_cache  # noqa: F401  (torch.ops.code2wav.rope_kv_cache)
 from ...kernels import window_inputs  # (registers torch.ops.code2wav.window_inputs)
 from ...kernels.derived import DerivedTensor
@@ -88,11 +90,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up = StackedWeights([self.gate_proj, self.up_proj])
+        self.kernels_on = False  # the gate as one op (kernels/layer_glue.py), set by ``conv_choice.switch_kernels``
 
     def forward(self, x: Tensor) -> Tensor:
         if few_kernels():
             weight, _ = self.gate_up.get()
-            gate, up = F.linear(x, weight).chunk(2, dim=-1)  # [B, T, I] each
+            gate_up = F.linear(x, weight)  # [B, T, 2I]
+            if self.kernels_on:
+                return self.down_proj(torch.ops.code2wav.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)  # [B, T, I] each
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -200,6 +206,19 @@ class TransformerLayer(nn.Module):
                                                                      ctx, cache_index))  # [B, T, hidden]
         return self.mlp_layer_scale.add_scaled(x, self.mlp(self.post_attention_layernorm(x)))  # [B, T, hidden]
 
+    def forward_normed(self, x: Tensor, x_normed: Tensor, next_norm: RMSNorm, rope: tuple[Tensor, Tensor],
+                       mask: Tensor, lengths: Tensor, ctx: StreamCtx,
+                       cache_index: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The few-kernel form with each residual add and the norm after it as one op (``kernels/layer_glue.py``):
+        ``x_normed`` is ``input_layernorm(x)`` (the layer before made it with its last add); returns the layer's
+        output and ``next_norm`` of it (the next layer's input norm, or the transformer's final one)."""
+        attn = self.self_attn(x_normed, rope, mask, lengths, ctx, cache_index)  # [B, T, hidden]
+        norm = self.post_attention_layernorm
+        h, h_normed = torch.ops.code2wav.add_rms_norm(x, attn, self.self_attn_layer_scale.scale, norm.weight,
+                                                      norm.eps)  # [B, T, hidden] each
+        return torch.ops.code2wav.add_rms_norm(h, self.mlp(h_normed), self.mlp_layer_scale.scale, next_norm.weight,
+                                               next_norm.eps)  # [B, T, hidden] each
+
 
 class PreTransformer(nn.Module):
     """``input_proj`` -> layers -> ``norm`` -> ``output_proj`` on ``[B, T, latent]``."""
@@ -214,8 +233,8 @@ class PreTransformer(nn.Module):
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
         self._inv_freq: dict[torch.device, Tensor] = {}
-        # the few-kernel form's per-step inputs as one op (a Triton kernel on CUDA), where the family switched its
-        # kernels on (set by ``conv_choice.switch_kernels``)
+        # the few-kernel form's per-step inputs as one op (a Triton kernel on CUDA), and each residual add with the
+        # norm after it as one, where the family switched its kernels on (set by ``conv_choice.switch_kernels``)
         self.kernels_on = False
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -253,6 +272,12 @@ class PreTransformer(nn.Module):
             if few_kernels():
                 rope, cache_index = self.few_kernel_inputs(rope, lengths)
         h = self.input_proj(x)  # [B, T, hidden]
+        if few_kernels() and self.kernels_on:  # each residual add with the norm after it (kernels/layer_glue.py)
+            norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+            normed = norms[0](h)  # [B, T, hidden]
+            for layer, next_norm in zip(self.layers, norms[1:]):
+                h, normed = layer.forward_normed(h, normed, next_norm, rope, mask, lengths, ctx, cache_index)
+            return self.output_proj(normed)  # [B, T, latent]
         for layer in self.layers:
             h = layer(h, rope, mask, lengths, ctx, cache_index)
         return self.output_proj(self.norm(h))  # [B, T, latent]
