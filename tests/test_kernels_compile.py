@@ -46,7 +46,7 @@ def _variants():
     import triton
 
     from code2wav.sidecar.kernels import (conv_gemm, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
-                                          window_inputs)
+                                          state_cat, window_inputs)
 
     for dtype in ("bf16", "fp32"):
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
@@ -87,6 +87,8 @@ def _variants():
         for cols in (1024, 7):  # the shipped intermediate size (one full block), and a small odd one
             yield (f"silu_mul-{dtype}-c{cols}", layer_glue._silu_mul_kernel, dtype,
                    dict(BLOCK=min(layer_glue.MAX_GATE_BLOCK, triton.next_power_of_2(cols))), {})
+        yield (f"state_cat-{dtype}", state_cat._state_cat_kernel, dtype,
+               dict(BLOCK_C=state_cat.BLOCK_CHANNELS, BLOCK_T=state_cat.BLOCK_COLS), {})
     for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
         for has_bias, activate in ((True, True), (False, False), (True, False)):
             yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
 from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
+from ...kernels import state_cat as _registers_state_cat  # noqa: F401  (torch.ops.code2wav.state_cat)
 from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
@@ -25,14 +26,16 @@ from .streaming import StatefulBlock, StreamCtx, gather_tail
 
 def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
                    num_state_cols: int, bias_into_x: Tensor | None = None, in_bias: Tensor | None = None,
-                   channels_last: bool = False) -> Tensor:
+                   channels_last: bool = False, cat_op: bool = False) -> Tensor:
     """``[state, act(x)]`` ``[B, C, P + T]`` (just ``act(x)`` without state), the new state tail written to
     ``ctx.state_out[key]``: one fused kernel (``kernels/snake.py``) when ``act`` runs fused, else torch ops.
 
     Only where ``act`` runs fused: ``in_bias`` ``[C]`` is the bias of the conv that produced ``x`` (run without
     it: PyTorch adds a cuDNN conv's bias in a full pass of its own), added before the activation; ``bias_into_x``
     ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path);
-    ``channels_last``: the result with its channels contiguous (fused only; the conv's form reads it so)."""
+    ``channels_last``: the result with its channels contiguous (fused only; the conv's form reads it so).
+    ``cat_op``: without an activation, the join and the tail as one op (``kernels/state_cat.py``) where autograd is
+    off and ``torch.compile`` is not tracing (the caller's ``kernels_on``)."""
     if act is not None and act.runs_fused(x):
         state = ctx.state_in[key] if num_state_cols else None
         if bias_into_x is not None:
@@ -51,6 +54,9 @@ def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: Str
         x, _ = act(x, lengths, ctx)  # [B, C, T]
     if not num_state_cols:
         return x
+    if cat_op and act is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        x_cat, ctx.state_out[key] = torch.ops.code2wav.state_cat(x, ctx.state_in[key], lengths)  # [B, C, P + T]
+        return x_cat
     x_cat = torch.cat([ctx.state_in[key].to(x.dtype), x], dim=2)  # [B, C, P + T]
     ctx.state_out[key] = gather_tail(x_cat, lengths, num_state_cols)  # [B, C, P]
     return x_cat
@@ -70,7 +76,8 @@ class CausalConv(StatefulBlock):
         # per shape (``kernels/conv_choice.py``)
         self.choice = ConvChoice() if groups == 1 and kernel_size > 1 and not self.one_output else None
         # depthwise (the ConvNeXt stage's): ``kernels/depthwise.py``'s kernel on CUDA where the family switched its
-        # kernels on (``kernels_on``, set by ``conv_choice.switch_kernels``), else cuDNN
+        # kernels on (``kernels_on``, set by ``conv_choice.switch_kernels``), else cuDNN; with no Snake before it,
+        # the state join and tail as one op then (``kernels/state_cat.py``)
         self.depthwise = groups > 1 and groups == in_channels == out_channels
         self.kernels_on = False
 
@@ -98,7 +105,7 @@ class CausalConv(StatefulBlock):
         channels_last = fused and self.choice is not None and self.choice.wants_channels_last(
             cat_shape, x.dtype, x.device, then_act is not None)
         x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols,
-                               bias_into_x, in_bias, channels_last)  # [B, C, P + T]
+                               bias_into_x, in_bias, channels_last, cat_op=self.kernels_on)  # [B, C, P + T]
         if self.choice is None:
             if then_act is not None or bias_later:
                 raise ValueError("then_act and bias_later need a conv with a ConvChoice (dense, k > 1)")
