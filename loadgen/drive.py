@@ -117,7 +117,7 @@ AUDIO_READY_TIMEOUT_S = 120.0
 async def _audio_ready(cuda_stream, spin: bool) -> None:
     """Wait until the CUDA audio of the chunk just decoded is ready: a CUDA IPC reply comes before the sidecar's
     step ends, and the audio is ready in the order of ``cuda_stream``, the stream the chunk was submitted on (one
-    per stream of the bench, so one stream's wait never queues behind another's later step). ``spin``: one caller
+    per concurrency slot of the bench, so one slot's wait never queues behind another's later step). ``spin``: one caller
     spins in its sync, as a runner's one thread does; with many, each waits in a worker thread on a blocking event
     (dozens spinning would take the CPUs the sidecar and the client's I/O thread need; ``transport_bench.py``)."""
     if spin:

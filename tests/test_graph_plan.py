@@ -168,7 +168,11 @@ def test_copy_in_stages_each_row_as_the_per_row_contract_says():
     gen = torch.Generator().manual_seed(3)
     full = [DecodeItem(torch.randn(model.num_channels, 16, generator=gen), slot, 0, options={option.name: 16000})
             for slot in range(6)]
-    routine.copy_in(8, 16, full)  # leaves every row and frame of the b8 x t16 bucket written
+    routine.copy_in(8, 16, full)  # rows of equal length (stacked); leaves every frame of the b8 x t16 bucket written
+    assert torch.equal(routine.inputs[:6, :, :16], torch.stack([item.codes for item in full]))
+    assert not routine.inputs[6:8, :, :16].any()
+    assert routine.slots[:8].tolist() == list(range(6)) + [arena.scratch_slot] * 2
+    assert routine.options[option.name][:8].tolist() == [16000] * 6 + [option.default] * 2
     ragged = [DecodeItem(torch.randn(model.num_channels, n, generator=gen), slot, 0, options=opts)
               for n, slot, opts in ((3, 4, {option.name: 24000}), (5, 1, {}), (1, 2, {}))]
     routine.copy_in(4, 8, ragged)  # a smaller bucket: 1 padding row, padded frames on every row

@@ -47,6 +47,12 @@ def _max_err(got, ref) -> float:
     return max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
 
 
+def _max_rel_err(got, ref) -> float:
+    """Largest error relative to the reference's size (at least 1): the kernels' division, sqrt and exp are the GPU's
+    approximate ones (a few ulp), and the gate's outputs reach the hundreds."""
+    return max(((g.float() - r.float()).abs() / r.float().abs().clamp(min=1.0)).max().item() for g, r in zip(got, ref))
+
+
 INTERPRETED = """
 import json, sys
 import torch
@@ -89,7 +95,8 @@ def test_the_expressions_are_the_transformers_own_steps():
     bf = [t.bfloat16() for t in (residual, x, scale, weight)]
     h_bf, normed_bf = layer_glue.add_rms_norm_reference(*bf, EPS)
     assert h_bf.dtype == normed_bf.dtype == torch.bfloat16
-    assert torch.equal(normed_bf, F.rms_norm(h_bf.float(), (h.shape[-1],), bf[3].float(), EPS).bfloat16())
+    expected = F.rms_norm(h_bf.float(), (h.shape[-1],), bf[3].float(), EPS)  # float32 math on the rounded h
+    assert ((normed_bf.float() - expected).abs() <= 0.0079 * expected.abs().clamp(min=1.0)).all()  # one bf16 step
     gate_up = _gate_input(GATE_CASES[1])
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(layer_glue.silu_mul_reference(gate_up), F.silu(gate) * up, atol=1e-6)
@@ -110,12 +117,13 @@ def test_ops_keep_leading_dimensions_and_check_shapes():
 
 @pytest.mark.cuda
 def test_cuda_kernels_match_the_torch_expressions():
-    """float32: the same numbers up to the order of a sum (the norm) and of exp (the gate); bf16: float32 math and
-    one rounding each, so within a bf16 step of the float32 expression of the same bf16 inputs."""
+    """float32: the same numbers up to the order of a sum and the GPU's approximate division, sqrt and exp (a few ulp
+    of each output, relative: the gate's outputs reach the hundreds); bf16: float32 math and one rounding each, so
+    within a bf16 step of the float32 expression of the same bf16 inputs."""
     for case in NORM_CASES:
         args = _norm_inputs(case, device="cuda")
         got = torch.ops.code2wav.add_rms_norm(*args, EPS)
-        assert _max_err(got, layer_glue.add_rms_norm_reference(*args, EPS)) < 1e-5, case
+        assert _max_rel_err(got, layer_glue.add_rms_norm_reference(*args, EPS)) < 1e-5, case
         bf = _norm_inputs(case, device="cuda", dtype=torch.bfloat16)
         got = torch.ops.code2wav.add_rms_norm(*bf, EPS)
         ref = layer_glue.add_rms_norm_reference(*bf, EPS)  # (float32 math on the same bf16 inputs, rounded once)
@@ -124,7 +132,7 @@ def test_cuda_kernels_match_the_torch_expressions():
     for case in GATE_CASES:
         gate_up = _gate_input(case, device="cuda")
         got = torch.ops.code2wav.silu_mul(gate_up)
-        assert _max_err([got], [layer_glue.silu_mul_reference(gate_up)]) < 1e-5, case
+        assert _max_rel_err([got], [layer_glue.silu_mul_reference(gate_up)]) < 1e-5, case
         bf = _gate_input(case, device="cuda", dtype=torch.bfloat16)
         got, ref = torch.ops.code2wav.silu_mul(bf), layer_glue.silu_mul_reference(bf)
         assert got.dtype == torch.bfloat16

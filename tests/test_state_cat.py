@@ -35,8 +35,8 @@ def _inputs(case, device="cpu", dtype=torch.float32, state_dtype=None, seed=0):
     x = torch.randn(batch, channels, num_cols, generator=gen).to(device=device, dtype=dtype)  # [B, C, T]
     if channels_last:
         x = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, channels contiguous
-    rows = torch.randn(batch, 3 + channels * num_state, generator=gen)  # arena rows
-    state = rows[:, 3:].view(batch, channels, num_state).to(device=device, dtype=state_dtype or dtype)  # strided
+    rows = torch.randn(batch, 3 + channels * num_state, generator=gen).to(device=device, dtype=state_dtype or dtype)
+    state = rows[:, 3:].view(batch, channels, num_state)  # [B, C, P]: arena rows' entry at offset 3, strided
     return x, state, torch.tensor(lengths, device=device)
 
 
@@ -86,6 +86,7 @@ def test_cuda_kernel_matches_the_torch_expression():
     for case in CASES:
         for dtype, state_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)):
             args = _inputs(case, device="cuda", dtype=dtype, state_dtype=state_dtype)
+            assert not args[1].is_contiguous()
             got, ref = torch.ops.code2wav.state_cat(*args), state_cat.reference(*args)
             for g, r in zip(got, ref):
                 assert g.dtype == dtype and torch.equal(g, r), (case, dtype, state_dtype)

@@ -62,7 +62,8 @@ def run(prof: bool, n: int, label: str):
                  ("c.sent1", "s.wake"), ("c.t0", "s.wake"), ("s.wake", "s.recv"), ("s.recv", "s.parsed"), ("s.parsed", "s.step0"),
                  ("s.step0", "s.loaded"), ("s.loaded", "s.items"), ("s.items", "s.decoded"), ("s.decoded", "s.stored"),
                  ("s.stored", "s.step1"), ("s.recv", "s.msg"), ("s.msg", "s.inputs"), ("s.inputs", "s.queued"),
-                 ("s.queued", "s.parsed"), ("s.step0", "s.queried"), ("s.queried", "s.loaded"), ("s.step1", "s.sent"), ("c.t0", "s.step1"), ("c.t0", "c.ret"), ("c.ret", "c.synced"), ("c.t0", "c.synced")]
+                 ("s.queued", "s.parsed"), ("s.parsed", "s.query0"), ("s.query0", "s.queried"),
+                 ("s.queried", "s.step0"), ("s.step1", "s.sent"), ("c.t0", "s.step1"), ("c.t0", "c.ret"), ("c.ret", "c.synced"), ("c.t0", "c.synced")]
         for a, b in marks:
             vals = []
             for cr, sr in list(zip(rows, srows))[50:]:

@@ -22,7 +22,7 @@ if os.environ.get("FINE") == "1":  # the parse step split: message decoded, inpu
     wrap(P, "decode_client_message", None, "msg")
     wrap(SS, "read_chunk_inputs", None, "inputs")
     wrap(SCH.Scheduler, "submit", None, "queued")
-    wrap(ST, "incomplete_codes_events", None, "queried")
+    wrap(ST, "incomplete_codes_events", "query0", "queried")  # in Stepper.step, before engine_step (step0)
 wrap(E.Engine, "decode", None, "decoded")
 wrap(ST, "store_audio", None, "stored")
 orig_flush = S.Server.flush
