@@ -65,7 +65,7 @@ class Sessions:
         self.arena = arena
         self.scheduler = scheduler
         self.metrics = metrics
-        self._arena_used = metrics.arena_slots.labels(model=model.name, kind="used")  # set after every step
+        self._arena_used = metrics.arena_slots.labels(model=model.name, kind="used")  # slots in use
         self.clock = clock
         self.boot_epoch = uuid.uuid4().hex
         self.server_id = f"code2wav-sidecar-{self.boot_epoch[:8]}"
@@ -188,7 +188,7 @@ class Sessions:
                 slot = self.arena.allocate()
             except ArenaFull as exc:
                 return self.out.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
-            self._update_arena_metrics()
+            self._arena_used.set(self.arena.num_used)
         stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
                         left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
         self.streams[stream.key] = stream
@@ -334,7 +334,7 @@ class Sessions:
         stream.finish_waiters.clear()
         self.metrics.streams_closed.labels(reason=reason).inc()
         self.metrics.active_streams.set(len(self.streams))
-        self._update_arena_metrics()
+        self._arena_used.set(self.arena.num_used)
 
     def _detach(self, stream: Stream) -> None:
         """Take ``stream`` out of the session's maps (no-op if it is not there any more)."""
@@ -351,7 +351,7 @@ class Sessions:
             if stream.closed and stream.slot is not None and stream.num_pending == 0:
                 self.arena.release(stream.slot)
                 stream.slot = None
-        self._update_arena_metrics()
+        self._arena_used.set(self.arena.num_used)
 
     def drop_client(self, identity: bytes, reason: str) -> None:
         client = self.clients.pop(identity, None)
@@ -397,7 +397,3 @@ class Sessions:
             stream, reason = self.close_backlog.popleft()
             self.abort_stream(stream, reason)
         return bool(self.close_backlog)
-
-    # ------------------------------------------------------------------ metrics
-    def _update_arena_metrics(self) -> None:
-        self._arena_used.set(self.arena.num_used)

@@ -94,6 +94,7 @@ class Stepper:
     async def step(self, batch: list) -> None:
         io, sessions = self.io, self.sessions
         mode = batch[0].stream.mode.name
+        series = self.metrics.mode_series(batch[0].stream.model, mode)
         now = time.monotonic()
         self.busy = True  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
         try:
@@ -125,13 +126,13 @@ class Stepper:
                 # forms in the queue until the device is done
                 io.flush()
                 await self.device_done()
-            self.metrics.mode_series(batch[0].stream.model, mode).step_seconds.observe(time.monotonic() - now)
+            series.step_seconds.observe(time.monotonic() - now)
         finally:
             self.busy = False
         self.metrics.queue_depth.set(len(self.scheduler))  # counted after the launch: off the latency path
         for job in batch:
             self.metrics.batch_wait.observe(now - job.arrived_s)
-        self.metrics.mode_series(batch[0].stream.model, mode).batch_size.observe(len(batch))
+        series.batch_size.observe(len(batch))
         sessions.release_in_flight(batch)
         io.flush()
         io.poll_until = time.monotonic() + io.busy_poll_s

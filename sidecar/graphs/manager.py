@@ -66,7 +66,7 @@ class BucketState:
     live_peak: tuple[int, int] = (0, 0)  # (num_slices, bytes): the step's live peak, measured at its last warm-up
     graph: Any = None
     output: Tensor | None = None
-    replays: Any = None  # its graph_replays child (looked up at the first replay)
+    replays: Any = None  # its graph_replays child (looked up once captured)
 
 
 def max_split_bytes(environ: Mapping[str, str]) -> float:
@@ -201,6 +201,7 @@ class GraphManager:
         state.pool_bytes = max(0, added)
         self.pool_bytes += state.pool_bytes
         self.metrics.graph_captures.labels(**labels).inc()
+        state.replays = self.metrics.graph_replays.labels(**labels)
         self.metrics.graph_capture_seconds.labels(**labels).set(state.capture_s)
         self.metrics.graph_bytes.labels(**labels).set(state.pool_bytes)
         self.metrics.graph_pool_bytes.set(self.pool_bytes)
@@ -361,8 +362,6 @@ class GraphManager:
         routine.copy_in(key.batch, key.frames, items)
         state.graph.replay()
         outputs = routine.copy_out(state.output, items)  # copied out before any later replay
-        if state.replays is None:
-            state.replays = self.metrics.graph_replays.labels(component=key.mode, bucket=key.label)
         state.replays.inc()
         return outputs
 

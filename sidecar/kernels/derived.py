@@ -20,6 +20,13 @@ from torch import Tensor
 T = TypeVar("T")
 
 
+def kernel_forms() -> bool:
+    """Whether a block may take its inference form (derived weights, ``code2wav::*`` ops, in-place outputs): autograd
+    off (derived weights are detached copies and the ops have no backward) and ``torch.compile`` not tracing
+    (Inductor fuses the plain form itself, and data-pointer checks cannot be traced)."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def _identity(t: Tensor) -> tuple:
     """What changes when a tensor is moved, cast or written in place."""
     try:

@@ -94,10 +94,17 @@ def reference(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, leng
         return y, y.new_empty((x.shape[0], x.shape[1], 0))
     if lengths is None:
         raise ValueError("snake_cat with a state needs lengths (where each row's tail ends)")
-    cat = torch.cat([state.to(x.dtype), y], dim=2)  # [B, C, P + T]
+    return cat_with_tail(y, state, lengths)
+
+
+def cat_with_tail(y: Tensor, state: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """``(cat([state, y]) [B, C, P + T], tail [B, C, P])`` in ``y``'s dtype: the tail is the ``P`` columns of the cat
+    that end at each row's last valid column of ``y`` (``lengths``). The torch expression of ``snake_cat``'s and
+    ``state_cat``'s bookkeeping."""
+    cat = torch.cat([state.to(y.dtype), y], dim=2)  # [B, C, P + T]
     num_cols = state.shape[2]
-    index = lengths.to(x.device)[:, None] + torch.arange(num_cols, device=x.device)[None, :]  # [B, P]
-    tail = torch.gather(cat, 2, index[:, None, :].expand(x.shape[0], x.shape[1], num_cols))  # [B, C, P]
+    index = lengths.to(y.device)[:, None] + torch.arange(num_cols, device=y.device)[None, :]  # [B, P]
+    tail = torch.gather(cat, 2, index[:, None, :].expand(y.shape[0], y.shape[1], num_cols))  # [B, C, P]
     return cat, tail
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .snake import cat_with_tail
+
 try:  # optional, as for snake.py
     import triton
     import triton.language as tl
@@ -33,12 +35,9 @@ BLOCK_CHANNELS = 32
 
 
 def reference(x: Tensor, state: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """The torch expression (CPU implementation; what the kernel is tested against): ``(x_cat, tail)``."""
-    num_state = state.shape[2]
-    x_cat = torch.cat([state.to(x.dtype), x], dim=2)  # [B, C, P + T]
-    offsets = torch.arange(num_state, device=x.device)  # [P]
-    index = (lengths.to(x.device)[:, None] + offsets[None, :])[:, None, :]  # [B, 1, P]
-    tail = torch.gather(x_cat, 2, index.expand(x.shape[0], x.shape[1], num_state))  # [B, C, P]
+    """The torch expression (CPU implementation; what the kernel is tested against): ``(x_cat, tail)``, ``snake_cat``'s
+    bookkeeping without the Snake."""
+    x_cat, tail = cat_with_tail(x, state, lengths)  # [B, C, P + T], [B, C, P]
     return x_cat.contiguous(), tail
 
 

@@ -73,19 +73,13 @@ def frame_weight(weight: Tensor) -> Tensor:
     return weight.detach().permute(2, 1, 0).reshape(ksize * c_out, c_in).contiguous()  # [s C_out, C_in]
 
 
-def frames_allowed() -> bool:
-    """Where ``FrameTransposedConv`` may run: autograd off (its weight copy is detached) and ``torch.compile`` not
-    tracing (its kept copy is checked by data pointer, which Dynamo cannot trace; Inductor forms the conv itself)."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-
 class FrameTransposedConv:
     """A transposed conv whose kernel equals its stride ``s`` (an upsampling stage with no overlap between frames):
     output frame ``t`` sees input frame ``t`` alone, so there is no state and the conv is one ``F.linear``:
     ``[B, T, C_in] @ [C_in, s C_out]`` plus the bias (cuBLAS's epilogue), whose output ``[B, T, s, C_out]`` is
     ``[B, C_out, T s]`` channels-last. cuDNN runs it as a backward-data conv wrapped in layout conversions of its
     input, weight and output. The weight's copy is kept as ``derived.py`` says; for that, callers run it only where
-    ``frames_allowed()``."""
+    ``derived.kernel_forms()``."""
 
     def __init__(self, stride: int) -> None:
         self.stride = stride

@@ -20,6 +20,7 @@ from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.o
 from ...kernels import state_cat as _registers_state_cat  # noqa: F401  (torch.ops.code2wav.state_cat)
 from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
+from ...kernels.derived import kernel_forms
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx, gather_tail
 
@@ -34,8 +35,8 @@ def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: Str
     it: PyTorch adds a cuDNN conv's bias in a full pass of its own), added before the activation; ``bias_into_x``
     ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path);
     ``channels_last``: the result with its channels contiguous (fused only; the conv's form reads it so).
-    ``cat_op``: without an activation, the join and the tail as one op (``kernels/state_cat.py``) where autograd is
-    off and ``torch.compile`` is not tracing (the caller's ``kernels_on``)."""
+    ``cat_op``: where ``act`` does not run fused, the join and the tail as one op (``kernels/state_cat.py``) where
+    ``derived.kernel_forms()`` (the caller's ``kernels_on``)."""
     if act is not None and act.runs_fused(x):
         state = ctx.state_in[key] if num_state_cols else None
         if bias_into_x is not None:
@@ -54,7 +55,7 @@ def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: Str
         x, _ = act(x, lengths, ctx)  # [B, C, T]
     if not num_state_cols:
         return x
-    if cat_op and act is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if cat_op and kernel_forms():
         x_cat, ctx.state_out[key] = torch.ops.code2wav.state_cat(x, ctx.state_in[key], lengths)  # [B, C, P + T]
         return x_cat
     x_cat = torch.cat([ctx.state_in[key].to(x.dtype), x], dim=2)  # [B, C, P + T]
@@ -76,8 +77,8 @@ class CausalConv(StatefulBlock):
         # per shape (``kernels/conv_choice.py``)
         self.choice = ConvChoice() if groups == 1 and kernel_size > 1 and not self.one_output else None
         # depthwise (the ConvNeXt stage's): ``kernels/depthwise.py``'s kernel on CUDA where the family switched its
-        # kernels on (``kernels_on``, set by ``conv_choice.switch_kernels``), else cuDNN; with no Snake before it,
-        # the state join and tail as one op then (``kernels/state_cat.py``)
+        # kernels on (``kernels_on``, set by ``conv_choice.switch_kernels``), else cuDNN; where no fused Snake
+        # joins its state, the state join and tail as one op then (``kernels/state_cat.py``)
         self.depthwise = groups > 1 and groups == in_channels == out_channels
         self.kernels_on = False
 
@@ -155,7 +156,7 @@ class CausalTransConv(StatefulBlock):
                                  None if bias_later else self.conv.bias, in_bias)  # [B, C_out, T * s] channels-last
             ctx.state_out[self.state_key] = tail  # [B, C_in, 1]
             return y, lengths * self.stride
-        if self.frames is not None and act is None and in_bias is None and transposed.frames_allowed():
+        if self.frames is not None and act is None and in_bias is None and kernel_forms():
             y = self.frames(x, self.conv.weight, None if bias_later else self.conv.bias)  # [B, C_out, T s] (CL)
             return y, lengths * self.stride
         x = _activated_cat(act, x, lengths, ctx, self.state_key, num_prev, in_bias=in_bias)  # [B, C, P + T]
@@ -237,7 +238,7 @@ class ResidualUnit(nn.Module):
         # in place: x (the previous layer's output, used by nobody after this unit) becomes the output, so the
         # step's largest activations are not allocated twice (graph pool memory). Dynamo refuses a strided out=
         # (Inductor plans the memory itself), and autograd any out=: there the same sum runs out of place.
-        in_place = not (torch.compiler.is_compiling() or torch.is_grad_enabled())
+        in_place = kernel_forms()
         bias_in_kernel = folds_biases(self.act1, x)  # implies in_place
         if bias_in_kernel:  # act2(conv1(act1(x))), x += in_bias + conv2's bias on the way
             h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias, in_bias=in_bias,

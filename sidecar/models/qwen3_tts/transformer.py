@@ -26,15 +26,14 @@ from torch import Tensor, nn
 from ...kernels import layer_glue as _registers_layer_glue  # noqa: F401  (code2wav::add_rms_norm, ::silu_mul)
 from ...kernels import rope_cache as _registers_rope_kv_cache  # noqa: F401  (torch.ops.code2wav.rope_kv_cache)
 from ...kernels import window_inputs  # (registers torch.ops.code2wav.window_inputs)
-from ...kernels.derived import DerivedTensor
+from ...kernels.derived import DerivedTensor, kernel_forms
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
 
 
 def few_kernels() -> bool:
-    """Whether the layers take their few-kernel form (see the module docstring): autograd off, not under
-    ``torch.compile``."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    """Whether the layers take their few-kernel form (see the module docstring): ``derived.kernel_forms()``."""
+    return kernel_forms()
 
 
 class StackedWeights:

@@ -21,7 +21,7 @@ from ...kernels import matmul_choice
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import state_cat as _registers_state_cat  # noqa: F401  (torch.ops.code2wav.state_cat)
 from ...kernels import transposed
-from ...kernels.derived import DerivedTensor
+from ...kernels.derived import DerivedTensor, kernel_forms
 from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 
 
@@ -106,8 +106,8 @@ class CausalConv(StatefulBlock):
         # the last layer (one output channel): Snake and the conv in one kernel (``kernels/snake_conv.py``)
         self.one_output = out_channels == 1 and dilation == 1 and groups == 1 and kernel_size > 1
         self.register_buffer("tail_offsets", torch.arange(self.num_state_cols), persistent=False)  # [P]
-        # with no Snake before it: the state join and tail as one op (``kernels/state_cat.py``) where the family
-        # switched its kernels on (set by ``conv_choice.switch_kernels``)
+        # where its Snake does not run fused: the state join and tail as one op (``kernels/state_cat.py``) where the
+        # family switched its kernels on (set by ``conv_choice.switch_kernels``)
         self.kernels_on = False
 
     def state_shape(self) -> tuple[int, ...] | None:
@@ -131,8 +131,7 @@ class CausalConv(StatefulBlock):
         else:
             if act is not None:
                 x, _ = act(x, lengths, ctx)  # [B, C, T]
-            if self.num_state_cols and act is None and self.kernels_on and not torch.is_grad_enabled() \
-                    and not torch.compiler.is_compiling():
+            if self.num_state_cols and self.kernels_on and kernel_forms():
                 x, ctx.state_out[self.state_key] = torch.ops.code2wav.state_cat(
                     x, ctx.state_in[self.state_key], lengths)  # [B, C, P + T], [B, C, P]
             elif self.num_state_cols:
@@ -195,7 +194,7 @@ class CausalTransConv(StatefulBlock):
 class ScaleBias(nn.Module):
     """Sample-rate conditioning: ``x * scale_embed[b] + bias_embed[b]`` per row ``b``'s bucket, per channel.
 
-    Where autograd is off and ``torch.compile`` is not tracing (the sidecar's steps), both tables are looked up as
+    Where ``derived.kernel_forms()`` (the sidecar's steps), both tables are looked up as
     one (``[buckets, 2C]``, made once: ``kernels/derived.py``): one kernel fewer per block at batch 1."""
 
     def __init__(self, num_buckets: int, channels: int) -> None:
@@ -205,7 +204,7 @@ class ScaleBias(nn.Module):
         self._tables: DerivedTensor[Tensor] = DerivedTensor()
 
     def forward(self, x: Tensor, sr_bucket: Tensor) -> Tensor:
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if kernel_forms():
             sources = [self.scale_embed.weight, self.bias_embed.weight]
             table = self._tables.get(sources, lambda: torch.cat([w.detach() for w in sources], dim=1))  # [K, 2C]
             scale, bias = F.embedding(sr_bucket, table)[:, :, None].chunk(2, dim=1)  # [B, C, 1] each
