@@ -9,7 +9,7 @@ What it computes, for ``x`` ``[B, C, T]``, per-channel parameters and an optiona
 - optionally, ``x + in_bias`` in place of ``x`` (the bias of the conv before, left out of that conv), and
   ``x += in_bias + bias`` written back over ``x`` (``snake_cat_add_bias_``: a residual unit's skip path);
 - ``tail[b] = cat[b, :, len_b : len_b + P]`` ``[B, C, P]`` (the state the next chunk needs: the ``P`` columns
-  that end at row ``b``'s last valid step, ``len_b`` from ``lengths``), what ``gather_tail`` computes.
+  that end at row ``b``'s last valid step, ``len_b`` from ``lengths``), what ``cat_with_tail`` computes.
 
 Written with torch ops, that is ``mul, sin, square, mul, add`` (each a full pass over the largest tensors of the
 decoder), a ``cat`` and a gather: about ten kernels and as many passes over memory. Here it is one read of ``x``,

@@ -2,7 +2,7 @@
 
 ``state_cat(x [B, C, T], state [B, C, P], lengths [B]) -> (x_cat [B, C, P + T], tail [B, C, P])``:
 ``x_cat = cat([state, x], dim=2)`` in ``x``'s dtype (the state cast to it) and ``tail[b] = x_cat[b, :, len_b :
-len_b + P]``, the ``P`` columns that end at row ``b``'s last valid input: the next call's state (``gather_tail``).
+len_b + P]``, the ``P`` columns that end at row ``b``'s last valid input: the next call's state (``snake.cat_with_tail``).
 ``lengths`` must lie in ``[0, T]`` (not checked: that would cost a sync). Both outputs contiguous. Pure copies:
 the same numbers as the torch form.
 

@@ -21,8 +21,8 @@ from ...kernels import state_cat as _registers_state_cat  # noqa: F401  (torch.o
 from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
 from ...kernels.derived import kernel_forms
-from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
-from .streaming import StatefulBlock, StreamCtx, gather_tail
+from ...kernels.snake import cat_with_tail, folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
+from .streaming import StatefulBlock, StreamCtx
 
 
 def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
@@ -58,8 +58,7 @@ def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: Str
     if cat_op and kernel_forms():
         x_cat, ctx.state_out[key] = torch.ops.code2wav.state_cat(x, ctx.state_in[key], lengths)  # [B, C, P + T]
         return x_cat
-    x_cat = torch.cat([ctx.state_in[key].to(x.dtype), x], dim=2)  # [B, C, P + T]
-    ctx.state_out[key] = gather_tail(x_cat, lengths, num_state_cols)  # [B, C, P]
+    x_cat, ctx.state_out[key] = cat_with_tail(x, ctx.state_in[key], lengths)  # [B, C, P + T], [B, C, P]
     return x_cat
 
 

@@ -1,4 +1,5 @@
-"""Streaming plumbing shared by the decoder's blocks: the per-call context and the state-tail gather.
+"""Streaming plumbing shared by the decoder's blocks: the per-call context (the state-tail gather is
+``kernels/snake.py``'s ``cat_with_tail``).
 
 Every stateful block owns one named entry of the stream state. A call hands the blocks a batch of rows,
 each with its own number of valid time steps (``lengths``; positions past it are right padding). A block
@@ -22,19 +23,6 @@ class StreamCtx:
 
     state_in: dict[str, Tensor]
     state_out: dict[str, Tensor] = field(default_factory=dict)
-
-
-def gather_tail(x_cat: Tensor, lengths: Tensor, num_cols: int) -> Tensor:
-    """Columns ``[len_b, len_b + num_cols)`` of each row of ``x_cat`` ``[B, C, P + T]``.
-
-    With ``P == num_cols`` state columns in front, these are the last ``num_cols`` columns that end at the
-    row's last valid input: exactly the state the next call needs.
-    """
-    batch, channels, _ = x_cat.shape
-    offsets = torch.arange(num_cols, device=x_cat.device)  # [P]
-    index = (lengths.to(x_cat.device)[:, None] + offsets[None, :])  # [B, P]
-    index = index[:, None, :].expand(batch, channels, num_cols)  # [B, C, P]
-    return torch.gather(x_cat, 2, index)  # [B, C, P]
 
 
 class StatefulBlock(torch.nn.Module):
