@@ -552,8 +552,11 @@ def test_decoders_stream_the_same_with_fused_kernels(_tf32_off, spec, sizes):
     # reached 1.37e-5 on the H200, so 2e-5 (an indexing error would be of the order of the audio itself)
     for got, ref in zip(fused_audio, plain_audio):
         assert (got - ref).abs().max().item() < 2e-5
-    for key, ref in plain_state.items():  # activations up to ~10: float32 rounding relative to their size
-        assert (fused_state[key] - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item()), key
+    # activations up to ~10: float32 rounding relative to their size. The fused path also runs the transformer's
+    # norms and gates as Triton kernels (another summation order), and the Qwen3-TTS decoder's last state
+    # (`decoder.6`, after every upsampling stage) reached 1.006e-5 of its largest value on the H200: 2e-5
+    for key, ref in plain_state.items():
+        assert (fused_state[key] - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item()), key
 
 
 @cuda

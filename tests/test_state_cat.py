@@ -86,7 +86,7 @@ def test_cuda_kernel_matches_the_torch_expression():
     for case in CASES:
         for dtype, state_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)):
             args = _inputs(case, device="cuda", dtype=dtype, state_dtype=state_dtype)
-            assert not args[1].is_contiguous()
+            assert case[0] == 1 or not args[1].is_contiguous()  # one row of the arena is contiguous, more are not
             got, ref = torch.ops.code2wav.state_cat(*args), state_cat.reference(*args)
             for g, r in zip(got, ref):
                 assert g.dtype == dtype and torch.equal(g, r), (case, dtype, state_dtype)
