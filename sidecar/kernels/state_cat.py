@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .derived import kernel_forms
 from .snake import cat_with_tail
 
 try:  # optional, as for snake.py
@@ -104,6 +105,15 @@ def state_cat(x: Tensor, state: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor
 def _(x: Tensor, state: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
     check_shapes(x, state, lengths)
     return _empty_outputs(x, state.shape[2])
+
+
+def join(x: Tensor, state: Tensor, lengths: Tensor, op: bool) -> tuple[Tensor, Tensor]:
+    """``(x_cat [B, C, P + T], tail [B, C, P])`` for a stateful conv whose input no fused Snake joined: this op where
+    ``op`` (the block's ``kernels_on``) and ``derived.kernel_forms()``, else the torch expression
+    (``snake.cat_with_tail``). Both families' blocks join their state through here."""
+    if op and kernel_forms():
+        return torch.ops.code2wav.state_cat(x, state, lengths)
+    return cat_with_tail(x, state, lengths)
 
 
 def run_interpreted(x: Tensor, state: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:

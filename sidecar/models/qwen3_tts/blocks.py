@@ -17,11 +17,11 @@ from torch import Tensor, nn
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
 from ...kernels import conv_gemm as _registers_conv_snake  # noqa: F401  (torch.ops.code2wav.conv_snake)
 from ...kernels import depthwise as _registers_depthwise  # noqa: F401  (torch.ops.code2wav.depthwise_snake)
-from ...kernels import state_cat as _registers_state_cat  # noqa: F401  (torch.ops.code2wav.state_cat)
+from ...kernels import state_cat  # (registers torch.ops.code2wav.state_cat)
 from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
 from ...kernels.derived import kernel_forms
-from ...kernels.snake import cat_with_tail, folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
+from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 from .streaming import StatefulBlock, StreamCtx
 
 
@@ -35,8 +35,8 @@ def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: Str
     it: PyTorch adds a cuDNN conv's bias in a full pass of its own), added before the activation; ``bias_into_x``
     ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path);
     ``channels_last``: the result with its channels contiguous (fused only; the conv's form reads it so).
-    ``cat_op``: where ``act`` does not run fused, the join and the tail as one op (``kernels/state_cat.py``) where
-    ``derived.kernel_forms()`` (the caller's ``kernels_on``)."""
+    ``cat_op``: where ``act`` does not run fused, the join and the tail as one op (``state_cat.join``; the caller's
+    ``kernels_on``)."""
     if act is not None and act.runs_fused(x):
         state = ctx.state_in[key] if num_state_cols else None
         if bias_into_x is not None:
@@ -55,10 +55,7 @@ def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: Str
         x, _ = act(x, lengths, ctx)  # [B, C, T]
     if not num_state_cols:
         return x
-    if cat_op and kernel_forms():
-        x_cat, ctx.state_out[key] = torch.ops.code2wav.state_cat(x, ctx.state_in[key], lengths)  # [B, C, P + T]
-        return x_cat
-    x_cat, ctx.state_out[key] = cat_with_tail(x, ctx.state_in[key], lengths)  # [B, C, P + T], [B, C, P]
+    x_cat, ctx.state_out[key] = state_cat.join(x, ctx.state_in[key], lengths, op=cat_op)  # [B, C, P + T], [B, C, P]
     return x_cat
 
 

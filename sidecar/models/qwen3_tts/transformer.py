@@ -31,11 +31,6 @@ from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
 
 
-def few_kernels() -> bool:
-    """Whether the layers take their few-kernel form (see the module docstring): ``derived.kernel_forms()``."""
-    return kernel_forms()
-
-
 class StackedWeights:
     """The weights (and biases) of several ``nn.Linear`` stacked by rows, so their GEMMs over one input run as
     one; made once and kept as ``kernels/derived.py`` says (made again when a source parameter changed)."""
@@ -60,7 +55,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if few_kernels():  # one kernel on CUDA; the same maths, rounded once at the end
+        if kernel_forms():  # one kernel on CUDA; the same maths, rounded once at the end
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -77,7 +72,7 @@ class LayerScale(nn.Module):
 
     def add_scaled(self, residual: Tensor, x: Tensor) -> Tensor:
         """``residual + scale * x``: one kernel in the few-kernel form."""
-        if few_kernels():
+        if kernel_forms():
             return torch.addcmul(residual, self.scale, x)
         return residual + self(x)
 
@@ -92,7 +87,7 @@ class MLP(nn.Module):
         self.kernels_on = False  # the gate as one op (kernels/layer_glue.py), set by ``conv_choice.switch_kernels``
 
     def forward(self, x: Tensor) -> Tensor:
-        if few_kernels():
+        if kernel_forms():
             weight, _ = self.gate_up.get()
             gate_up = F.linear(x, weight)  # [B, T, 2I]
             if self.kernels_on:
@@ -260,7 +255,7 @@ class PreTransformer(nn.Module):
     def forward(self, x: Tensor, start_positions: Tensor, lengths: Tensor, ctx: StreamCtx) -> Tensor:
         num_new = x.shape[1]
         cache_index = None
-        if few_kernels() and self.kernels_on:  # one op (kernels/window_inputs.py)
+        if kernel_forms() and self.kernels_on:  # one op (kernels/window_inputs.py)
             cos, signed_sin, mask, cache_index = torch.ops.code2wav.window_inputs(
                 start_positions, lengths, self.inverse_frequencies(x.device), num_new, self.window, x.dtype)
             rope = (cos, signed_sin)
@@ -268,10 +263,10 @@ class PreTransformer(nn.Module):
             positions = start_positions[:, None] + torch.arange(num_new, device=x.device)[None, :]  # [B, T]
             rope = self.rope(positions, x.dtype)
             mask = self.window_mask(start_positions, num_new)
-            if few_kernels():
+            if kernel_forms():
                 rope, cache_index = self.few_kernel_inputs(rope, lengths)
         h = self.input_proj(x)  # [B, T, hidden]
-        if few_kernels() and self.kernels_on:  # each residual add with the norm after it (kernels/layer_glue.py)
+        if kernel_forms() and self.kernels_on:  # each residual add with the norm after it (kernels/layer_glue.py)
             norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
             normed = norms[0](h)  # [B, T, hidden]
             for layer, next_norm in zip(self.layers, norms[1:]):

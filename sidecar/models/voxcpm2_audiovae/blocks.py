@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from ...kernels import depthwise  # (registers torch.ops.code2wav.depthwise_snake)
 from ...kernels import matmul_choice
 from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (torch.ops.code2wav.snake_conv_out)
-from ...kernels import state_cat as _registers_state_cat  # noqa: F401  (torch.ops.code2wav.state_cat)
+from ...kernels import state_cat  # (registers torch.ops.code2wav.state_cat)
 from ...kernels import transposed
 from ...kernels.derived import DerivedTensor, kernel_forms
-from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
+from ...kernels.snake import cat_with_tail, folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
 
 
 @dataclass
@@ -32,16 +32,6 @@ class StreamCtx:
     state_in: dict[str, Tensor]
     state_out: dict[str, Tensor] = field(default_factory=dict)
     sr_bucket: Tensor | None = None  # [B] long, the sample-rate bucket of each row
-
-
-def gather_tail(x_cat: Tensor, lengths: Tensor, offsets: Tensor) -> Tensor:
-    """Columns ``[len_b, len_b + P)`` of each row of ``x_cat`` ``[B, C, P + T]`` (``P == len(offsets)`` state
-    columns in front; ``offsets`` is ``arange(P)``, a buffer of the block): the last ``P`` columns ending at the
-    row's last valid input."""
-    batch, channels, _ = x_cat.shape
-    num_cols = offsets.shape[0]
-    index = lengths.to(x_cat.device)[:, None] + offsets[None, :]  # [B, P]
-    return torch.gather(x_cat, 2, index[:, None, :].expand(batch, channels, num_cols))  # [B, C, P]
 
 
 def depthwise_taps(x: Tensor, weight: Tensor, bias: Tensor, dilation: int) -> Tensor:
@@ -105,7 +95,6 @@ class CausalConv(StatefulBlock):
         self.num_state_cols = (kernel_size - 1) * dilation
         # the last layer (one output channel): Snake and the conv in one kernel (``kernels/snake_conv.py``)
         self.one_output = out_channels == 1 and dilation == 1 and groups == 1 and kernel_size > 1
-        self.register_buffer("tail_offsets", torch.arange(self.num_state_cols), persistent=False)  # [P]
         # where its Snake does not run fused: the state join and tail as one op (``kernels/state_cat.py``) where the
         # family switched its kernels on (set by ``conv_choice.switch_kernels``)
         self.kernels_on = False
@@ -131,12 +120,9 @@ class CausalConv(StatefulBlock):
         else:
             if act is not None:
                 x, _ = act(x, lengths, ctx)  # [B, C, T]
-            if self.num_state_cols and self.kernels_on and kernel_forms():
-                x, ctx.state_out[self.state_key] = torch.ops.code2wav.state_cat(
-                    x, ctx.state_in[self.state_key], lengths)  # [B, C, P + T], [B, C, P]
-            elif self.num_state_cols:
-                x = torch.cat([ctx.state_in[self.state_key].to(x.dtype), x], dim=2)  # [B, C, P + T]
-                ctx.state_out[self.state_key] = gather_tail(x, lengths, self.tail_offsets)  # [B, C, P]
+            if self.num_state_cols:
+                x, ctx.state_out[self.state_key] = state_cat.join(x, ctx.state_in[self.state_key], lengths,
+                                                                  op=self.kernels_on)  # [B, C, P + T], [B, C, P]
         is_depthwise = self.groups > 1 and self.groups == self.in_channels == self.weight.shape[0]  # no multiplier
         if is_depthwise and torch.compiler.is_compiling():
             return depthwise_taps(x, self.weight, self.bias, self.dilation), lengths  # [B, C, T], fused by Inductor
@@ -159,7 +145,6 @@ class CausalTransConv(StatefulBlock):
         self.bias = nn.Parameter(torch.zeros(out_channels))
         self.in_channels = in_channels
         self.stride = stride
-        self.register_buffer("tail_offsets", torch.arange(1), persistent=False)  # [1]
         self.pairs = transposed.SnakeThenTransposedConv(stride)  # where the Snake runs fused
 
     def state_shape(self) -> tuple[int, ...] | None:
@@ -183,8 +168,7 @@ class CausalTransConv(StatefulBlock):
         if act is not None:
             x, _ = act(x, lengths, ctx)  # [B, Cin, L]
         prev = ctx.state_in[self.state_key].to(x.dtype)  # [B, Cin, 1]
-        x_cat = torch.cat([prev, x], dim=2)  # [B, Cin, 1 + L]
-        ctx.state_out[self.state_key] = gather_tail(x_cat, lengths, self.tail_offsets)  # [B, Cin, 1]
+        _, ctx.state_out[self.state_key] = cat_with_tail(x, prev, lengths)  # [B, Cin, 1]: the last valid frame
         y = F.conv_transpose1d(x, self.weight, self.bias, stride=s)[:, :, :num_in * s]  # [B, Cout, L * s]
         carry = torch.einsum("bc,cok->bok", prev[:, :, 0], self.weight[:, :, s:])  # [B, Cout, s]
         head = y[:, :, :s] + carry  # [B, Cout, s]
