@@ -31,6 +31,7 @@ CASES = [  # (log_params, state columns, batch, channels, columns, lengths)
     (False, 18, 2, 3, 1030, [1030, 1024]),  # the tail crosses a block edge
     (False, 6, 1, 2, 1, [1]),  # one column: a first chunk at the frame rate
     (True, 6, 2, 40, 130, [125, 130]),  # channels-last: row 0's tail crosses a column tile of the tiled kernel
+    (False, 6, 2, 200, 70, [60, 70]),  # several channel tiles (snake.tile_for); the tails cross a column tile
 ]
 
 
@@ -126,6 +127,14 @@ def _conv_inputs(case, device="cpu", dtype=torch.float32, seed=0):
             log_params, weight.to(**to), bias.to(**to))
 
 
+def _conv_bias_inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    """``_conv_inputs`` plus ``in_bias`` ``[C]`` (biases still pending on ``x``: the activation is of ``x +
+    in_bias``)."""
+    args = _conv_inputs(case, device, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 3)
+    return (*args, torch.randn(args[0].shape[1], generator=gen).to(device=device, dtype=dtype))
+
+
 DW_CASES = [  # (log_params, batch, channels, output columns, kernel size, dilation, Snake after)
     (False, 2, 3, 37, 7, 1, True),
     (False, 1, 2, 1, 7, 9, True),  # one output column from a 55-column input (a first chunk at dilation 9)
@@ -198,6 +207,8 @@ def _interpreted(module: str, cases: str, inputs: str, tolerance: str, run: str,
     ("transposed", "PAIRS_CASES", "_pairs_inputs", "5e-6",  # Snake into frame pairs (the tiled kernel)
      "transposed.run_interpreted", "transposed.reference"),
     ("snake_conv", "CONV_CASES", "_conv_inputs", "_conv_tol(ref, 2e-6)",  # the last layer: Snake + conv to 1 channel
+     "snake_conv.run_interpreted", "snake_conv.reference"),
+    ("snake_conv", "CONV_CASES", "_conv_bias_inputs", "_conv_tol(ref, 2e-6)",  # ... of x plus pending biases
      "snake_conv.run_interpreted", "snake_conv.reference"),
     ("depthwise", "DW_CASES", "_dw_inputs", "_conv_tol(ref, 2e-6)", "_dw_interpreted", "_dw_reference"),
 ])
@@ -492,12 +503,12 @@ def test_cuda_bias_variant_adds_in_float32_and_rounds_once(_tf32_off):
 
 @cuda
 def test_cuda_last_layer_kernel_matches_snake_then_conv(_tf32_off):
-    for case in CONV_CASES:
-        args = _conv_inputs(case, device="cuda")
+    for case, inputs in itertools.product(CONV_CASES, (_conv_inputs, _conv_bias_inputs)):  # with pending biases
+        args = inputs(case, device="cuda")
         got = torch.ops.code2wav.snake_conv_out(*args)
         ref = snake_conv.reference(*args)
         assert _max_err(got, ref) < _conv_tol(ref, 2e-6), case
-        bf = _conv_inputs(case, device="cuda", dtype=torch.bfloat16)
+        bf = inputs(case, device="cuda", dtype=torch.bfloat16)
         got = torch.ops.code2wav.snake_conv_out(*bf)  # same roundings as snake_cat + a bf16 conv, sums reordered
         ref = snake_conv.reference(*bf)
         assert _max_err(got, ref) <= _conv_tol(ref, 2 * 0.0079), case  # 2 ulps: cuDNN rounds its own way

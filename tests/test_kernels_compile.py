@@ -27,12 +27,15 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    pointer_types = dict(POINTER_TYPES)
+    if constexprs.get("HAS_STATE") is False:  # the Snake launchers pass x as lengths without a state (never read)
+        pointer_types["lengths_ptr"] = f"*{dtype}"
     signature = {}
     for param in kernel.params:
         if param.is_constexpr:
             signature[param.name] = "constexpr"
         elif param.name.endswith("_ptr"):
-            signature[param.name] = POINTER_TYPES.get(param.name, f"*{dtype}")
+            signature[param.name] = pointer_types.get(param.name, f"*{dtype}")
         else:
             signature[param.name] = "i32"
     missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
@@ -49,31 +52,34 @@ def _variants():
                                           state_cat, window_inputs)
 
     for dtype in ("bf16", "fp32"):
+        sine = 2 if dtype == "bf16" else snake.SINE  # snake.sine_for: sin.approx for 16-bit CUDA tensors
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
                                              (True, True, False), (False, False, False)):
             for log_params in (True, False):
                 yield (f"snake_cat-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-log{log_params:d}",
                        snake._snake_cat_kernel, dtype,
                        dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
-                            SINE=snake.SINE, BLOCK=snake.BLOCK_COLS), {})
+                            SINE=sine, BLOCK=snake.BLOCK_COLS), {})
             for pairs in (False, True):  # the tiled kernel: channels-last in or out, and transposed.py's pairs
                 yield (f"snake_cat_tile-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-pairs{pairs:d}",
                        snake._snake_cat_tile_kernel, dtype,
                        dict(LOG_PARAMS=True, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
-                            SINE=snake.SINE, PAIRS=pairs, BLOCK_C=snake.BLOCK_TILE[0], BLOCK_T=snake.BLOCK_TILE[1]),
+                            SINE=sine, PAIRS=pairs, STATE_PROGRAM=has_state and not add_bias,
+                            BLOCK_C=snake.BLOCK_TILE[0], BLOCK_T=snake.BLOCK_TILE[1], BLOCK_P=64),
                        {})
-        yield (f"snake_conv_out-taps-{dtype}", snake_conv._tap_sums_kernel, dtype,
-               dict(LOG_PARAMS=True, SINE=snake.SINE, KSIZE=7, BLOCK_C=snake_conv.BLOCK_CHANNELS,
-                    BLOCK_T=snake_conv.BLOCK_SAMPLES, BLOCK_P=8), {})
+        for in_bias in (True, False):
+            yield (f"snake_conv_out-taps-{dtype}-in{in_bias:d}", snake_conv._tap_sums_kernel, dtype,
+                   dict(HAS_IN_BIAS=in_bias, LOG_PARAMS=True, SINE=sine, IEEE=dtype == "fp32", KSIZE=7, BLOCK_K=16,
+                        BLOCK_C=snake_conv.BLOCK_CHANNELS, BLOCK_T=snake_conv.BLOCK_SAMPLES, BLOCK_P=8), {})
         yield (f"snake_conv_out-sum-{dtype}", snake_conv._shifted_sum_kernel, dtype,
                dict(KSIZE=7, BLOCK_T=snake_conv.BLOCK_SAMPLES), {})
         for activate in (True, False):
             yield (f"depthwise-{dtype}-act{activate:d}", depthwise._depthwise_kernel, dtype,
-                   dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=snake.SINE,
+                   dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=sine,
                         BLOCK=depthwise.BLOCK_COLS), {})
             for block_c in (depthwise.BLOCK_CL[1], 4):  # a wide layer's tile, and the narrowest tile a layer gets
                 yield (f"depthwise_cl-{dtype}-act{activate:d}-c{block_c}", depthwise._depthwise_cl_kernel, dtype,
-                       dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=snake.SINE,
+                       dict(KSIZE=7, DILATION=9, ACTIVATE=activate, LOG_PARAMS=False, SINE=sine,
                             BLOCK_T=depthwise.BLOCK_CL[0], BLOCK_C=block_c), {})
         for heads, dim in ((16, 64), (3, 6)):  # the shipped transformer's heads, and neither a power of two
             yield (f"rope_kv_cache-{dtype}-h{heads}-d{dim}", rope_cache._rope_kv_cache_kernel, dtype,
@@ -92,7 +98,7 @@ def _variants():
     for i, config in enumerate(conv_gemm.CONFIGS):  # bf16 only: ConvChoice offers the GEMM kernel for bf16/fp16
         for has_bias, activate in ((True, True), (False, False), (True, False)):
             yield (f"conv_gemm-config{i}-bias{has_bias:d}-act{activate:d}", conv_gemm._conv_kernel, "bf16",
-                   dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, SINE=snake.SINE, IEEE=False,
+                   dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, SINE=2, IEEE=False,
                         BLOCK_CO=config.block_co,
                         BLOCK_T=config.block_t, BLOCK_CI=config.block_ci),
                    dict(num_warps=config.num_warps, num_stages=config.num_stages))

@@ -43,7 +43,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import SINE, snake_apply, snake_scale_inv
+    from .snake import sine_for, snake_apply, snake_scale_inv
 
 
 class Config(NamedTuple):
@@ -138,7 +138,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha
                        beta if has_act and log_params else any_ptr, y, c_in, c_out, num_cols_out,
                        x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), weight.stride(2),
                        ksize, dilation, HAS_BIAS=bias is not None, ACTIVATE=has_act,
-                       LOG_PARAMS=log_params, SINE=SINE, IEEE=x.dtype == torch.float32,
+                       LOG_PARAMS=log_params, SINE=sine_for(x), IEEE=x.dtype == torch.float32,
                        BLOCK_CO=config.block_co, BLOCK_T=config.block_t, BLOCK_CI=config.block_ci,
                        num_warps=config.num_warps, num_stages=config.num_stages)
     return y

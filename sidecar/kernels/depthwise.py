@@ -37,7 +37,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import SINE, snake_apply, snake_scale_inv
+    from .snake import sine_for, snake_apply, snake_scale_inv
 
 BLOCK_COLS = 1024
 """Output columns per program (as ``snake.BLOCK_COLS``)."""
@@ -143,7 +143,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
     params = alpha if has_act else bias  # any valid pointer when there is no Snake (never read)
     args = (x, weight.contiguous(), bias, params, beta if log_params and has_act else params, y,
             channels, num_cols_out, x.stride(0), x.stride(1), x.stride(2))
-    flags = dict(KSIZE=ksize, DILATION=dilation, ACTIVATE=has_act, LOG_PARAMS=log_params, SINE=SINE, num_warps=4)
+    flags = dict(KSIZE=ksize, DILATION=dilation, ACTIVATE=has_act, LOG_PARAMS=log_params, SINE=sine_for(x),
+                 num_warps=4)
     if channels_last(x):
         block_t, block_c = BLOCK_CL[0], min(BLOCK_CL[1], triton.next_power_of_2(channels))
         grid = (triton.cdiv(num_cols_out, block_t), triton.cdiv(channels, block_c), batch)

@@ -22,8 +22,13 @@ Under ``torch.compile`` a decoder keeps its torch expression instead (Inductor f
 each family's ``use_fused_kernels`` switches its Snake modules to this op. Triton is optional: without it
 ``available()`` is False and the decoder keeps its torch expression everywhere.
 
+The launcher picks, per call, the tiled kernel's tile (``tile_for``) and the sine (``sine_for``: the hardware's
+``sin.approx`` for 16-bit activations on CUDA, ``sin_squared`` for float32); with a state, the tiled kernel
+writes the state columns and the tail from a program of their own (``_snake_cat_tile_kernel``).
+
 Over 300 lines: one computation in two kernels (a channel row per program, and tiles for channels-last inputs and
-outputs and ``transposed.py``'s frame pairs), their one launcher and the two ops with their CPU expressions.
+outputs and ``transposed.py``'s frame pairs, with its state program), their one launcher and its two choices, and
+the two ops with their CPU expressions.
 """
 
 from __future__ import annotations
@@ -44,23 +49,6 @@ BLOCK_COLS = 1024
 def available() -> bool:
     """Whether the Triton kernel can run (Triton importable)."""
     return triton is not None
-
-
-def folds_biases(act, x: Tensor) -> bool:
-    """Whether a family's blocks around ``act`` (a Snake module with ``runs_fused``) take their fused, in-place form:
-    conv biases moved into the next kernel (``in_bias``), a residual unit's skip path written over its input
-    (``snake_cat_add_bias_``, then ``baddbmm(out=x)``). Where ``act`` runs fused (CUDA, not under ``torch.compile``)
-    and autograd is off (in-place writes)."""
-    return act.runs_fused(x) and not torch.is_grad_enabled()
-
-
-def run_chain(layers, x: Tensor, lengths: Tensor, ctx, in_bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Run ``layers`` (a family's blocks or residual units, each ``layer(x, lengths, ctx, in_bias=...)``) in order;
-    the first gets ``in_bias``, the bias the conv before them left out (``folds_biases``; None: nothing pending)."""
-    for layer in layers:
-        x, lengths = layer(x, lengths, ctx, in_bias=in_bias)
-        in_bias = None
-    return x, lengths
 
 
 def set_fused(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
@@ -207,45 +195,75 @@ if triton is not None:
                                stride_ob, stride_oc, stride_ot,
                                LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
                                HAS_IN_BIAS: tl.constexpr, SINE: tl.constexpr, PAIRS: tl.constexpr,
-                               BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+                               STATE_PROGRAM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+                               BLOCK_P: tl.constexpr):
         """``_snake_cat_kernel`` over ``[BLOCK_C, BLOCK_T]`` tiles, for an ``x`` whose channels are contiguous
         (channels-last) and for the ``PAIRS`` output (``transposed.py``): Triton loads and stores each along its
         contiguous axis (a stride of 1 is specialised) and transposes the tile in between. ``PAIRS``: the output is
-        ``[B, P + T - 1, 2, C]``, cat column ``u`` written as tap 0 of frame ``u`` and as tap 1 of frame ``u - 1``."""
-        cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] columns of cat
+        ``[B, P + T - 1, 2, C]``, cat column ``u`` written as tap 0 of frame ``u`` and as tap 1 of frame ``u - 1``.
+
+        ``STATE_PROGRAM`` (with a state, without ``ADD_BIAS``): the tiles cover the columns of ``x`` alone, and one
+        more program per row and channel block (the last along axis 0, ``_state_and_tail``) writes the state
+        columns and the tail. Merged into the tiles (the form ``ADD_BIAS`` keeps, since its tail must be computed
+        before a tile writes ``x`` over), the state's load and the tail's store, whose contiguous axis is the
+        columns, made Triton lay the whole channels-last tile out along the columns: on the H200 those calls ran
+        at about 1 TB/s against 4 TB/s for the same call without a state (docs/performance.md)."""
         chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
         b = tl.program_id(2).to(tl.int64)
         total = num_cols_in + num_state_cols
         c_in = chans < num_channels
-        inside = c_in[:, None] & (cols < total)[None, :]  # [BLOCK_C, BLOCK_T]
         scale, inv = snake_scale_inv(tl.load(alpha_ptr + chans, mask=c_in, other=1.0).to(tl.float32),
                                      tl.load(beta_ptr + chans, mask=c_in, other=0.0).to(tl.float32), LOG_PARAMS)
-        is_new = inside & (cols >= num_state_cols)[None, :]
-        x_at = x_ptr + b * stride_xb + chans[:, None] * stride_xc + (cols - num_state_cols)[None, :] * stride_xt
-        x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32)
         if HAS_IN_BIAS:
-            x = x + tl.load(in_bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
-        if ADD_BIAS:
-            shifted = x + tl.load(bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
-            tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
-        y = snake_apply(x, scale[:, None], inv[:, None], SINE)
-        if HAS_STATE:
-            # Only the tiles that hold state columns (the first) or part of the new tail run this part: masked, it
-            # costs every tile one predicated scalar load and store per element, several times the vector path's
-            # instructions (the state and the tail are a few columns, read and written across the grain).
-            first = tl.program_id(0) * BLOCK_T
-            if first < num_state_cols:
-                is_old = (cols < num_state_cols)[None, :]
-                old = tl.load(state_ptr + b * stride_sb + chans[:, None] * stride_sc + cols[None, :] * stride_st,
-                              mask=inside & is_old, other=0.0).to(tl.float32)
-                y = tl.where(is_old, old, y)
-            length = tl.load(lengths_ptr + b)
-            if (first < length + num_state_cols) & (first + BLOCK_T > length):
-                k = cols - length  # column of the new state
-                in_tail = inside & ((k >= 0) & (k < num_state_cols))[None, :]
-                tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :],
-                         y.to(tail_ptr.dtype.element_ty), mask=in_tail)
-        y = y.to(out_ptr.dtype.element_ty)
+            shift = tl.load(in_bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)
+        else:
+            shift = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if STATE_PROGRAM:
+            state_pid = tl.num_programs(0) - 1
+        else:
+            state_pid = tl.num_programs(0)  # no program
+        if tl.program_id(0) == state_pid:
+            if STATE_PROGRAM:  # (compiled only then: without a state, lengths_ptr is any pointer, never read)
+                _state_and_tail(x_ptr, state_ptr, lengths_ptr, out_ptr, tail_ptr, b, chans, c_in, scale, inv, shift,
+                                num_channels, num_state_cols, total, stride_xb, stride_xc, stride_xt,
+                                stride_sb, stride_sc, stride_st, stride_ob, stride_oc, stride_ot,
+                                SINE=SINE, PAIRS=PAIRS, BLOCK_P=BLOCK_P)
+        else:
+            if STATE_PROGRAM:  # columns of x only: the state's are the last program's
+                cols = num_state_cols + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] of cat
+            else:
+                cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] columns of cat
+            inside = c_in[:, None] & (cols < total)[None, :]  # [BLOCK_C, BLOCK_T]
+            is_new = inside & (cols >= num_state_cols)[None, :]
+            x_at = x_ptr + b * stride_xb + chans[:, None] * stride_xc + (cols - num_state_cols)[None, :] * stride_xt
+            x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32) + shift[:, None]
+            if ADD_BIAS:  # x += in_bias + bias in place: float32 sums, one rounding
+                shifted = x + tl.load(bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
+                tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
+            y = snake_apply(x, scale[:, None], inv[:, None], SINE)
+            if HAS_STATE and (STATE_PROGRAM == 0):
+                # Only the tiles that hold state columns (the first) or part of the new tail run this part: masked,
+                # it costs every tile one predicated scalar load and store per element.
+                first = tl.program_id(0) * BLOCK_T
+                if first < num_state_cols:
+                    is_old = (cols < num_state_cols)[None, :]
+                    old = tl.load(state_ptr + b * stride_sb + chans[:, None] * stride_sc + cols[None, :] * stride_st,
+                                  mask=inside & is_old, other=0.0).to(tl.float32)
+                    y = tl.where(is_old, old, y)
+                length = tl.load(lengths_ptr + b)
+                if (first < length + num_state_cols) & (first + BLOCK_T > length):
+                    k = cols - length  # column of the new state
+                    in_tail = inside & ((k >= 0) & (k < num_state_cols))[None, :]
+                    tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :],
+                             y.to(tail_ptr.dtype.element_ty), mask=in_tail)
+            _store_cat(out_ptr, y.to(out_ptr.dtype.element_ty), b, chans, cols, inside, total, num_channels,
+                       stride_ob, stride_oc, stride_ot, PAIRS)
+
+    @triton.jit
+    def _store_cat(out_ptr, y, b, chans, cols, inside, total, num_channels, stride_ob, stride_oc, stride_ot,
+                   PAIRS: tl.constexpr):
+        """Write the cat tile ``y`` ``[BLOCK_C, columns]`` (columns ``cols`` of the cat), or with ``PAIRS`` each
+        column ``u`` as tap 0 of frame ``u`` and tap 1 of frame ``u - 1``."""
         out_at = out_ptr + b * stride_ob + chans[:, None] * stride_oc + cols[None, :] * stride_ot
         if PAIRS:
             tl.store(out_at, y, mask=inside & (cols < total - 1)[None, :])  # tap 0 of frame u
@@ -253,24 +271,70 @@ if triton is not None:
         else:
             tl.store(out_at, y, mask=inside)
 
+    @triton.jit
+    def _state_and_tail(x_ptr, state_ptr, lengths_ptr, out_ptr, tail_ptr, b, chans, c_in, scale, inv, shift,
+                        num_channels, num_state_cols, total, stride_xb, stride_xc, stride_xt,
+                        stride_sb, stride_sc, stride_st, stride_ob, stride_oc, stride_ot,
+                        SINE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr):
+        """The state program of ``_snake_cat_tile_kernel``: the cat's first ``P`` columns (the state, as stored) and
+        ``tail = cat[:, len : len + P]``, each column from the state or, past it, Snake of ``x`` computed as the
+        tiles compute it (so the tail equals the cat's columns bit for bit)."""
+        k = tl.arange(0, BLOCK_P)  # [BLOCK_P]
+        keep = c_in[:, None] & (k < num_state_cols)[None, :]  # [BLOCK_C, BLOCK_P]
+        s_row = state_ptr + b * stride_sb + chans[:, None] * stride_sc
+        old = tl.load(s_row + k[None, :] * stride_st, mask=keep, other=0.0)
+        _store_cat(out_ptr, old.to(out_ptr.dtype.element_ty), b, chans, k, keep, total, num_channels,
+                   stride_ob, stride_oc, stride_ot, PAIRS)
+        u = tl.load(lengths_ptr + b) + k  # [BLOCK_P] cat columns of the tail
+        from_state = (u < num_state_cols)[None, :]
+        tail_old = tl.load(s_row + u[None, :] * stride_st, mask=keep & from_state, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + b * stride_xb + chans[:, None] * stride_xc + (u - num_state_cols)[None, :] * stride_xt,
+                    mask=keep & (u >= num_state_cols)[None, :], other=0.0).to(tl.float32) + shift[:, None]
+        y = snake_apply(x, scale[:, None], inv[:, None], SINE).to(tail_ptr.dtype.element_ty)
+        tail = tl.where(from_state, tail_old.to(tail_ptr.dtype.element_ty), y)
+        tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :], tail, mask=keep)
+
 
 BLOCK_TILE = (32, 128)
-"""``(channels, columns)`` per program of the tiled kernel."""
+"""``(channels, columns)`` per program of the tiled kernel before ``tile_for`` (kept for probes that compare)."""
+
+TILE_ELEMENTS = 4096
+"""Elements per program of the tiled kernel (``tile_for``): 32 per thread at four warps."""
+
+
+def tile_for(num_channels: int, add_bias: bool) -> tuple[int, int]:
+    """``(channels, columns)`` per program of the tiled kernel: 64 channels (32 for ``snake_cat_add_bias_``; fewer
+    where ``num_channels``' next power of two is less) and columns to fill ``TILE_ELEMENTS``. Measured per kind of
+    call on the H200 (``loadgen/probes/snake_tiles.py``, bf16, 64 x 25 frames, docs/performance.md): 64 x 64 was
+    the fastest or within 3% of it for ``snake_cat`` and the pairs, 32 x 128 for ``snake_cat_add_bias_``. Pure."""
+    block_c = min(1 << max(num_channels - 1, 0).bit_length(), 32 if add_bias else 64)
+    return block_c, TILE_ELEMENTS // block_c
+
+
+def sine_for(x: Tensor) -> int:
+    """The sine (``snake_apply``'s ``SINE``) for activations ``x``: the hardware's ``sin.approx`` (2) for 16-bit
+    CUDA tensors, ``sin_squared`` (1) otherwise. ``sin.approx``'s absolute error (about ``2^-21`` plus ``|z| *
+    2^-22``) stays far below half a bf16 or fp16 unit of the activation it feeds (``2^-9`` of it and more), and it
+    cuts the Snake kernels' instructions: on the H200 the bf16 step's Snake calls took 15-30% less with it
+    (docs/performance.md). float32 keeps ``sin_squared``, as accurate as ``sinf``. Triton's interpreter (CPU tensors)
+    cannot run the inline instruction."""
+    return 2 if x.is_cuda and x.element_size() == 2 else SINE
 
 
 SINE = 1
-"""The sine the kernels applying Snake take (``snake_apply``'s ``SINE``): ``sin_squared``, as accurate as float32
-``sinf`` where activations live and about a third of its code."""
+"""The sine of float32 activations (``sine_for``; ``snake_apply``'s ``SINE``): ``sin_squared``, as accurate as
+float32 ``sinf`` where activations live and about a third of its code."""
 
 
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
             log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None,
-            pairs: bool = False, channels_last: bool = False, block_tile: tuple[int, int] = BLOCK_TILE,
-            sine: int = SINE) -> tuple[Tensor, Tensor]:
+            pairs: bool = False, channels_last: bool = False, block_tile: tuple[int, int] | None = None,
+            sine: int | None = None, num_warps: int = 4) -> tuple[Tensor, Tensor]:
     """The kernels' launcher: ``(cat [B, C, P + T], tail [B, C, P])`` (``cat`` channels-last with
     ``channels_last``), or with ``pairs``, ``(pairs [B, P + T - 1, 2 * C], tail)`` (``transposed.py``). Where
     ``x``'s columns are contiguous and ``cat`` is not channels-last, the one-channel-per-program kernel; otherwise
-    the tiled one. ``block_tile`` and ``sine`` for probes that compare them."""
+    the tiled one, its tile from ``tile_for`` unless ``block_tile``, its sine from ``sine_for`` unless ``sine``.
+    ``block_tile``, ``sine`` and the tiled kernel's ``num_warps`` for probes that compare them."""
     batch, channels, num_cols_in = x.shape
     num_state_cols = 0 if state is None else state.shape[2]
     total = num_state_cols + num_cols_in
@@ -295,12 +359,16 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
             channels, num_cols_in, num_state_cols,
             x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2))
     flags = dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=bias is not None,
-                 HAS_IN_BIAS=in_bias is not None, SINE=sine)
+                 HAS_IN_BIAS=in_bias is not None, SINE=sine_for(x) if sine is None else sine)
     if pairs or channels_last or x.stride(2) != 1:
-        block_c, block_t = block_tile
-        grid = (triton.cdiv(total, block_t), triton.cdiv(channels, block_c), batch)
-        _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, BLOCK_C=block_c, BLOCK_T=block_t,
-                                     num_warps=4)
+        block_c, block_t = block_tile or tile_for(channels, bias is not None)
+        state_program = has_state and bias is None  # see _snake_cat_tile_kernel
+        num_blocks = triton.cdiv(num_cols_in, block_t) + 1 if state_program else triton.cdiv(total, block_t)
+        grid = (num_blocks, triton.cdiv(channels, block_c), batch)
+        _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, STATE_PROGRAM=state_program,
+                                     BLOCK_C=block_c, BLOCK_T=block_t,
+                                     BLOCK_P=triton.next_power_of_2(max(num_state_cols, 1)),
+                                     num_warps=num_warps)
     else:
         grid = (triton.cdiv(total, BLOCK_COLS), channels, batch)
         _snake_cat_kernel[grid](*args, **flags, BLOCK=BLOCK_COLS, num_warps=4)

@@ -21,36 +21,31 @@ from ...kernels import state_cat  # (registers torch.ops.code2wav.state_cat)
 from ...kernels import matmul_choice, transposed
 from ...kernels.conv_choice import ConvChoice
 from ...kernels.derived import kernel_forms
-from ...kernels.snake import folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
+from ...kernels import snake as _registers_snake_cat  # noqa: F401  (torch.ops.code2wav.snake_cat*)
+from ...kernels.pending import BiasSum, folds_biases, run_chain
 from .streaming import StatefulBlock, StreamCtx
 
 
 def _activated_cat(act: "SnakeBeta | None", x: Tensor, lengths: Tensor, ctx: StreamCtx, key: str,
-                   num_state_cols: int, bias_into_x: Tensor | None = None, in_bias: Tensor | None = None,
-                   channels_last: bool = False, cat_op: bool = False) -> Tensor:
+                   num_state_cols: int, in_bias: Tensor | None = None, channels_last: bool = False,
+                   cat_op: bool = False) -> Tensor:
     """``[state, act(x)]`` ``[B, C, P + T]`` (just ``act(x)`` without state), the new state tail written to
     ``ctx.state_out[key]``: one fused kernel (``kernels/snake.py``) when ``act`` runs fused, else torch ops.
 
-    Only where ``act`` runs fused: ``in_bias`` ``[C]`` is the bias of the conv that produced ``x`` (run without
-    it: PyTorch adds a cuDNN conv's bias in a full pass of its own), added before the activation; ``bias_into_x``
-    ``[C]``: the kernel also writes ``x + in_bias + bias_into_x`` over ``x`` (a residual unit's skip path);
-    ``channels_last``: the result with its channels contiguous (fused only; the conv's form reads it so).
-    ``cat_op``: where ``act`` does not run fused, the join and the tail as one op (``state_cat.join``; the caller's
-    ``kernels_on``)."""
+    Only where ``act`` runs fused: ``in_bias`` ``[C]`` is the sum of the biases still pending on ``x``
+    (``pending.run_chain``: a conv's bias left out of it, since PyTorch adds a cuDNN conv's bias in a full pass of
+    its own, and the residual units' 1x1 biases), added before the activation; ``channels_last``: the result with
+    its channels contiguous (fused only; the conv's form reads it so). ``cat_op``: where ``act`` does not run
+    fused, the join and the tail as one op (``state_cat.join``; the caller's ``kernels_on``)."""
     if act is not None and act.runs_fused(x):
         state = ctx.state_in[key] if num_state_cols else None
-        if bias_into_x is not None:
-            x_cat, tail = torch.ops.code2wav.snake_cat_add_bias_(x, state, act.alpha, act.beta, lengths, True,
-                                                                 bias_into_x, in_bias,
-                                                                 channels_last)  # [B, C, P + T]
-        else:
-            x_cat, tail = torch.ops.code2wav.snake_cat(x, state, act.alpha, act.beta, lengths, True,
-                                                       in_bias, channels_last)  # [B, C, P + T]
+        x_cat, tail = torch.ops.code2wav.snake_cat(x, state, act.alpha, act.beta, lengths, True,
+                                                   in_bias, channels_last)  # [B, C, P + T]
         if num_state_cols:
             ctx.state_out[key] = tail  # [B, C, P]
         return x_cat
-    if bias_into_x is not None or in_bias is not None:
-        raise ValueError("bias_into_x and in_bias need the fused kernel (act.runs_fused(x))")
+    if in_bias is not None:
+        raise ValueError("in_bias needs the fused kernel (act.runs_fused(x))")
     if act is not None:
         x, _ = act(x, lengths, ctx)  # [B, C, T]
     if not num_state_cols:
@@ -85,16 +80,16 @@ class CausalConv(StatefulBlock):
         return self.depthwise and self.kernels_on and x.is_cuda and not torch.compiler.is_compiling()
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: "SnakeBeta | None" = None,
-                bias_into_x: Tensor | None = None, in_bias: Tensor | None = None, bias_later: bool = False,
+                in_bias: Tensor | None = None, bias_later: bool = False,
                 then_act: "SnakeBeta | None" = None) -> tuple[Tensor, Tensor]:
         """``act``: the activation before this conv, applied here (fused with the state concatenation);
-        ``bias_into_x``, ``in_bias``: see ``_activated_cat``; ``bias_later``: the output without this conv's bias
-        (the caller hands it to the next kernel as its ``in_bias``); ``then_act`` (only where ``folds_biases``, on
-        a conv with a ``choice``): return ``then_act(conv(x) + bias)``, in the conv's epilogue where the chosen
-        form has one."""
+        ``in_bias``: see ``_activated_cat``; ``bias_later``: the output without this conv's bias (the caller
+        hands it on as pending, ``pending.run_chain``); ``then_act`` (only where ``folds_biases``, on a conv with a
+        ``choice``): return ``then_act(conv(x) + bias)``, in the conv's epilogue where the chosen form has one."""
         if self.one_output and act is not None and act.runs_fused(x):
             y, tail = torch.ops.code2wav.snake_conv_out(x, ctx.state_in[self.state_key], act.alpha, act.beta,
-                                                        lengths, True, self.conv.weight, self.conv.bias)  # [B, 1, T]
+                                                        lengths, True, self.conv.weight, self.conv.bias,
+                                                        in_bias)  # [B, 1, T]
             ctx.state_out[self.state_key] = tail  # [B, C, P]
             return y, lengths
         fused = act is not None and act.runs_fused(x)  # x_cat comes from a Snake kernel: either layout, same cost
@@ -102,7 +97,7 @@ class CausalConv(StatefulBlock):
         channels_last = fused and self.choice is not None and self.choice.wants_channels_last(
             cat_shape, x.dtype, x.device, then_act is not None)
         x_cat = _activated_cat(act, x, lengths, ctx, self.state_key, self.num_state_cols,
-                               bias_into_x, in_bias, channels_last, cat_op=self.kernels_on)  # [B, C, P + T]
+                               in_bias, channels_last, cat_op=self.kernels_on)  # [B, C, P + T]
         if self.choice is None:
             if then_act is not None or bias_later:
                 raise ValueError("then_act and bias_later need a conv with a ConvChoice (dense, k > 1)")
@@ -208,16 +203,18 @@ class ConvNeXt(nn.Module):
 class ResidualUnit(nn.Module):
     """``x + conv2(act2(conv1(act1(x))))`` with ``conv1`` causal k7 dilation ``d`` and ``conv2`` k1.
 
-    ``conv2`` and the residual add run as one batched matmul, ``(x + bias) + W @ act2(h)`` (``baddbmm``: the
-    residual, with the bias added to it in place first, is read in the GEMM's epilogue), written over ``x``: the
-    unit consumes its input (out of place under ``torch.compile`` and autograd). ``conv2`` stays a module for its
-    checkpoint names; its ``forward`` is not called. On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of
-    a step take 1.59 ms that way with the adds included, against 2.51 ms as cuDNN convs before the adds. Where
-    ``act1`` runs fused, its kernel (which reads ``x`` anyway) adds the bias to ``x`` in the same pass
-    (``code2wav::snake_cat_add_bias_``): the separate in-place add was a full read and write of the unit's input,
-    PyTorch's generic ``add`` kernel on a strided tensor, the top kernel of the batch-16 profile (3.73 ms). In
-    float32 on a channels-last stream the GEMM is ``matmul_choice.residual_matmul_``'s (cuBLAS or the 3xTF32
-    kernel over ``[B T, C]`` rows, whichever measured faster)."""
+    ``conv2`` and the residual add run as one batched matmul, ``x + W @ act2(h)`` (``baddbmm``: the residual is
+    read in the GEMM's epilogue), written over ``x``: the unit consumes its input (out of place under
+    ``torch.compile`` and autograd). ``conv2`` stays a module for its checkpoint names; its ``forward`` is not
+    called. On the H200 (bf16, batch 16 x 25 frames) the six 1x1 convs of a step take 1.59 ms that way with the
+    adds included, against 2.51 ms as cuDNN convs before the adds. Where ``act1`` runs fused (``folds_biases``),
+    ``conv2``'s bias is not added to ``x`` at all: it joins the pending biases the unit passes on
+    (``pending.run_chain``), and the next kernel that reads the stream adds their sum. Adding it here took a full
+    read and write of the unit's input: PyTorch's ``add`` on a strided tensor was the top kernel of the batch-16
+    profile (3.73 ms); written back by the Snake kernel in the same pass, that kernel still reached half the
+    bandwidth of the plain ``snake_cat`` (docs/performance.md). In float32 on a channels-last stream the GEMM is
+    ``matmul_choice.residual_matmul_``'s (cuBLAS or the 3xTF32 kernel over ``[B T, C]`` rows, whichever measured
+    faster)."""
 
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
@@ -226,30 +223,31 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
         self.matmul_choice = matmul_choice.MatmulChoice()  # conv2's GEMM form in place (float32: 3xTF32 or cuBLAS)
+        self.in_bias = BiasSum()  # the pending biases' sum, added by act1's kernel
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
-                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``in_bias``: the bias of the conv that produced ``x`` (only where ``folds_biases``), still to add."""
+                pending: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """``pending``: biases that belong to ``x`` but are not in it (only where ``folds_biases``;
+        ``pending.run_chain``). Returns ``(x, lengths, pending)``."""
         conv = self.conv2.conv
         # in place: x (the previous layer's output, used by nobody after this unit) becomes the output, so the
         # step's largest activations are not allocated twice (graph pool memory). Dynamo refuses a strided out=
         # (Inductor plans the memory itself), and autograd any out=: there the same sum runs out of place.
         in_place = kernel_forms()
-        bias_in_kernel = folds_biases(self.act1, x)  # implies in_place
-        if bias_in_kernel:  # act2(conv1(act1(x))), x += in_bias + conv2's bias on the way
-            h, _ = self.conv1(x, lengths, ctx, act=self.act1, bias_into_x=conv.bias, in_bias=in_bias,
+        if folds_biases(self.act1, x):  # implies in_place: act2(conv1(act1(x + pending))), conv2's bias pending
+            h, _ = self.conv1(x, lengths, ctx, act=self.act1, in_bias=self.in_bias(pending),
                               then_act=self.act2)  # [B, C, T]
-        elif in_bias is not None:  # its skip path would need it too: only the in-kernel form adds it there
-            raise ValueError("in_bias needs the in-place fused form (folds_biases, autograd off)")
-        else:
-            h, _ = self.conv1(x, lengths, ctx, act=self.act1)  # [B, C, T]
-            h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
+            x = matmul_choice.residual_matmul_(x, conv.weight[:, :, 0], h, self.matmul_choice)  # [B, C, T]
+            return x, lengths, (*pending, conv.bias)
+        if pending:  # its skip path would need them too: only the fused form carries them on
+            raise ValueError("pending biases need the fused form (folds_biases, autograd off)")
+        h, _ = self.conv1(x, lengths, ctx, act=self.act1)  # [B, C, T]
+        h = _activated_cat(self.act2, h, lengths, ctx, self.conv2.state_key, 0)  # [B, C, T] (k1: no state)
         if not in_place:
             weight = conv.weight[:, :, 0].expand(h.shape[0], -1, -1)  # [B, C, C] (stride 0 over the batch)
-            return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths  # [B, C, T]
-        if not bias_in_kernel:
-            x.add_(conv.bias[None, :, None])  # [B, C, T]
-        return matmul_choice.residual_matmul_(x, conv.weight[:, :, 0], h, self.matmul_choice), lengths  # [B, C, T]
+            return torch.baddbmm(x + conv.bias[None, :, None], weight, h), lengths, ()  # [B, C, T]
+        x.add_(conv.bias[None, :, None])  # [B, C, T]
+        return matmul_choice.residual_matmul_(x, conv.weight[:, :, 0], h, self.matmul_choice), lengths, ()
 
 
 class StreamSequential(nn.ModuleList):
@@ -273,11 +271,14 @@ class DecoderBlock(nn.Module):
             ResidualUnit(out_dim, 3),
             ResidualUnit(out_dim, 9),
         ])
+        self.in_bias = BiasSum()  # the previous block's pending biases' sum, added by the Snake before upsampling
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
-                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``in_bias``: the bias of the conv before this block (only where ``folds_biases``), still to add."""
+                pending: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """``pending``: biases still to add to ``x`` (only where ``folds_biases``; ``pending.run_chain``). Returns
+        ``(x, lengths, pending)``: the upsampling conv's bias and the units' 1x1 biases stay pending."""
         act, upsample, *units = self.block
         fold = folds_biases(act, x)
-        x, lengths = upsample(x, lengths, ctx, act=act, in_bias=in_bias, bias_later=fold)  # [B, C_out, T * r]
-        return run_chain(units, x, lengths, ctx, upsample.conv.bias if fold else None)  # [B, C_out, T * r]
+        x, lengths = upsample(x, lengths, ctx, act=act, in_bias=self.in_bias(pending),
+                              bias_later=fold)  # [B, C_out, T * r]
+        return run_chain(units, x, lengths, ctx, (upsample.conv.bias,) if fold else ())  # [B, C_out, T * r]

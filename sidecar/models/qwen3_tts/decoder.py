@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels import conv_choice
-from ...kernels.snake import folds_biases, run_chain
+from ...kernels.pending import BiasSum, folds_biases, run_chain
 from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
 from .config import DecoderConfig
 from .streaming import StatefulBlock, StreamCtx
@@ -109,6 +109,7 @@ class Qwen3TTSDecoder(nn.Module):
                 module.state_key = name
                 self._stateful[name] = module
         self.register_buffer("codebook_table", torch.empty(0), persistent=False)
+        self.out_bias = BiasSum()  # the blocks' pending biases' sum, added by the last Snake kernel
 
     def refresh_codebooks(self) -> None:
         """Recompute the lookup table after weights change (load, dtype or device move)."""
@@ -150,10 +151,10 @@ class Qwen3TTSDecoder(nn.Module):
         for stage in net.upsample:
             x, lengths = stage(x, lengths, ctx)  # [B, latent, T * r]
         first_conv, *blocks, act, out_conv = net.decoder
-        fold = folds_biases(act, x) and bool(blocks)  # the first conv's bias added by the first block's first kernel
+        fold = folds_biases(act, x)  # biases left pending, added by the next kernel that reads x (run_chain)
         x, lengths = first_conv(x, lengths, ctx, bias_later=fold)  # [B, decoder_dim, T]
-        x, lengths = run_chain(blocks, x, lengths, ctx, first_conv.conv.bias if fold else None)  # [B, C, T * R]
-        wav, _ = out_conv(x, lengths, ctx, act=act)  # [B, 1, T * U]
+        x, lengths, pending = run_chain(blocks, x, lengths, ctx, (first_conv.conv.bias,) if fold else ())
+        wav, _ = out_conv(x, lengths, ctx, act=act, in_bias=self.out_bias(pending))  # [B, 1, T * U]
         return wav.clamp(-1.0, 1.0).float()[:, 0], ctx.state_out  # [B, T * U]
 
     def forward(self, codes: Tensor) -> Tensor:

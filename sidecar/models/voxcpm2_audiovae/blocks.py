@@ -22,7 +22,8 @@ from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (t
 from ...kernels import state_cat  # (registers torch.ops.code2wav.state_cat)
 from ...kernels import transposed
 from ...kernels.derived import DerivedTensor, kernel_forms
-from ...kernels.snake import cat_with_tail, folds_biases, run_chain  # (registers torch.ops.code2wav.snake_cat*)
+from ...kernels.pending import BiasSum, folds_biases, run_chain
+from ...kernels.snake import cat_with_tail  # (registers torch.ops.code2wav.snake_cat*)
 
 
 @dataclass
@@ -228,18 +229,20 @@ class ResidualUnit(nn.Module):
             CausalConv(channels, channels, 1),
         ])
         self.matmul_choice = matmul_choice.MatmulChoice()  # the 1x1 conv's GEMM form (float32: 3xTF32 or cuBLAS)
+        self.in_bias = BiasSum()  # the pending biases' sum, added by Snake 1's kernel
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
-                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``in_bias``: the bias of the conv that produced ``x`` (only where ``folds_biases``), still to add."""
+                pending: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """``pending``: biases still to add to ``x`` (only where ``folds_biases``; ``pending.run_chain``), added here
+        with ``conv2``'s: the unit returns ``(x, lengths, ())``."""
         act1, conv1, act2, conv2 = self.block
         if folds_biases(act1, x):
-            return self._fused(x, lengths, ctx, in_bias), lengths
-        if in_bias is not None:
-            raise ValueError("in_bias needs the fused path (folds_biases)")
+            return self._fused(x, lengths, ctx, self.in_bias(pending)), lengths, ()
+        if pending:
+            raise ValueError("pending biases need the fused path (folds_biases)")
         h, _ = conv1(x, lengths, ctx, act=act1)  # [B, C, T]
         h, _ = conv2(h, lengths, ctx, act=act2)  # [B, C, T]
-        return h.add_(x), lengths
+        return h.add_(x), lengths, ()
 
     def _fused(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, in_bias: Tensor | None) -> Tensor:
         act1, conv1, act2, conv2 = self.block
@@ -273,4 +276,5 @@ class DecoderBlock(nn.Module):
         act, upsample, *units = self.block
         fold = folds_biases(act, x)
         x, lengths = upsample(x, lengths, ctx, act=act, bias_later=fold)  # [B, Cout, T * s]
-        return run_chain(units, x, lengths, ctx, upsample.bias if fold else None)  # [B, Cout, T * s]
+        x, lengths, _ = run_chain(units, x, lengths, ctx, (upsample.bias,) if fold else ())  # [B, Cout, T * s]
+        return x, lengths  # (the units add their biases: nothing stays pending past the block)
