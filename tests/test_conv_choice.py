@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from code2wav.sidecar.kernels import conv_choice, conv_gemm, snake
+from code2wav.sidecar.kernels import conv_choice, conv_gemm, snake_math
 from code2wav.sidecar.kernels.conv_choice import ConvChoice
 from code2wav.sidecar.kernels.dilated import polyphase_conv
 
@@ -51,7 +51,7 @@ def test_the_choice_leaves_cpu_tensors_to_cudnn_and_applies_the_snake_it_is_give
         no_bias = choice(x, conv, with_bias=False)
         assert torch.allclose(no_bias + conv.bias[None, :, None], conv(x), atol=1e-6)
         activated = choice(x, conv, act=(alpha, beta, True))
-        assert torch.allclose(activated, snake.activate(conv(x), alpha, beta, True), atol=1e-6)
+        assert torch.allclose(activated, snake_math.activate(conv(x), alpha, beta, True), atol=1e-6)
     assert choice.decisions == {}  # nothing measured on the CPU
 
 
@@ -222,7 +222,7 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
         x = torch.randn(3, 96, 18 + 301, device="cuda")
         ref = conv(x)
-        ref_act = snake.activate(ref, alpha, beta, True)
+        ref_act = snake_math.activate(ref, alpha, beta, True)
         layer = torch.nn.Conv1d(96, 80, 7, dilation=3).cuda().to(dtype)
         layer.load_state_dict(conv.state_dict())
         assert "gemm0" not in choice.forms(x.to(dtype), layer)  # autograd on: no kernel without a backward

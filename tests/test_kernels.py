@@ -228,12 +228,12 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from code2wav.sidecar.kernels import snake
+from code2wav.sidecar.kernels import snake_math
 
 @triton.jit
 def run(z_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, snake.sin_squared(tl.load(z_ptr + i, mask=i < n)), mask=i < n)
+    tl.store(out_ptr + i, snake_math.sin_squared(tl.load(z_ptr + i, mask=i < n)), mask=i < n)
 
 gen = torch.Generator().manual_seed(0)
 out = {}

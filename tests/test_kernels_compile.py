@@ -49,10 +49,10 @@ def _variants():
     import triton
 
     from code2wav.sidecar.kernels import (conv_gemm, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
-                                          state_cat, window_inputs)
+                                          snake_math, state_cat, window_inputs)
 
     for dtype in ("bf16", "fp32"):
-        sine = 2 if dtype == "bf16" else snake.SINE  # snake.sine_for: sin.approx for 16-bit CUDA tensors
+        sine = 2 if dtype == "bf16" else snake_math.SINE  # snake_math.sine_for: sin.approx for 16-bit CUDA tensors
         for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
                                              (True, True, False), (False, False, False)):
             for log_params in (True, False):

@@ -1,6 +1,6 @@
 """The Snake kernels' launch policy and the pending biases of a fused decoder chain (CPU).
 
-``snake.tile_for`` and ``snake.sine_for`` are pure choices the Snake launcher makes per call; ``pending.BiasSum``
+``snake.tile_for`` and ``snake_math.sine_for`` are pure choices the Snake launcher makes per call; ``pending.BiasSum``
 sums the biases a chain leaves pending (``pending.run_chain``: a residual unit's 1x1 bias is not added to the
 stream, the next kernel that reads it adds the sum) and must never serve a stale sum. The chain itself streams
 the goldens in ``test_fused_paths_cpu.py``; the kernels are compared with their torch expressions in ``test_kernels.py``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from code2wav.sidecar.kernels import pending, snake
+from code2wav.sidecar.kernels import pending, snake, snake_math
 
 
 @pytest.mark.parametrize("num_channels", [1, 2, 3, 5, 40, 64, 96, 192, 1536])
@@ -26,7 +26,7 @@ def test_a_tile_holds_the_fixed_element_count_and_every_channel_up_to_its_width(
 
 def test_the_sine_is_the_accurate_one_off_cuda_and_for_float32():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert snake.sine_for(torch.zeros(2, dtype=dtype)) == snake.SINE == 1  # CPU: Triton's interpreter
+        assert snake_math.sine_for(torch.zeros(2, dtype=dtype)) == snake_math.SINE == 1  # CPU: Triton's interpreter
 
 
 def test_bias_sum_adds_in_float32_once_and_caches_while_its_parts_are_unchanged():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .snake import activate
+from .snake_math import activate
 
 try:  # optional, as for snake.py
     import triton
@@ -37,7 +37,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import sine_for, snake_apply, snake_scale_inv
+    from .snake_math import sine_for, snake_apply, snake_scale_inv
 
 BLOCK_COLS = 1024
 """Output columns per program (as ``snake.BLOCK_COLS``)."""

@@ -39,7 +39,7 @@ try:  # optional, as for snake.py
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 else:
-    from .snake import sine_for, snake_apply, snake_scale_inv
+    from .snake_math import sine_for, snake_apply, snake_scale_inv
 
 BLOCK_SAMPLES = 256
 """Output samples per program."""
