@@ -65,7 +65,8 @@ def _variants():
                        snake._snake_cat_tile_kernel, dtype,
                        dict(LOG_PARAMS=True, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
                             SINE=sine, PAIRS=pairs, STATE_PROGRAM=has_state and not add_bias,
-                            BLOCK_C=snake.BLOCK_TILE[0], BLOCK_T=snake.BLOCK_TILE[1], BLOCK_P=64),
+                            BLOCK_C=snake.tile_for(96, add_bias)[0], BLOCK_T=snake.tile_for(96, add_bias)[1],
+                            BLOCK_P=64),
                        {})
         for in_bias in (True, False):
             yield (f"snake_conv_out-taps-{dtype}-in{in_bias:d}", snake_conv._tap_sums_kernel, dtype,

@@ -235,9 +235,6 @@ if triton is not None:
         tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :], tail, mask=keep)
 
 
-BLOCK_TILE = (32, 128)
-"""``(channels, columns)`` per program of the tiled kernel before ``tile_for`` (kept for probes that compare)."""
-
 TILE_ELEMENTS = 4096
 """Elements per program of the tiled kernel (``tile_for``): 32 per thread at four warps."""
 
