@@ -2,8 +2,8 @@
 
 On CUDA the Snake modules hand their work to the ``code2wav::*`` ops (``sidecar/kernels/``), and the blocks around
 them change shape: conv biases move into the next kernel (``in_bias``), a residual unit's input is written over
-(``baddbmm(out=x)``; Qwen3-TTS leaves the units' 1x1 biases pending for the next kernel, ``pending.run_chain``,
-VoxCPM2 adds them in ``snake_cat_add_bias_``), VoxCPM2's depthwise conv runs with its second Snake
+(``baddbmm(out=x)``; the units' 1x1 biases stay pending for the next kernel, ``pending.run_chain``: VoxCPM2 folds
+a block's into the next ``ScaleBias`` table), VoxCPM2's depthwise conv runs with its second Snake
 (``depthwise_snake``) and its transposed conv over ``[prev, x]``; and the blocks' own ops (``kernels_on``: a conv's
 state join with no Snake before it, the transformer's rotary, norm and gate ops) replace torch ops. The ops' CPU implementations are their torch
 expressions, so forcing ``runs_fused`` on CPU tensors runs exactly that bookkeeping here: the goldens must still
@@ -69,7 +69,6 @@ def test_qwen3_fused_path_streams_the_golden(forced_fused, golden_cases):
             "code2wav.window_inputs", "code2wav.add_rms_norm", "code2wav.silu_mul"} <= ops.names
     assert "aten.gather" not in ops.names  # every state tail came from a kernel op
     assert "aten.add_" not in ops.names  # the residual units' bias adds went into the kernels
-    assert "code2wav.snake_cat_add_bias_" not in ops.names  # ... the next kernel's in_bias: x is not written back
     assert (out_a - full[0]).abs().max().item() <= TOL
     assert (out_b - full[1]).abs().max().item() <= TOL
 
@@ -93,9 +92,12 @@ def test_voxcpm2_fused_path_streams_the_golden_with_padded_rows(forced_fused, ch
             for b in range(2):
                 outs[b].append(wav[b, :sizes[b] * spf])
                 starts[b] += sizes[b]
-    assert {"code2wav.snake_pairs", "code2wav.snake_cat_add_bias_", "code2wav.depthwise_snake",
+    assert {"code2wav.snake_pairs", "code2wav.snake_cat", "code2wav.depthwise_snake",
             "code2wav.snake_conv_out", "code2wav.state_cat"} <= ops.names
     assert "aten.gather" not in ops.names  # every state tail came from a kernel op
+    # no pass of the model's own adds a bias to the stream (the ops' CPU expressions are not seen here); that the
+    # pending biases are each added once is what the golden comparison below checks
+    assert "aten.add_" not in ops.names
     assert (torch.cat(outs[0]) - full[0]).abs().max().item() <= TOL
     row1 = torch.cat(outs[1])  # [starts[1] * U]
     assert row1.shape[0] == starts[1] * spf

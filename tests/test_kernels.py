@@ -1,5 +1,5 @@
-"""The fused Snake kernels: Snake + state concatenation (``sidecar/kernels/snake.py``, also with ``x += bias``), the
-last layer, Snake + a conv to one channel (``sidecar/kernels/snake_conv.py``), and a depthwise conv + Snake
+"""The fused Snake kernels: Snake + state concatenation (``sidecar/kernels/snake.py``, also of ``x`` plus pending
+biases), the last layer, Snake + a conv to one channel (``sidecar/kernels/snake_conv.py``), and a depthwise conv + Snake
 (``sidecar/kernels/depthwise.py``).
 
 CPU: the kernel's own code under Triton's interpreter (in a subprocess: ``TRITON_INTERPRET`` must be set before
@@ -30,8 +30,10 @@ CASES = [  # (log_params, state columns, batch, channels, columns, lengths)
     (True, 6, 2, 4, 9, [9, 1]),
     (False, 18, 2, 3, 1030, [1030, 1024]),  # the tail crosses a block edge
     (False, 6, 1, 2, 1, [1]),  # one column: a first chunk at the frame rate
-    (True, 6, 2, 40, 130, [125, 130]),  # channels-last: row 0's tail crosses a column tile of the tiled kernel
-    (False, 6, 2, 200, 70, [60, 70]),  # several channel tiles (snake.tile_for); the tails cross a column tile
+    (True, 6, 2, 40, 130, [125, 130]),  # row 0's tail ends inside x, row 1's at its end
+    (False, 6, 2, 200, 70, [60, 70]),  # several channel tiles (snake.tile_for)
+    (False, 54, 2, 70, 200, [3, 200]),  # a dilation-9 state: 7 pieces of the state program (snake.STATE_COLS), the
+                                        # last partial; row 0's tail from the state and x; two channel tiles
 ]
 
 
@@ -54,8 +56,8 @@ PAIRS_CASES = [  # one state frame (a transposed conv's), channels across two ti
 ]
 
 
-def _pairs_inputs(case, device="cpu", dtype=torch.float32, seed=0):
-    """``_inputs`` plus ``in_bias`` (the bias of the conv before, added before the Snake)."""
+def _in_bias_inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    """``_inputs`` plus ``in_bias`` (the biases pending on ``x``, added before the Snake)."""
     args = _inputs(case, device, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 2)
     return (*args, torch.randn(args[0].shape[1], generator=gen).to(device=device, dtype=dtype))
@@ -66,31 +68,9 @@ def _channels_last(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _bias_inputs(case, device="cpu", dtype=torch.float32, seed=0):
-    """``_inputs`` plus the two per-channel biases of ``snake_cat_add_bias_``: ``bias`` (added to ``x`` in place)
-    and ``in_bias`` (added before the activation, and to ``x`` too)."""
-    args = _inputs(case, device, dtype, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    bias, in_bias = torch.randn(2, args[0].shape[1], generator=gen).to(device=device, dtype=dtype)
-    return (*args, bias, in_bias)
-
-
-def _bias_run(run, *args):
-    """``run(*args)`` on a copy of ``x`` (kept strided): ``(cat, tail, x after the call)``."""
-    x = args[0]
-    x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-    cat, tail = run(x, *args[1:])
-    return cat, tail, x
-
-
-def _bias_reference(x, state, alpha, beta, lengths, log_params, bias, in_bias):
-    x = x + in_bias[None, :, None]  # [B, C, T]
-    cat, tail = snake.reference(x, state, alpha, beta, lengths, log_params)
-    return cat, tail, x + bias[None, :, None]
-
-
-def _bias_interpreted(*args):
-    return _bias_run(snake.run_interpreted, *args)
+def _in_bias_reference(x, state, alpha, beta, lengths, log_params, in_bias):
+    """``snake.reference`` of ``x + in_bias`` (the biases pending on ``x``, added before the activation)."""
+    return snake.reference(x + in_bias[None, :, None], state, alpha, beta, lengths, log_params)
 
 
 def _cl_out_interpreted(*args):
@@ -175,8 +155,8 @@ import json, sys
 import torch
 from code2wav.sidecar.kernels import {module}
 sys.path.insert(0, {tests!r})
-from test_kernels import {cases}, {inputs}, _max_err, _conv_tol, PAIRS_CASES, _pairs_inputs
-from test_kernels import _bias_interpreted, _bias_reference, _dw_interpreted, _dw_reference, _cl_out_interpreted
+from test_kernels import {cases}, {inputs}, _max_err, _conv_tol, PAIRS_CASES, _in_bias_inputs
+from test_kernels import _in_bias_reference, _dw_interpreted, _dw_reference, _cl_out_interpreted
 out = []
 for case in {cases}:
     made = {inputs}(case)
@@ -202,9 +182,9 @@ def _interpreted(module: str, cases: str, inputs: str, tolerance: str, run: str,
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
 @pytest.mark.parametrize("module, cases, inputs, tolerance, run, ref", [
     ("snake", "CASES", "_inputs", "5e-6", "snake.run_interpreted", "snake.reference"),  # Snake + state concatenation
-    ("snake", "CASES", "_bias_inputs", "5e-6", "_bias_interpreted", "_bias_reference"),  # ... and x += bias in place
+    ("snake", "CASES", "_in_bias_inputs", "5e-6", "snake.run_interpreted", "_in_bias_reference"),  # ... of x + in_bias
     ("snake", "CASES", "_inputs", "5e-6", "_cl_out_interpreted", "snake.reference"),  # ... cat written channels-last
-    ("transposed", "PAIRS_CASES", "_pairs_inputs", "5e-6",  # Snake into frame pairs (the tiled kernel)
+    ("transposed", "PAIRS_CASES", "_in_bias_inputs", "5e-6",  # Snake into frame pairs (the tiled kernel)
      "transposed.run_interpreted", "transposed.reference"),
     ("snake_conv", "CONV_CASES", "_conv_inputs", "_conv_tol(ref, 2e-6)",  # the last layer: Snake + conv to 1 channel
      "snake_conv.run_interpreted", "snake_conv.reference"),
@@ -297,17 +277,6 @@ def test_the_cpu_op_is_the_torch_expression_and_the_tail_is_the_next_state():
             assert torch.equal(torch.ops.code2wav.snake_cat(x, None, alpha, beta, None, log_params)[0], cat)
 
 
-def test_the_bias_variant_adds_the_bias_to_x_in_place_and_returns_what_snake_cat_returns():
-    for case in CASES:
-        args = _bias_inputs(case)
-        x_before, bias, in_bias = args[0].clone(), args[6], args[7]
-        cat, tail, x_after = _bias_run(torch.ops.code2wav.snake_cat_add_bias_, *args)
-        ref_cat, ref_tail = torch.ops.code2wav.snake_cat(*args[:6], in_bias)  # of x + in_bias, before the add
-        assert torch.equal(cat, ref_cat) and torch.equal(tail, ref_tail)
-        assert torch.equal(ref_cat, snake.reference(x_before + in_bias[None, :, None], *args[1:6])[0])
-        assert torch.equal(x_after, x_before + in_bias[None, :, None] + bias[None, :, None])
-
-
 @pytest.mark.parametrize("stride", [1, 2, 5])
 def test_a_transposed_conv_of_kernel_stride_is_one_linear(stride):
     """``FrameTransposedConv`` equals ``conv_transpose1d`` of kernel = stride (no partial frames, no state), with and
@@ -378,13 +347,13 @@ def test_a_transposed_conv_is_one_gemm_over_frame_pairs(stride):
 
 def test_the_pairs_cpu_op_is_snake_cat_written_as_frame_pairs_and_rejects_other_states():
     for case in PAIRS_CASES:
-        x, state, alpha, beta, lengths, log_params, in_bias = _pairs_inputs(case)
+        x, state, alpha, beta, lengths, log_params, in_bias = _in_bias_inputs(case)
         pairs, tail = torch.ops.code2wav.snake_pairs(x, state, alpha, beta, lengths, log_params, in_bias)
         cat, ref_tail = torch.ops.code2wav.snake_cat(x, state, alpha, beta, lengths, log_params, in_bias)
         assert pairs.shape == (x.shape[0], x.shape[2], 2 * x.shape[1]) and torch.equal(tail, ref_tail)
         assert torch.equal(pairs[:, :, :x.shape[1]], cat[:, :, :-1].transpose(1, 2))  # frame t
         assert torch.equal(pairs[:, :, x.shape[1]:], cat[:, :, 1:].transpose(1, 2))  # frame t + 1
-    x, state, alpha, beta, lengths, log_params, _ = _pairs_inputs(PAIRS_CASES[1])
+    x, state, alpha, beta, lengths, log_params, _ = _in_bias_inputs(PAIRS_CASES[1])
     with pytest.raises(ValueError, match=r"one-frame state \[B, C, 1\]"):
         torch.ops.code2wav.snake_pairs(x, state.repeat(1, 1, 2), alpha, beta, lengths, log_params)
 
@@ -462,7 +431,8 @@ def _as_tuple(out):
 @cuda
 @pytest.mark.parametrize("op, inputs, reference, cases, fp32_rel", [
     ("snake_cat", _inputs, snake.reference, CASES, 5e-6),
-    ("snake_pairs", _pairs_inputs, transposed.reference, PAIRS_CASES, 5e-6),
+    ("snake_cat", _in_bias_inputs, _in_bias_reference, CASES, 5e-6),  # of x plus pending biases
+    ("snake_pairs", _in_bias_inputs, transposed.reference, PAIRS_CASES, 5e-6),
     ("depthwise_snake", _dw_inputs, depthwise.reference, DW_CASES, 2e-6),
 ])
 def test_cuda_kernel_matches_its_torch_expression(_tf32_off, op, inputs, reference, cases, fp32_rel):
@@ -482,23 +452,6 @@ def test_cuda_kernel_matches_its_torch_expression(_tf32_off, op, inputs, referen
             exact = _as_tuple(reference(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a
                                           for a in bf)))
             assert _max_err(_as_tuple(kernel(*bf)), exact) <= _conv_tol(exact, 0.0079), case
-
-
-@cuda
-def test_cuda_bias_variant_adds_in_float32_and_rounds_once(_tf32_off):
-    for case in CASES:
-        for dtype, with_in_bias, layout in itertools.product((torch.float32, torch.bfloat16), (False, True),
-                                                             (lambda x: x, _channels_last)):
-            *args, bias, in_bias = _bias_inputs(case, device="cuda", dtype=dtype)
-            args[0] = layout(args[0])  # written over in place in its own layout
-            in_bias = in_bias if with_in_bias else None
-            got = _bias_run(torch.ops.code2wav.snake_cat_add_bias_, *args, bias, in_bias)
-            plain = _bias_run(torch.ops.code2wav.snake_cat, *args, in_bias)
-            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), (case, dtype)
-            expected = args[0].float() + bias.float()[None, :, None]  # float32 sums, one rounding
-            if in_bias is not None:
-                expected = args[0].float() + in_bias.float()[None, :, None] + bias.float()[None, :, None]
-            assert torch.equal(got[2], expected.to(dtype)), (case, dtype, with_in_bias)
 
 
 @cuda

@@ -53,20 +53,18 @@ def _variants():
 
     for dtype in ("bf16", "fp32"):
         sine = 2 if dtype == "bf16" else snake_math.SINE  # snake_math.sine_for: sin.approx for 16-bit CUDA tensors
-        for has_state, add_bias, in_bias in ((True, False, False), (False, False, True), (True, True, True),
-                                             (True, True, False), (False, False, False)):
+        for has_state, in_bias in ((True, False), (False, True), (True, True), (False, False)):
             for log_params in (True, False):
-                yield (f"snake_cat-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-log{log_params:d}",
+                yield (f"snake_cat-{dtype}-state{has_state:d}-in{in_bias:d}-log{log_params:d}",
                        snake._snake_cat_kernel, dtype,
-                       dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
+                       dict(LOG_PARAMS=log_params, HAS_STATE=has_state, HAS_IN_BIAS=in_bias,
                             SINE=sine, BLOCK=snake.BLOCK_COLS), {})
             for pairs in (False, True):  # the tiled kernel: channels-last in or out, and transposed.py's pairs
-                yield (f"snake_cat_tile-{dtype}-state{has_state:d}-bias{add_bias:d}-in{in_bias:d}-pairs{pairs:d}",
+                yield (f"snake_cat_tile-{dtype}-state{has_state:d}-in{in_bias:d}-pairs{pairs:d}",
                        snake._snake_cat_tile_kernel, dtype,
-                       dict(LOG_PARAMS=True, HAS_STATE=has_state, ADD_BIAS=add_bias, HAS_IN_BIAS=in_bias,
-                            SINE=sine, PAIRS=pairs, STATE_PROGRAM=has_state and not add_bias,
-                            BLOCK_C=snake.tile_for(96, add_bias)[0], BLOCK_T=snake.tile_for(96, add_bias)[1],
-                            BLOCK_P=64),
+                       dict(LOG_PARAMS=True, HAS_STATE=has_state, HAS_IN_BIAS=in_bias, SINE=sine, PAIRS=pairs,
+                            BLOCK_C=snake.tile_for(96)[0], BLOCK_T=snake.tile_for(96)[1],
+                            BLOCK_P=1 if pairs else snake.STATE_COLS),  # pairs: a one-frame state
                        {})
         for in_bias in (True, False):
             yield (f"snake_conv_out-taps-{dtype}-in{in_bias:d}", snake_conv._tap_sums_kernel, dtype,
@@ -119,3 +117,59 @@ def test_the_kernel_compiles_for_sm90(name, kernel, dtype, constexprs, launch):
     compiled = _compile(kernel, dtype, constexprs, **launch)
     assert len(compiled.asm["cubin"]) > 0
     assert ".target sm_90" in compiled.asm["ptx"]
+
+
+def _registers(compiled) -> tuple[int, int]:
+    """``(registers per thread, spill-store bytes)`` that ``ptxas -v`` reports for a compiled kernel's PTX (Triton's
+    own ``ptxas``)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nvidia
+
+    try:
+        ptxas = nvidia.get_ptxas(90).path
+    except TypeError:  # Triton before 3.5 took no architecture
+        ptxas = nvidia.get_ptxas().path
+    target = re.search(r"\.target (sm_\w+)", compiled.asm["ptx"]).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([ptxas, "-v", "--gpu-name", target, ptx.name, "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+    return (int(re.search(r"Used (\d+) registers", report).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+
+
+def _blocks_per_sm(registers: int, num_warps: int = 4) -> int:
+    """Blocks of ``num_warps`` warps an sm_90 SM holds at ``registers`` per thread (64K registers per SM, allocated
+    per warp in units of 256)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return 65536 // (per_warp * num_warps)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("log_params", [True, False])
+@pytest.mark.parametrize("pairs, num_state_cols", [(False, 54), (True, 1)])  # a dilation-9 unit; the frame pairs
+def test_the_state_program_does_not_lower_the_tiled_kernels_occupancy(dtype, log_params, pairs, num_state_cols):
+    """A kernel's registers are the most any of its branches needs, for every program. The tiled Snake kernel's state
+    program (one program per row and channel block) once took the whole state in one ``[64, next_pow2(P)]`` piece:
+    at ``P = 54`` (a dilation-9 unit) Triton 3.9's ptxas gave the bf16 kernel 254 registers with spills, against
+    146 without a state, and on the H200 every tile of those calls ran at half the speed of the same call at ``P =
+    6`` (docs/performance.md). In pieces of ``STATE_COLS`` columns (``BLOCK_P`` as the launcher takes it) the kernel
+    keeps the blocks per SM of its state-less build and spills no more than a word or so (a whole state in one
+    piece spilled kilobytes). Register counts move by a few between ptxas versions, so the test compares
+    occupancy, not counts."""
+    import triton
+
+    from code2wav.sidecar.kernels import snake
+
+    block_c, block_t = snake.tile_for(96)
+    block_p = min(triton.next_power_of_2(num_state_cols), snake.STATE_COLS)
+    common = dict(LOG_PARAMS=log_params, HAS_IN_BIAS=True, SINE=2 if dtype == "bf16" else 1, PAIRS=pairs,
+                  BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_P=block_p)
+    with_state = _registers(_compile(snake._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=True)))
+    without = _registers(_compile(snake._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=False)))
+    assert with_state[1] <= without[1] + 16, f"the state program spills: {with_state} against {without}"
+    assert _blocks_per_sm(with_state[0]) >= _blocks_per_sm(without[0]), (with_state, without)

@@ -15,13 +15,11 @@ from code2wav.sidecar.kernels import pending, snake, snake_math
 
 
 @pytest.mark.parametrize("num_channels", [1, 2, 3, 5, 40, 64, 96, 192, 1536])
-@pytest.mark.parametrize("add_bias", [False, True])
-def test_a_tile_holds_the_fixed_element_count_and_every_channel_up_to_its_width(num_channels, add_bias):
-    block_c, block_t = snake.tile_for(num_channels, add_bias)
-    width = 32 if add_bias else 64
+def test_a_tile_holds_the_fixed_element_count_and_every_channel_up_to_its_width(num_channels):
+    block_c, block_t = snake.tile_for(num_channels)
     assert block_c * block_t == snake.TILE_ELEMENTS
     assert block_c & (block_c - 1) == 0 and block_t & (block_t - 1) == 0  # powers of two (Triton's aranges)
-    assert block_c == min(width, 1 << (num_channels - 1).bit_length())  # all channels where they fit the width
+    assert block_c == min(64, 1 << (num_channels - 1).bit_length())  # all channels where they fit 64
 
 
 def test_the_sine_is_the_accurate_one_off_cuda_and_for_float32():
@@ -66,3 +64,26 @@ def test_run_chain_threads_the_pending_biases_through_its_layers():
     x, lengths, left = pending.run_chain([layer("a"), layer("b")], torch.zeros(1), torch.ones(1), None, ("first",))
     assert calls == [("a", ("first",)), ("b", ("first", "a"))]
     assert left == ("first", "a", "b") and x.item() == 2.0
+
+
+def test_voxcpm2_scale_bias_folds_pending_biases_into_its_table_once():
+    """``(x + p) * s + b == x * s + (p * s + b)`` per bucket: a VoxCPM2 block's pending biases enter the next
+    ``ScaleBias``'s table, made once per set of parameters (kept between steps, as ``BiasSum``)."""
+    from code2wav.sidecar.models.voxcpm2_audiovae.blocks import ScaleBias
+
+    torch.manual_seed(0)
+    cond = ScaleBias(num_buckets=3, channels=5)
+    torch.nn.init.normal_(cond.scale_embed.weight)
+    torch.nn.init.normal_(cond.bias_embed.weight)
+    x = torch.randn(2, 5, 7)  # [B, C, T]
+    buckets = torch.tensor([2, 0])
+    pending = (torch.randn(5), torch.randn(5), torch.randn(5))
+    with torch.inference_mode():
+        expected = cond(x + sum(pending)[None, :, None], buckets)  # [B, C, T]
+        got = cond(x, buckets, pending)
+        table = cond._tables._value
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cond(x, buckets, pending), got) and cond._tables._value is table  # not made again
+        assert not torch.equal(cond(x, buckets), got)  # without them: another table
+    with pytest.raises(ValueError, match="kernel forms"):
+        cond(x, buckets, pending)  # autograd on: the plain form has no table to fold into

@@ -1,13 +1,13 @@
 """Each Snake kernel call of one exact step, timed alone with its variants (developer tool, CUDA GPU).
 
 Runs one step of ``MODEL`` at ``BATCH`` x ``FRAMES`` (``StreamRoutine.forward``, as ``kernel_count.py``) and keeps
-the arguments of every ``code2wav::snake_cat`` / ``snake_cat_add_bias_`` / ``snake_pairs`` call. Then each call runs
+the arguments of every ``code2wav::snake_cat`` / ``snake_pairs`` call. Then each call runs
 alone, timed as ``ConvChoice`` times its forms (``conv_choice.min_device_ms``: CUDA events, the minimum of a few
 calls, each queued behind a ~1 ms GPU spin, so the ~100 us of host work per Triton launch stays out of the device
 time) with each variant: a sine of ``snake_apply`` (``SINE``: 0 libdevice ``sinf``, 1 ``sin_squared``, 2 the
 hardware's ``sin.approx``) and, for the tiled kernel (channels-last input or output, frame pairs), a ``(channels,
-columns)`` tile. Per call: the layouts, the bytes it must move (``x`` read, output written, ``x`` written back
-when a bias is added) and the bandwidth each variant reaches; then the sums over the step. (Run without the spin, the 2026-12-02 H200 run
+columns)`` tile. Per call: the layouts, the state's columns ``P``, the bytes it must move (``x`` read, output
+written) and the bandwidth each variant reaches; then the sums over the step. (Run without the spin, the 2026-12-02 H200 run
 that chose ``sin_squared`` counted ~100 us of launch per call: its b1 rows are that floor.)
 
 ``python loadgen/probes/snake_tiles.py`` (``MODEL=default BATCH=16 FRAMES=25 DTYPE=bfloat16``;
@@ -36,7 +36,7 @@ DTYPE = os.environ.get("DTYPE", "bfloat16")
 TILES = [None if t == "auto" else tuple(int(n) for n in t.replace("w", "x").split("x"))
          for t in os.environ.get("TILES", "auto,32x128,64x64,16x256,128x32").split(",")]  # CxT or CxTwWARPS
 SINES = [int(n) for n in os.environ.get("SINES", "1,2").split(",")]
-OPS = ("snake_cat", "snake_cat_add_bias_", "snake_pairs")
+OPS = ("snake_cat", "snake_pairs")
 
 
 class SnakeCalls(TorchDispatchMode):
@@ -64,8 +64,8 @@ def _launcher(name: str, a: dict):
 
     def run(tile, sine):
         warps = dict(num_warps=tile[2]) if tile is not None and len(tile) > 2 else {}
-        return snake._launch(a["x"], state, a["alpha"], a["beta"], a["lengths"], a["log_params"], a.get("bias"),
-                             a["in_bias"], pairs=pairs, channels_last=channels_last,
+        return snake._launch(a["x"], state, a["alpha"], a["beta"], a["lengths"], a["log_params"], a["in_bias"],
+                             pairs=pairs, channels_last=channels_last,
                              block_tile=None if tile is None else tile[:2], sine=sine, **warps)
     return run, channels_last, pairs
 
@@ -101,8 +101,7 @@ def main() -> None:
             x = named["x"]
             tiled = pairs or channels_last or x.stride(2) != 1
             out, _ = run(TILES[0], 0)
-            nbytes = x.numel() * x.element_size() * (2 if name == "snake_cat_add_bias_" else 1) \
-                + out.numel() * out.element_size()
+            nbytes = x.numel() * x.element_size() + out.numel() * out.element_size()
             timed: dict[tuple, float] = {}
             for tile, sine in variants:  # the one-channel-per-program kernel has no tile: timed once per sine
                 key = (tile if tiled else None, sine)
@@ -117,7 +116,9 @@ def main() -> None:
             x_layout = "cl" if x.stride(1) == 1 else "contig"
             kind = f"{name} {x_layout}->{layout}"
             kinds[kind] = [k + u for k, u in zip(kinds.get(kind, [0.0] * len(us)), us)]
-            print(f"  {name:20s} x{tuple(x.shape)} {x_layout}->{layout:6s} {nbytes / 1e6:7.1f} MB "
+            num_state_cols = 0 if named["state"] is None else named["state"].shape[2]
+            print(f"  {name:12s} x{tuple(x.shape)} P{num_state_cols:<3d} {x_layout}->{layout:6s} "
+                  f"{nbytes / 1e6:7.1f} MB "
                   + " ".join(f"{u:7.1f}" for u in us) + f"  best {nbytes / best / 1e3:6.0f} GB/s")
         print("  sum: " + " | ".join(f"{s:.0f}" for s in sums) + f" us; best per call {best_sum:.0f} us, "
               f"{bytes_sum / 1e6:.0f} MB, {bytes_sum / best_sum / 1e3:.0f} GB/s")

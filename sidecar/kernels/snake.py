@@ -6,8 +6,7 @@ What it computes, for ``x`` ``[B, C, T]``, per-channel parameters and an optiona
   ``inv = 1 / (exp(beta_c) + 1e-9)`` (SnakeBeta, ``LOG_PARAMS``), or ``scale = alpha_c`` and
   ``inv = 1 / (alpha_c + 1e-9)`` (Snake, the parameters used as they are);
 - ``cat = [state, y]`` ``[B, C, P + T]`` (the stateful conv's input);
-- optionally, ``x + in_bias`` in place of ``x`` (the bias of the conv before, left out of that conv), and
-  ``x += in_bias + bias`` written back over ``x`` (``snake_cat_add_bias_``: a residual unit's skip path);
+- optionally, ``x + in_bias`` in place of ``x`` (biases still pending on ``x``: ``pending.py``);
 - ``tail[b] = cat[b, :, len_b : len_b + P]`` ``[B, C, P]`` (the state the next chunk needs: the ``P`` columns
   that end at row ``b``'s last valid step, ``len_b`` from ``lengths``), what ``cat_with_tail`` computes.
 
@@ -29,7 +28,7 @@ kernel that applies Snake shares) is ``snake_math.py``.
 
 Over 300 lines: one computation in two kernels (a channel row per program, and tiles for channels-last inputs and
 outputs and ``transposed.py``'s frame pairs, with its state program), their one launcher and its tile choice, and
-the two ops with their CPU expressions.
+the op with its CPU expression.
 """
 
 from __future__ import annotations
@@ -91,10 +90,10 @@ def cat_with_tail(y: Tensor, state: Tensor, lengths: Tensor) -> tuple[Tensor, Te
 
 if triton is not None:
     @triton.jit
-    def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr, bias_ptr,
+    def _snake_cat_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, cat_ptr, tail_ptr,
                           in_bias_ptr, num_channels, num_cols_in, num_state_cols,
                           stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                          LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
+                          LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr,
                           HAS_IN_BIAS: tl.constexpr, SINE: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0)
         c = tl.program_id(1)
@@ -107,14 +106,11 @@ if triton is not None:
         is_new = inside & (cols >= num_state_cols)
         x_at = x_ptr + b * stride_xb + c * stride_xc + (cols - num_state_cols) * stride_xt
         x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32)
-        if HAS_IN_BIAS:  # the previous conv's bias, added here instead of in a pass of its own (not rounded)
+        if HAS_IN_BIAS:  # the pending biases, added here instead of in a pass of their own (not rounded)
             x = x + tl.load(in_bias_ptr + c).to(tl.float32)
-        if ADD_BIAS:  # x += bias[c] in place: a float32 sum, one rounding (the CPU expression rounds per add)
-            shifted = x + tl.load(bias_ptr + c).to(tl.float32)
-            tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
         y = snake_apply(x, scale, inv, SINE)
         row = (b * num_channels + c) * total
-        if HAS_STATE:  # only the blocks that hold state columns or the new tail do this part (see the tiled kernel)
+        if HAS_STATE:  # only the blocks that hold state columns or the new tail do this part
             first = block * BLOCK
             if first < num_state_cols:
                 old = tl.load(state_ptr + b * stride_sb + c * stride_sc + cols * stride_st,
@@ -129,25 +125,23 @@ if triton is not None:
         tl.store(cat_ptr + row + cols, y.to(cat_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _snake_cat_tile_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, out_ptr, tail_ptr, bias_ptr,
+    def _snake_cat_tile_kernel(x_ptr, state_ptr, alpha_ptr, beta_ptr, lengths_ptr, out_ptr, tail_ptr,
                                in_bias_ptr, num_channels, num_cols_in, num_state_cols,
                                stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
                                stride_ob, stride_oc, stride_ot,
-                               LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr, ADD_BIAS: tl.constexpr,
+                               LOG_PARAMS: tl.constexpr, HAS_STATE: tl.constexpr,
                                HAS_IN_BIAS: tl.constexpr, SINE: tl.constexpr, PAIRS: tl.constexpr,
-                               STATE_PROGRAM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                               BLOCK_P: tl.constexpr):
+                               BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
         """``_snake_cat_kernel`` over ``[BLOCK_C, BLOCK_T]`` tiles, for an ``x`` whose channels are contiguous
         (channels-last) and for the ``PAIRS`` output (``transposed.py``): Triton loads and stores each along its
         contiguous axis (a stride of 1 is specialised) and transposes the tile in between. ``PAIRS``: the output is
         ``[B, P + T - 1, 2, C]``, cat column ``u`` written as tap 0 of frame ``u`` and as tap 1 of frame ``u - 1``.
 
-        ``STATE_PROGRAM`` (with a state, without ``ADD_BIAS``): the tiles cover the columns of ``x`` alone, and one
-        more program per row and channel block (the last along axis 0, ``_state_and_tail``) writes the state
-        columns and the tail. Merged into the tiles (the form ``ADD_BIAS`` keeps, since its tail must be computed
-        before a tile writes ``x`` over), the state's load and the tail's store, whose contiguous axis is the
-        columns, made Triton lay the whole channels-last tile out along the columns: on the H200 those calls ran
-        at about 1 TB/s against 4 TB/s for the same call without a state (docs/performance.md)."""
+        ``HAS_STATE``: the tiles cover the columns of ``x`` alone, and one more program per row and channel block
+        (the last along axis 0, ``_state_and_tail``) writes the state columns and the tail. Merged into the tiles,
+        the state's load and the tail's store, whose contiguous axis is the columns, made Triton lay the whole
+        channels-last tile out along the columns: on the H200 those calls ran at about 1 TB/s against 4 TB/s for
+        the same call without a state (docs/performance.md)."""
         chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
         b = tl.program_id(2).to(tl.int64)
         total = num_cols_in + num_state_cols
@@ -158,44 +152,22 @@ if triton is not None:
             shift = tl.load(in_bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)
         else:
             shift = tl.zeros([BLOCK_C], dtype=tl.float32)
-        if STATE_PROGRAM:
+        if HAS_STATE:
             state_pid = tl.num_programs(0) - 1
         else:
             state_pid = tl.num_programs(0)  # no program
         if tl.program_id(0) == state_pid:
-            if STATE_PROGRAM:  # (compiled only then: without a state, lengths_ptr is any pointer, never read)
+            if HAS_STATE:  # (compiled only then: without a state, lengths_ptr is any pointer, never read)
                 _state_and_tail(x_ptr, state_ptr, lengths_ptr, out_ptr, tail_ptr, b, chans, c_in, scale, inv, shift,
                                 num_channels, num_state_cols, total, stride_xb, stride_xc, stride_xt,
                                 stride_sb, stride_sc, stride_st, stride_ob, stride_oc, stride_ot,
                                 SINE=SINE, PAIRS=PAIRS, BLOCK_P=BLOCK_P)
         else:
-            if STATE_PROGRAM:  # columns of x only: the state's are the last program's
-                cols = num_state_cols + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] of cat
-            else:
-                cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] columns of cat
+            cols = num_state_cols + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] columns of cat
             inside = c_in[:, None] & (cols < total)[None, :]  # [BLOCK_C, BLOCK_T]
-            is_new = inside & (cols >= num_state_cols)[None, :]
             x_at = x_ptr + b * stride_xb + chans[:, None] * stride_xc + (cols - num_state_cols)[None, :] * stride_xt
-            x = tl.load(x_at, mask=is_new, other=0.0).to(tl.float32) + shift[:, None]
-            if ADD_BIAS:  # x += in_bias + bias in place: float32 sums, one rounding
-                shifted = x + tl.load(bias_ptr + chans, mask=c_in, other=0.0).to(tl.float32)[:, None]
-                tl.store(x_at, shifted.to(x_ptr.dtype.element_ty), mask=is_new)
+            x = tl.load(x_at, mask=inside, other=0.0).to(tl.float32) + shift[:, None]
             y = snake_apply(x, scale[:, None], inv[:, None], SINE)
-            if HAS_STATE and (STATE_PROGRAM == 0):
-                # Only the tiles that hold state columns (the first) or part of the new tail run this part: masked,
-                # it costs every tile one predicated scalar load and store per element.
-                first = tl.program_id(0) * BLOCK_T
-                if first < num_state_cols:
-                    is_old = (cols < num_state_cols)[None, :]
-                    old = tl.load(state_ptr + b * stride_sb + chans[:, None] * stride_sc + cols[None, :] * stride_st,
-                                  mask=inside & is_old, other=0.0).to(tl.float32)
-                    y = tl.where(is_old, old, y)
-                length = tl.load(lengths_ptr + b)
-                if (first < length + num_state_cols) & (first + BLOCK_T > length):
-                    k = cols - length  # column of the new state
-                    in_tail = inside & ((k >= 0) & (k < num_state_cols))[None, :]
-                    tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :],
-                             y.to(tail_ptr.dtype.element_ty), mask=in_tail)
             _store_cat(out_ptr, y.to(out_ptr.dtype.element_ty), b, chans, cols, inside, total, num_channels,
                        stride_ob, stride_oc, stride_ot, PAIRS)
 
@@ -218,40 +190,49 @@ if triton is not None:
                         SINE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr):
         """The state program of ``_snake_cat_tile_kernel``: the cat's first ``P`` columns (the state, as stored) and
         ``tail = cat[:, len : len + P]``, each column from the state or, past it, Snake of ``x`` computed as the
-        tiles compute it (so the tail equals the cat's columns bit for bit)."""
-        k = tl.arange(0, BLOCK_P)  # [BLOCK_P]
-        keep = c_in[:, None] & (k < num_state_cols)[None, :]  # [BLOCK_C, BLOCK_P]
+        tiles compute it (so the tail equals the cat's columns bit for bit). ``BLOCK_P`` state columns at a time
+        (``STATE_COLS``): the kernel's registers are the most any of its branches needs, so a whole ``P = 54``
+        state in one ``[64, 64]`` piece here would slow every tile of the call (on the H200 a dilation-9 unit's
+        Snake took twice as long as a dilation-1 unit's, docs/performance.md)."""
         s_row = state_ptr + b * stride_sb + chans[:, None] * stride_sc
-        old = tl.load(s_row + k[None, :] * stride_st, mask=keep, other=0.0)
-        _store_cat(out_ptr, old.to(out_ptr.dtype.element_ty), b, chans, k, keep, total, num_channels,
-                   stride_ob, stride_oc, stride_ot, PAIRS)
-        u = tl.load(lengths_ptr + b) + k  # [BLOCK_P] cat columns of the tail
-        from_state = (u < num_state_cols)[None, :]
-        tail_old = tl.load(s_row + u[None, :] * stride_st, mask=keep & from_state, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + b * stride_xb + chans[:, None] * stride_xc + (u - num_state_cols)[None, :] * stride_xt,
-                    mask=keep & (u >= num_state_cols)[None, :], other=0.0).to(tl.float32) + shift[:, None]
-        y = snake_apply(x, scale[:, None], inv[:, None], SINE).to(tail_ptr.dtype.element_ty)
-        tail = tl.where(from_state, tail_old.to(tail_ptr.dtype.element_ty), y)
-        tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :], tail, mask=keep)
+        length = tl.load(lengths_ptr + b)
+        for first in range(0, num_state_cols, BLOCK_P):
+            k = first + tl.arange(0, BLOCK_P)  # [BLOCK_P] state columns
+            keep = c_in[:, None] & (k < num_state_cols)[None, :]  # [BLOCK_C, BLOCK_P]
+            old = tl.load(s_row + k[None, :] * stride_st, mask=keep, other=0.0)
+            _store_cat(out_ptr, old.to(out_ptr.dtype.element_ty), b, chans, k, keep, total, num_channels,
+                       stride_ob, stride_oc, stride_ot, PAIRS)
+            u = length + k  # [BLOCK_P] cat columns of the tail
+            from_state = (u < num_state_cols)[None, :]
+            tail_old = tl.load(s_row + u[None, :] * stride_st, mask=keep & from_state, other=0.0).to(tl.float32)
+            x_at = x_ptr + b * stride_xb + chans[:, None] * stride_xc + (u - num_state_cols)[None, :] * stride_xt
+            x = tl.load(x_at, mask=keep & (u >= num_state_cols)[None, :], other=0.0).to(tl.float32) + shift[:, None]
+            y = snake_apply(x, scale[:, None], inv[:, None], SINE).to(tail_ptr.dtype.element_ty)
+            tail = tl.where(from_state, tail_old.to(tail_ptr.dtype.element_ty), y)
+            tl.store(tail_ptr + (b * num_channels + chans[:, None]) * num_state_cols + k[None, :], tail, mask=keep)
 
 
 TILE_ELEMENTS = 4096
 """Elements per program of the tiled kernel (``tile_for``): 32 per thread at four warps."""
 
+STATE_COLS = 8
+"""State columns per piece of the tiled kernel's state program (``_state_and_tail``): a ``[64, 8]`` piece holds 4
+elements per thread at four warps, well under a tile's 32, so the state program never sets the kernel's registers."""
 
-def tile_for(num_channels: int, add_bias: bool) -> tuple[int, int]:
-    """``(channels, columns)`` per program of the tiled kernel: 64 channels (32 for ``snake_cat_add_bias_``; fewer
-    where ``num_channels``' next power of two is less) and columns to fill ``TILE_ELEMENTS``. Measured per kind of
-    call on the H200 (``loadgen/probes/snake_tiles.py``, bf16, 64 x 25 frames, docs/performance.md): 64 x 64 was
-    the fastest or within 3% of it for ``snake_cat`` and the pairs, 32 x 128 for ``snake_cat_add_bias_``. Pure."""
-    block_c = min(1 << max(num_channels - 1, 0).bit_length(), 32 if add_bias else 64)
+
+def tile_for(num_channels: int) -> tuple[int, int]:
+    """``(channels, columns)`` per program of the tiled kernel: 64 channels (fewer where ``num_channels``' next power
+    of two is less) and columns to fill ``TILE_ELEMENTS``. Measured per kind of call on the H200
+    (``loadgen/probes/snake_tiles.py``, bf16, 64 x 25 frames, docs/performance.md): 64 x 64 was the fastest or
+    within 3% of it for ``snake_cat`` and the pairs. Pure."""
+    block_c = min(1 << max(num_channels - 1, 0).bit_length(), 64)
     return block_c, TILE_ELEMENTS // block_c
 
 
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-            log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None,
-            pairs: bool = False, channels_last: bool = False, block_tile: tuple[int, int] | None = None,
-            sine: int | None = None, num_warps: int = 4) -> tuple[Tensor, Tensor]:
+            log_params: bool, in_bias: Tensor | None = None, pairs: bool = False, channels_last: bool = False,
+            block_tile: tuple[int, int] | None = None, sine: int | None = None,
+            num_warps: int = 4) -> tuple[Tensor, Tensor]:
     """The kernels' launcher: ``(cat [B, C, P + T], tail [B, C, P])`` (``cat`` channels-last with
     ``channels_last``), or with ``pairs``, ``(pairs [B, P + T - 1, 2 * C], tail)`` (``transposed.py``). Where
     ``x``'s columns are contiguous and ``cat`` is not channels-last, the one-channel-per-program kernel; otherwise
@@ -277,19 +258,16 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
         raise ValueError("snake_cat with a state needs lengths (where each row's tail ends)")
     src = state if has_state else x  # any valid pointer when there is no state (never read)
     args = (x, src, alpha, beta if log_params else alpha, lengths if has_state else src, out, tail,
-            alpha if bias is None else bias, alpha if in_bias is None else in_bias,
+            alpha if in_bias is None else in_bias,
             channels, num_cols_in, num_state_cols,
             x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2))
-    flags = dict(LOG_PARAMS=log_params, HAS_STATE=has_state, ADD_BIAS=bias is not None,
-                 HAS_IN_BIAS=in_bias is not None, SINE=sine_for(x) if sine is None else sine)
+    flags = dict(LOG_PARAMS=log_params, HAS_STATE=has_state, HAS_IN_BIAS=in_bias is not None,
+                 SINE=sine_for(x) if sine is None else sine)
     if pairs or channels_last or x.stride(2) != 1:
-        block_c, block_t = block_tile or tile_for(channels, bias is not None)
-        state_program = has_state and bias is None  # see _snake_cat_tile_kernel
-        num_blocks = triton.cdiv(num_cols_in, block_t) + 1 if state_program else triton.cdiv(total, block_t)
-        grid = (num_blocks, triton.cdiv(channels, block_c), batch)
-        _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, STATE_PROGRAM=state_program,
-                                     BLOCK_C=block_c, BLOCK_T=block_t,
-                                     BLOCK_P=triton.next_power_of_2(max(num_state_cols, 1)),
+        block_c, block_t = block_tile or tile_for(channels)
+        grid = (triton.cdiv(num_cols_in, block_t) + has_state, triton.cdiv(channels, block_c), batch)  # + the state's
+        _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, BLOCK_C=block_c, BLOCK_T=block_t,
+                                     BLOCK_P=min(triton.next_power_of_2(max(num_state_cols, 1)), STATE_COLS),
                                      num_warps=num_warps)
     else:
         grid = (triton.cdiv(total, BLOCK_COLS), channels, batch)
@@ -310,7 +288,7 @@ def snake_cat(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, leng
     its channels contiguous (strides ``(C (P + T), 1, C)``: what cuDNN's NHWC convs read without a conversion)."""
     if x.is_cuda and triton is not None:
         return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params,
-                       None, in_bias, channels_last=channels_last)
+                       in_bias, channels_last=channels_last)
     if in_bias is not None:
         x = x + in_bias[None, :, None]  # [B, C, T]
     cat, tail = reference(x, state, alpha, beta, lengths, log_params)
@@ -335,34 +313,9 @@ def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Ten
     return _empty_outputs(x, state, channels_last)
 
 
-@torch.library.custom_op("code2wav::snake_cat_add_bias_", mutates_args=("x",))
-def snake_cat_add_bias_(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-                        log_params: bool, bias: Tensor, in_bias: Tensor | None = None,
-                        channels_last: bool = False) -> tuple[Tensor, Tensor]:
-    """``snake_cat`` of ``x`` (plus ``in_bias``, as there), then ``x += in_bias + bias`` in place (``bias``
-    ``[C]``), in the same pass: the kernel reads ``x`` anyway, so a residual unit whose skip path needs ``x +
-    bias`` (the 1x1 conv's bias, added to the residual before its ``baddbmm``) saves a full read and write of its
-    input. ``channels_last`` as for ``snake_cat``."""
-    if x.is_cuda and triton is not None:
-        return _launch(x, None if state is None else state.to(x.dtype), alpha, beta, lengths, log_params, bias,
-                       in_bias, channels_last=channels_last)
-    if in_bias is not None:
-        x.add_(in_bias[None, :, None])
-    cat, tail = reference(x, state, alpha, beta, lengths, log_params)
-    x.add_(bias[None, :, None])
-    return _laid_out(cat, channels_last), tail.contiguous()
-
-
-@snake_cat_add_bias_.register_fake
-def _(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None, log_params: bool,
-      bias: Tensor, in_bias: Tensor | None = None, channels_last: bool = False) -> tuple[Tensor, Tensor]:
-    return _empty_outputs(x, state, channels_last)
-
-
 def run_interpreted(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-                    log_params: bool, bias: Tensor | None = None, in_bias: Tensor | None = None,
+                    log_params: bool, in_bias: Tensor | None = None,
                     channels_last: bool = False) -> tuple[Tensor, Tensor]:
     """The Triton kernel itself on CPU tensors, under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-    Triton was imported): what the CPU tests use to check the kernel's indexing without a GPU. With ``bias``,
-    ``x`` is updated in place as ``snake_cat_add_bias_`` does."""
-    return _launch(x, state, alpha, beta, lengths, log_params, bias, in_bias, channels_last=channels_last)
+    Triton was imported): what the CPU tests use to check the kernel's indexing without a GPU."""
+    return _launch(x, state, alpha, beta, lengths, log_params, in_bias, channels_last=channels_last)

@@ -142,7 +142,7 @@ def snake_pairs(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengths: 
     row's ``lengths`` (``snake_cat``'s)."""
     _check(x, state)
     if x.is_cuda and snake.triton is not None:
-        return snake._launch(x, state.to(x.dtype), alpha, beta, lengths, log_params, None, in_bias, pairs=True)
+        return snake._launch(x, state.to(x.dtype), alpha, beta, lengths, log_params, in_bias, pairs=True)
     return reference(x, state, alpha, beta, lengths, log_params, in_bias)
 
 
@@ -157,4 +157,4 @@ def run_interpreted(x: Tensor, state: Tensor, alpha: Tensor, beta: Tensor, lengt
                     in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The tiled Triton kernel on CPU tensors under Triton's interpreter (``snake.run_interpreted``)."""
     _check(x, state)
-    return snake._launch(x, state, alpha, beta, lengths, log_params, None, in_bias, pairs=True)
+    return snake._launch(x, state, alpha, beta, lengths, log_params, in_bias, pairs=True)

@@ -103,15 +103,19 @@ class CausalConv(StatefulBlock):
     def state_shape(self) -> tuple[int, ...] | None:
         return (self.in_channels, self.num_state_cols) if self.num_state_cols else None
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None) -> tuple[Tensor, Tensor]:
-        """``act``: the Snake before this conv, applied here (fused with the state concatenation when it can)."""
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx, act: Snake | None = None,
+                in_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``act``: the Snake before this conv, applied here (fused with the state concatenation when it can).
+        ``in_bias`` ``[C]``: biases still pending on ``x`` (``pending.run_chain``), only for the fused last layer."""
         fused = act is not None and act.runs_fused(x)
         if fused and self.one_output:
             alpha = act.alpha.view(-1)  # [C]
             y, tail = torch.ops.code2wav.snake_conv_out(x, ctx.state_in[self.state_key], alpha, alpha, lengths,
-                                                        False, self.weight, self.bias)  # [B, 1, T]
+                                                        False, self.weight, self.bias, in_bias)  # [B, 1, T]
             ctx.state_out[self.state_key] = tail  # [B, C, P]
             return y, lengths
+        if in_bias is not None:
+            raise ValueError("in_bias needs the fused last layer (act.runs_fused(x), one output channel)")
         if fused:
             state = ctx.state_in[self.state_key] if self.num_state_cols else None
             alpha = act.alpha.view(-1)  # [C]
@@ -180,7 +184,9 @@ class ScaleBias(nn.Module):
     """Sample-rate conditioning: ``x * scale_embed[b] + bias_embed[b]`` per row ``b``'s bucket, per channel.
 
     Where ``derived.kernel_forms()`` (the sidecar's steps), both tables are looked up as
-    one (``[buckets, 2C]``, made once: ``kernels/derived.py``): one kernel fewer per block at batch 1."""
+    one (``[buckets, 2C]``, made once: ``kernels/derived.py``): one kernel fewer per block at batch 1. Biases left
+    pending on ``x`` by the block before (``pending.run_chain``) fold into that table, since ``(x + p) * s + b = x *
+    s + (p * s + b)`` per bucket: the blocks' residual streams never take a pass of their own to add a bias."""
 
     def __init__(self, num_buckets: int, channels: int) -> None:
         super().__init__()
@@ -188,15 +194,28 @@ class ScaleBias(nn.Module):
         self.bias_embed = nn.Embedding(num_buckets, channels)
         self._tables: DerivedTensor[Tensor] = DerivedTensor()
 
-    def forward(self, x: Tensor, sr_bucket: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sr_bucket: Tensor, pending: tuple[Tensor, ...] = ()) -> Tensor:
+        """``pending``: per-channel biases ``[C]`` that belong to ``x`` but were not added to it (only in the kernel
+        forms); folded into the bias table."""
         if kernel_forms():
-            sources = [self.scale_embed.weight, self.bias_embed.weight]
-            table = self._tables.get(sources, lambda: torch.cat([w.detach() for w in sources], dim=1))  # [K, 2C]
+            sources = [self.scale_embed.weight, self.bias_embed.weight, *pending]
+            table = self._tables.get(sources, lambda: self._table(pending))  # [K, 2C]
             scale, bias = F.embedding(sr_bucket, table)[:, :, None].chunk(2, dim=1)  # [B, C, 1] each
+        elif pending:
+            raise ValueError("pending biases need the kernel forms (no autograd, not under torch.compile)")
         else:
             scale = self.scale_embed(sr_bucket)[:, :, None]  # [B, C, 1]
             bias = self.bias_embed(sr_bucket)[:, :, None]  # [B, C, 1]
         return torch.addcmul(bias, x, scale)  # [B, C, T]: x * scale + bias in one kernel
+
+    def _table(self, pending: tuple[Tensor, ...]) -> Tensor:
+        """``[K, 2C]``: each bucket's scale, then its bias plus ``sum(pending) * scale`` (float32 sums, one
+        rounding)."""
+        scale, bias = self.scale_embed.weight.detach(), self.bias_embed.weight.detach()  # [K, C] each
+        if pending:
+            shift = torch.stack([p.detach().float() for p in pending]).sum(0)  # [C]
+            bias = (bias.float() + shift[None, :] * scale.float()).to(bias.dtype)  # [K, C]
+        return torch.cat([scale, bias], dim=1)
 
 
 class Sequence(nn.ModuleList):
@@ -213,12 +232,13 @@ class ResidualUnit(nn.Module):
     ``block.2`` Snake, ``block.3`` full 1x1 conv.
 
     Where the Snakes run fused (CUDA, no autograd, not under ``torch.compile``) the unit is three kernels, written
-    over ``x`` (the unit consumes its input): ``snake_cat_add_bias_`` (Snake 1 with the depthwise conv's state in
-    front, and ``x += conv2's bias`` in the same pass), ``depthwise_snake`` (the depthwise conv with Snake 2 applied
-    to its output: PyTorch's generic depthwise kernel was about 16 ms of the 64 x 25-frame step on the H200) and
-    one GEMM (the 1x1 conv with the residual read in the GEMM's epilogue, as the Qwen3-TTS unit does: a ``baddbmm``,
-    or in float32 ``matmul_choice.residual_matmul_``'s choice of cuBLAS or the 3xTF32 kernel over ``[B T, C]``
-    rows)."""
+    over ``x`` (the unit consumes its input): ``snake_cat`` (Snake 1 of ``x`` plus the biases pending on it, with the
+    depthwise conv's state in front), ``depthwise_snake`` (the depthwise conv with Snake 2 applied to its output:
+    PyTorch's generic depthwise kernel was about 16 ms of the 64 x 25-frame step on the H200) and one GEMM (the 1x1
+    conv with the residual read in the GEMM's epilogue, as the Qwen3-TTS unit does: a ``baddbmm``, or in float32
+    ``matmul_choice.residual_matmul_``'s choice of cuBLAS or the 3xTF32 kernel over ``[B T, C]`` rows). The 1x1
+    conv's bias is left pending (``pending.run_chain``): the next unit's Snake adds it, or after the block's last
+    unit the next block's ``ScaleBias`` table or the last layer."""
 
     def __init__(self, channels: int, dilation: int) -> None:
         super().__init__()
@@ -233,11 +253,11 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx,
                 pending: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """``pending``: biases still to add to ``x`` (only where ``folds_biases``; ``pending.run_chain``), added here
-        with ``conv2``'s: the unit returns ``(x, lengths, ())``."""
+        """``pending``: biases still to add to ``x`` (only where ``folds_biases``; ``pending.run_chain``). Fused, the
+        unit returns ``(x, lengths, (*pending, conv2's bias))``: ``x`` holds ``W2 @ h`` added to the stored stream."""
         act1, conv1, act2, conv2 = self.block
         if folds_biases(act1, x):
-            return self._fused(x, lengths, ctx, self.in_bias(pending)), lengths, ()
+            return self._fused(x, lengths, ctx, self.in_bias(pending)), lengths, (*pending, conv2.bias)
         if pending:
             raise ValueError("pending biases need the fused path (folds_biases)")
         h, _ = conv1(x, lengths, ctx, act=act1)  # [B, C, T]
@@ -249,13 +269,12 @@ class ResidualUnit(nn.Module):
         alpha1, alpha2 = act1.alpha.view(-1), act2.alpha.view(-1)  # [C], [C]
         # a channels-last residual stream (after the transposed conv as one GEMM) stays channels-last: the cat, the
         # depthwise conv's output (its taps then load whole vectors, kernels/depthwise.py) and the baddbmm's operand
-        x_cat, tail = torch.ops.code2wav.snake_cat_add_bias_(
-            x, ctx.state_in[conv1.state_key], alpha1, alpha1, lengths, False, conv2.bias, in_bias,
-            depthwise.channels_last(x))  # [B, C, P + T] of x + in_bias; x += in_bias + b2
+        x_cat, tail = torch.ops.code2wav.snake_cat(x, ctx.state_in[conv1.state_key], alpha1, alpha1, lengths, False,
+                                                   in_bias, depthwise.channels_last(x))  # [B, C, P + T] of x + in_bias
         ctx.state_out[conv1.state_key] = tail  # [B, C, P]
         h = torch.ops.code2wav.depthwise_snake(x_cat, conv1.weight, conv1.bias, conv1.dilation, alpha2, alpha2,
                                                False)  # [B, C, T], Snake 2 applied, laid out as x_cat
-        # [B, C, T]: (x + b2) + W2 @ h
+        # [B, C, T]: x + W2 @ h (the pending biases and b2 still to add)
         return matmul_choice.residual_matmul_(x, conv2.weight[:, :, 0], h, self.matmul_choice)
 
 
@@ -272,9 +291,10 @@ class DecoderBlock(nn.Module):
             ResidualUnit(out_channels, 9),
         ])
 
-    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """Returns ``(x, lengths, pending)``: where ``folds_biases``, the upsampling conv's and the units' 1x1 convs'
+        biases are still pending on ``x`` (the next ``ScaleBias`` or the last layer adds them); else ``()``."""
         act, upsample, *units = self.block
         fold = folds_biases(act, x)
         x, lengths = upsample(x, lengths, ctx, act=act, bias_later=fold)  # [B, Cout, T * s]
-        x, lengths, _ = run_chain(units, x, lengths, ctx, (upsample.bias,) if fold else ())  # [B, Cout, T * s]
-        return x, lengths  # (the units add their biases: nothing stays pending past the block)
+        return run_chain(units, x, lengths, ctx, (upsample.bias,) if fold else ())  # [B, Cout, T * s]

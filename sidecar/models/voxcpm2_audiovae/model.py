@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels import conv_choice
+from ...kernels.pending import BiasSum
 from .blocks import CausalConv, DecoderBlock, ScaleBias, Snake, StatefulBlock, StreamCtx
 from .config import AudioVAEConfig
 
@@ -36,16 +37,18 @@ class DecoderNet(nn.Module):
             {str(2 + i): ScaleBias(cfg.num_sr_buckets, cin) for i, (cin, _, _) in enumerate(blocks)})
         self.register_buffer("sr_bin_boundaries", torch.tensor(cfg.sr_bin_boundaries, dtype=torch.int32))
         self.num_blocks = len(blocks)
+        self.out_bias = BiasSum()  # the last block's pending biases' sum, added by the last layer's kernel
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamCtx) -> Tensor:
         """``x`` ``[B, D, T]`` -> ``[B, 1, T * U]`` (after tanh)."""
         x, lengths = self.model[0](x, lengths, ctx)  # [B, D, T]
         x, lengths = self.model[1](x, lengths, ctx)  # [B, C, T]
+        pending: tuple[Tensor, ...] = ()  # biases a block left on x (fused: pending.run_chain), added by the next
         for i in range(self.num_blocks):
-            x = self.sr_cond_model[str(2 + i)](x, ctx.sr_bucket)  # [B, Cin_i, T * R_i]
-            x, lengths = self.model[2 + i](x, lengths, ctx)  # [B, Cout_i, T * R_{i+1}]
+            x = self.sr_cond_model[str(2 + i)](x, ctx.sr_bucket, pending)  # [B, Cin_i, T * R_i]
+            x, lengths, pending = self.model[2 + i](x, lengths, ctx)  # [B, Cout_i, T * R_{i+1}]
         act, out_conv = self.model[2 + self.num_blocks], self.model[3 + self.num_blocks]
-        x, lengths = out_conv(x, lengths, ctx, act=act)  # [B, 1, T * U]
+        x, lengths = out_conv(x, lengths, ctx, act=act, in_bias=self.out_bias(pending))  # [B, 1, T * U]
         return torch.tanh(x)
 
 
