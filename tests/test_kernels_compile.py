@@ -64,7 +64,7 @@ def _variants():
                        snake._snake_cat_tile_kernel, dtype,
                        dict(LOG_PARAMS=True, HAS_STATE=has_state, HAS_IN_BIAS=in_bias, SINE=sine, PAIRS=pairs,
                             BLOCK_C=snake.tile_for(96)[0], BLOCK_T=snake.tile_for(96)[1],
-                            BLOCK_P=1 if pairs else snake.STATE_COLS),  # pairs: a one-frame state
+                            BLOCK_P=snake.state_cols_for(1 if pairs else 54)),  # pairs: a one-frame state
                        {})
         for in_bias in (True, False):
             yield (f"snake_conv_out-taps-{dtype}-in{in_bias:d}", snake_conv._tap_sums_kernel, dtype,
@@ -161,14 +161,11 @@ def test_the_state_program_does_not_lower_the_tiled_kernels_occupancy(dtype, log
     keeps the blocks per SM of its state-less build and spills no more than a word or so (a whole state in one
     piece spilled kilobytes). Register counts move by a few between ptxas versions, so the test compares
     occupancy, not counts."""
-    import triton
-
     from code2wav.sidecar.kernels import snake
 
     block_c, block_t = snake.tile_for(96)
-    block_p = min(triton.next_power_of_2(num_state_cols), snake.STATE_COLS)
     common = dict(LOG_PARAMS=log_params, HAS_IN_BIAS=True, SINE=2 if dtype == "bf16" else 1, PAIRS=pairs,
-                  BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_P=block_p)
+                  BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_P=snake.state_cols_for(num_state_cols))
     with_state = _registers(_compile(snake._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=True)))
     without = _registers(_compile(snake._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=False)))
     assert with_state[1] <= without[1] + 16, f"the state program spills: {with_state} against {without}"

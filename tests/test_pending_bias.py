@@ -87,3 +87,9 @@ def test_voxcpm2_scale_bias_folds_pending_biases_into_its_table_once():
         assert not torch.equal(cond(x, buckets), got)  # without them: another table
     with pytest.raises(ValueError, match="kernel forms"):
         cond(x, buckets, pending)  # autograd on: the plain form has no table to fold into
+
+
+@pytest.mark.parametrize("num_state_cols, piece", [(0, 1), (1, 1), (2, 2), (6, 8), (8, 8), (18, 8), (54, 8)])
+def test_the_state_program_takes_at_most_state_cols_columns_a_piece(num_state_cols, piece):
+    assert snake.state_cols_for(num_state_cols) == piece
+    assert piece <= snake.STATE_COLS

@@ -39,6 +39,11 @@ def run_chain(layers, x: Tensor, lengths: Tensor, ctx, pending: tuple[Tensor, ..
     return x, lengths, pending
 
 
+def float_sum(parts: tuple[Tensor, ...]) -> Tensor:
+    """``sum(parts)`` ``[C]`` in float32 (detached: derived from parameters, as ``DerivedTensor`` values are)."""
+    return torch.stack([p.detach().float() for p in parts]).sum(0)
+
+
 class BiasSum:
     """The sum of a chain's pending biases, in their dtype (float32 sum, one rounding), kept between steps as a
     ``DerivedTensor`` (made again when a part changed; not kept when made inside a capture): after the first step
@@ -51,4 +56,4 @@ class BiasSum:
         """``sum(parts)`` ``[C]``; the part itself for one part, None for none."""
         if len(parts) <= 1:
             return parts[0] if parts else None
-        return self._sum.get(parts, lambda: torch.stack([p.float() for p in parts]).sum(0).to(parts[0].dtype))
+        return self._sum.get(parts, lambda: float_sum(parts).to(parts[0].dtype))

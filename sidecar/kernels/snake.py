@@ -220,6 +220,12 @@ STATE_COLS = 8
 elements per thread at four warps, well under a tile's 32, so the state program never sets the kernel's registers."""
 
 
+def state_cols_for(num_state_cols: int) -> int:
+    """State columns per piece of the tiled kernel's state program (``BLOCK_P``): ``STATE_COLS``, or the next power
+    of two of a smaller state (a transposed conv's one frame: 1). Pure."""
+    return min(1 << max(num_state_cols - 1, 0).bit_length(), STATE_COLS)
+
+
 def tile_for(num_channels: int) -> tuple[int, int]:
     """``(channels, columns)`` per program of the tiled kernel: 64 channels (fewer where ``num_channels``' next power
     of two is less) and columns to fill ``TILE_ELEMENTS``. Measured per kind of call on the H200
@@ -267,7 +273,7 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
         block_c, block_t = block_tile or tile_for(channels)
         grid = (triton.cdiv(num_cols_in, block_t) + has_state, triton.cdiv(channels, block_c), batch)  # + the state's
         _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, BLOCK_C=block_c, BLOCK_T=block_t,
-                                     BLOCK_P=min(triton.next_power_of_2(max(num_state_cols, 1)), STATE_COLS),
+                                     BLOCK_P=state_cols_for(num_state_cols),
                                      num_warps=num_warps)
     else:
         grid = (triton.cdiv(total, BLOCK_COLS), channels, batch)

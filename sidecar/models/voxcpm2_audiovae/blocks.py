@@ -22,7 +22,7 @@ from ...kernels import snake_conv as _registers_snake_conv_out  # noqa: F401  (t
 from ...kernels import state_cat  # (registers torch.ops.code2wav.state_cat)
 from ...kernels import transposed
 from ...kernels.derived import DerivedTensor, kernel_forms
-from ...kernels.pending import BiasSum, folds_biases, run_chain
+from ...kernels.pending import BiasSum, float_sum, folds_biases, run_chain
 from ...kernels.snake import cat_with_tail  # (registers torch.ops.code2wav.snake_cat*)
 
 
@@ -213,8 +213,7 @@ class ScaleBias(nn.Module):
         rounding)."""
         scale, bias = self.scale_embed.weight.detach(), self.bias_embed.weight.detach()  # [K, C] each
         if pending:
-            shift = torch.stack([p.detach().float() for p in pending]).sum(0)  # [C]
-            bias = (bias.float() + shift[None, :] * scale.float()).to(bias.dtype)  # [K, C]
+            bias = (bias.float() + float_sum(pending)[None, :] * scale.float()).to(bias.dtype)  # [K, C]
         return torch.cat([scale, bias], dim=1)
 
 
