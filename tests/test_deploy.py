@@ -537,31 +537,40 @@ def test_kubernetes_native_sidecar_wiring():
 
 
 def test_scaling_page_quotes_the_committed_bench_results():
-    """The capacity figures on the scaling page are those of the bench JSON files committed beside it: the latest
-    bf16 run (closed loop at 1, 64 and 256 streams), its open-loop capacity level, one stream over CUDA IPC, and
-    the older float32 and bf16 runs it compares float32 with."""
+    """The capacity figures on the scaling page are those of the bench JSON files committed beside it: the
+    in-process graph steps of the current kernels, the closed-loop levels (64 and 256 streams) and the open-loop
+    real-time levels of the same session, one stream through the sidecar (inline bytes, CUDA IPC), and the older
+    float32 and bf16 runs it compares float32 with."""
     page = (K8S / "SCALING.md").read_text()
     bench = K8S / "bench"
 
+    def report(name: str, dtype: str) -> dict:
+        data = json.loads((bench / name).read_text())
+        assert data["environment"]["gpu"] == "NVIDIA H200" and data["environment"]["dtype"] == dtype, name
+        return data
+
     def rows(name: str, dtype: str) -> dict:
-        report = json.loads((bench / name).read_text())
-        assert report["environment"]["gpu"] == "NVIDIA H200" and report["environment"]["dtype"] == dtype, name
-        by_level = {r["concurrency"]: r for r in report["results"]}
+        by_level = {r["concurrency"]: r for r in report(name, dtype)["results"]}
         assert all(r["errors"] == 0 and not r.get("refused_streams") for r in by_level.values()), name
         return by_level
 
-    latest = rows("h200-bfloat16-glue.json", "bfloat16")
+    steps = {b["name"]: b for b in report("h200-bfloat16-state-cols-2.json", "bfloat16")["baselines"]}
+    assert f"| {steps['exact-graph-b1']['latency_ms_p50']:.3f} ms |" in page
+    b16, b64 = (round(steps[f"exact-graph-b{n}"]["audio_s_per_s"]) for n in (16, 64))
+    assert f"| {b16} / {b64} audio-s/s |" in page
+    closed = rows("h200-bfloat16-buckets16.json", "bfloat16")
     for level in (64, 256):
-        assert f"{round(latest[level]['audio_s_per_s'])} audio-s/s (p99 {latest[level]['chunk_latency_ms_p99']:.2f} ms)" \
+        assert f"{round(closed[level]['audio_s_per_s'])} audio-s/s (p99 {closed[level]['chunk_latency_ms_p99']:g} ms)" \
             in page, level
-    assert f"{latest[1]['chunk_latency_ms_p50']:.2f} ms" in page
-    capacity = rows("h200-bfloat16-glue-capacity.json", "bfloat16")
-    level = max(capacity)
-    assert capacity[level]["chunk_latency_ms_p99"] <= 250
-    assert f"{level} real-time streams" in page
-    assert f"p99 chunk latency {capacity[level]['chunk_latency_ms_p99']:.2f} ms, no errors" in page
+    realtime = rows("h200-bfloat16-buckets16-realtime.json", "bfloat16")
+    low, high = sorted(realtime)
+    assert all(r["chunk_latency_ms_p99"] <= 250 for r in realtime.values())
+    assert f"{low} / {high} real-time streams" in page
+    assert (f"p99 chunk latency {realtime[low]['chunk_latency_ms_p99']:.2f} / "
+            f"{realtime[high]['chunk_latency_ms_p99']:.2f} ms, no errors") in page
+    one_stream = rows("h200-bfloat16-glue.json", "bfloat16")[1]["chunk_latency_ms_p50"]
     device = json.loads((bench / "h200-c1-inputs.json").read_text())["run8"]["default-bfloat16-device"]
-    assert f"/ {device['results'][0]['chunk_latency_ms_p50']:.2f} ms" in page
+    assert f"{one_stream:.2f} ms / {device['results'][0]['chunk_latency_ms_p50']:.2f} ms" in page
     for dtype in ("float32", "bfloat16"):
         assert f"{round(rows(f'h200-{dtype}.json', dtype)[256]['audio_s_per_s'])} audio-s/s" in page, dtype
     for needle in ("5.2 MB", "2.6 MB", "CurveZMQ", "tcp://"):
