@@ -29,7 +29,7 @@ from .errors import (
     error_from,
 )
 from .stream import Stream
-from .transport import CodesLike, InlineTransport, TensorTransport
+from .wire_tensors import CodesLike, InlineTransport, TensorTransport
 
 __all__ = [
     "SidecarClient",

@@ -49,7 +49,7 @@ from .errors import AlreadyExists, DeadlineExceeded, Internal, InvalidArgument, 
 from .keys import server_public_key
 from .sender import WAIT_GRACE_S, Sender, set_exception, set_result
 from .stream import Stream
-from .transport import CodesLike, InlineTransport, host_id
+from .wire_tensors import CodesLike, InlineTransport, host_id
 
 __all__ = ["SidecarClient", "DEFAULT_ADDRESS", "BatchItem"]
 

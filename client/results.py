@@ -6,26 +6,23 @@ one future settles from several chunks' outcomes.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from code2wav.proto import ChunkResult, CudaIpcLoc, ProtocolError
+from code2wav.proto import ChunkResult, CudaIpcLoc, ProtocolError, audio_num_frames, audio_num_samples
 
 from .cuda_ipc.channel import PackedChunk
 from .errors import Internal, SidecarError, error_from
-from .ledger import SentChunk, StreamLedger
-from .transport import audio_from_frames
+from .ledger import SentChunk
+from .wire_tensors import audio_from_frames
+
+if TYPE_CHECKING:
+    from .stream import Stream
 
 __all__ = ["Settle", "settle_reply", "settle_outcomes", "chunk_outcome"]
 
 Settle = Literal["concat", "list", "list_with_exceptions"]
-
-
-class Stream(Protocol):  # what a result is checked against (``stream.Stream``); outcomes go to its ledger
-    stream_id: str
-    samples_per_frame: int
-    ledger: StreamLedger
 
 
 def settle_reply(planned: list[tuple[Stream, SentChunk]], results: tuple[ChunkResult, ...], frames: list[memoryview],
@@ -83,8 +80,8 @@ def _inline_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
         return error_from(result.error.code, result.error.message)
     stream.ledger.chunk_ok(chunk)  # the server committed the chunk
     assert result.audio is not None
-    expected_frames = chunk.num_frames - chunk.context_frames
-    expected_samples = expected_frames * stream.samples_per_frame
+    expected_frames = audio_num_frames(chunk.num_frames, chunk.context_frames)
+    expected_samples = audio_num_samples(chunk.num_frames, chunk.context_frames, stream.samples_per_frame)
     if result.num_frames != expected_frames or result.audio.numel != expected_samples:
         return Internal(
             f"stream {stream.stream_id!r} seq {chunk.seq}: expected {expected_frames} frames / "

@@ -2,8 +2,8 @@
 
 Calls go down only: ``Stream`` (the public handle) -> ``StreamLedger`` (seqs) and ``Sender`` (messages) ->
 ``Connection`` (``_io``: the socket and its I/O thread). ``results`` settles a reply into audio or typed errors
-and records each chunk's outcome in its stream's ledger. Nothing here imports ``client`` or ``stream``: the
-sender sees a stream through the ``StreamLike`` fields it reads.
+and records each chunk's outcome in its stream's ledger. Nothing here imports ``client``, and ``stream`` only
+for type checking: the sender reads a few of a stream's fields.
 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 
@@ -24,25 +24,18 @@ from ._call import Call, Outcome
 from ._io import Connection
 from .cuda_ipc.link import IpcLink
 from .errors import DeadlineExceeded, Internal, InvalidArgument, LimitExceeded, SidecarError
-from .ledger import SentChunk, StreamLedger
+from .ledger import SentChunk
 from .results import Settle, settle_reply
-from .transport import CodesLike, TensorTransport, host_wire
+from .wire_tensors import CodesLike, TensorTransport, host_wire
 
-__all__ = ["Sender", "StreamLike", "set_result", "set_exception"]
+if TYPE_CHECKING:
+    from .stream import Stream
+
+__all__ = ["Sender", "set_result", "set_exception"]
 
 WAIT_GRACE_S = 1.0
 HEADER_NBYTES_PER_CHUNK = 256
 """Generous estimate of a chunk's header bytes, for the message-size check before sending."""
-
-
-class StreamLike(Protocol):  # what the sender reads of a ``stream.Stream``
-    stream_id: str
-    generation: int
-    ledger: StreamLedger
-    sender: Sender
-    samples_per_frame: int
-
-    def wire_inputs(self, codes: CodesLike, final: bool, context_frames: int, limits: Limits) -> Any: ...
 
 
 def set_result(future: Future[Any], value: Any) -> None:
@@ -108,7 +101,7 @@ class Sender:
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         self.conn.submit(Call(request_id, msg_frames, timeout, reply, failure, generation=generation))
 
-    def submit_stream_op(self, stream: StreamLike, op: Literal["finish", "abort"],
+    def submit_stream_op(self, stream: Stream, op: Literal["finish", "abort"],
                          timeout_s: float | None) -> Future[None]:
         request_id = self.conn.next_request_id()
         msg = Finish(request_id, stream.stream_id) if op == "finish" else Abort(request_id, stream.stream_id)
@@ -123,7 +116,7 @@ class Sender:
         self.call(encode(msg), request_id, timeout_s, on_reply, future, generation=stream.generation)
         return future
 
-    def submit_new(self, entries: Sequence[tuple[StreamLike, CodesLike, bool, int]], timeout_s: float | None,
+    def submit_new(self, entries: Sequence[tuple[Stream, CodesLike, bool, int]], timeout_s: float | None,
                    settle: Settle) -> Future[Any]:
         limits = self._limits()
         if not entries:
@@ -147,7 +140,7 @@ class Sender:
             for device in {array.device for _, array, _, _ in prepared if isinstance(array, torch.Tensor)}:
                 self.ipc.ensure(device, self.timeout_s if timeout_s is None else timeout_s)
         with self._order_lock:
-            planned: list[tuple[StreamLike, SentChunk]] = []
+            planned: list[tuple[Stream, SentChunk]] = []
             try:
                 for stream, array, final, context_frames in prepared:
                     planned.append((stream, stream.ledger.reserve(array, final, context_frames)))
@@ -157,12 +150,12 @@ class Sender:
                 raise
             return self._submit_chunks(planned, timeout_s, settle)
 
-    def submit_resend(self, stream: StreamLike, timeout_s: float | None) -> Future[Any]:
+    def submit_resend(self, stream: Stream, timeout_s: float | None) -> Future[Any]:
         with self._order_lock:
             chunks = stream.ledger.take_resend_chunks()
             return self._submit_chunks([(stream, chunk) for chunk in chunks], timeout_s, "concat")
 
-    def _submit_chunks(self, planned: list[tuple[StreamLike, SentChunk]], timeout_s: float | None,
+    def _submit_chunks(self, planned: list[tuple[Stream, SentChunk]], timeout_s: float | None,
                        settle: Settle) -> Future[Any]:
         """Send planned chunks as one ``decode`` message and settle one future from their outcomes."""
         request_id = self.conn.next_request_id()

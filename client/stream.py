@@ -18,11 +18,11 @@ from code2wav.proto import Limits, Opened
 
 from .errors import InvalidArgument, LimitExceeded, SidecarError
 from .ledger import SentChunk, StreamLedger
-from .transport import as_wire_codes, cuda_wire_codes
+from .wire_tensors import as_wire_codes, cuda_wire_codes
 
 if TYPE_CHECKING:
     from .sender import Sender
-    from .transport import CodesLike
+    from .wire_tensors import CodesLike
 
 __all__ = ["Stream", "SentChunk"]
 

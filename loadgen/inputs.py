@@ -30,10 +30,10 @@ class InputContract:
 
     @classmethod
     def of(cls, model: Any) -> "InputContract":
-        """From a model description: the sidecar's ``ModelInfo`` (its ``input`` spec), a welcome's ``ModelInfo``
+        """From a model description: the sidecar's ``LoadedModel`` (its ``input`` spec), a welcome's ``ModelInfo``
         (``input_kind``, ``channels``) or a latents decoder module (``latent_dim``)."""
         spec = getattr(model, "input", None)
-        if spec is not None and hasattr(spec, "kind"):  # code2wav.sidecar.models.ModelInfo
+        if spec is not None and hasattr(spec, "kind"):  # code2wav.sidecar.models.LoadedModel
             return cls(spec.kind, int(spec.channels), int(spec.high) if spec.kind == "codes" else None)
         kind = getattr(model, "input_kind", None)
         if kind is not None:  # code2wav.proto.ModelInfo (welcome)

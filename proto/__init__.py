@@ -8,6 +8,7 @@ documented in ``proto/README.md``.
 
 from __future__ import annotations
 
+from .audio import audio_num_frames, audio_num_samples
 from .codec import Buffer, decode_client_message, decode_server_message, encode, read_header
 from .errors import ErrorCode, ProtocolError
 from .ipc import (
@@ -58,6 +59,8 @@ from .tensors import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "audio_num_frames",
+    "audio_num_samples",
     "STREAM_MODES",
     "DEFAULT_LEFT_CONTEXT_FRAMES",
     "DEFAULT_LIMITS",

@@ -26,11 +26,11 @@ from .graphs.routine import StreamRoutine
 from .ipc.cudart import CudaIpcError, host_id
 from .ipc.device import CudaIpcDevice
 from .metrics import Metrics
-from .models import FAMILIES, DecoderFamily, ModelInfo, load_model
+from .models import FAMILIES, DecoderFamily, LoadedModel, load_model
 from .modes import MODES
 from .scheduler import Scheduler
 from .sessions import Sessions
-from .state_store import StateArena
+from .state_store import StateArena, slot_nbytes
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 class Parts:
     """What ``build_engine_side`` made (in the engine thread)."""
 
-    model: ModelInfo
+    model: LoadedModel
     arena: StateArena
     engine: Engine
 
 
-def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES) -> ModelInfo:
+def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES) -> LoadedModel:
     t0 = time.perf_counter()
     model = load_model(cfg.model, device, cfg.dtype, name=cfg.model_name, seed=cfg.seed, families=families,
                        fused_kernels=cfg.engine.fused_kernels)
@@ -55,7 +55,7 @@ def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES
     return model
 
 
-def with_family_buckets(cfg: ServerConfig, model: ModelInfo) -> ServerConfig:
+def with_family_buckets(cfg: ServerConfig, model: LoadedModel) -> ServerConfig:
     """``cfg`` with the graph bucket lists it leaves unset taken from the model family's defaults (logged)."""
     gcfg = cfg.graphs.for_family(model.family.graph_buckets)
     log.info("graph buckets (%s): exact batches %s x frames %s, window batches %s x frames %s", model.family_name,
@@ -64,9 +64,9 @@ def with_family_buckets(cfg: ServerConfig, model: ModelInfo) -> ServerConfig:
     return cfg.model_copy(update={"graphs": gcfg})
 
 
-def build_arena(cfg: ServerConfig, model: ModelInfo, metrics: Metrics) -> StateArena:
+def build_arena(cfg: ServerConfig, model: LoadedModel, metrics: Metrics) -> StateArena:
     layout = model.state_layout()
-    plan = plan_arena_for(cfg, StateArena.stream_nbytes(layout, model.dtype), model.device)
+    plan = plan_arena_for(cfg, slot_nbytes(layout, model.dtype), model.device)
     num_slots = plan.num_slots
     arena = StateArena(layout, num_slots, model.dtype, model.device)
     log.info("stream state: %s", plan.describe(arena.bytes_per_stream))
@@ -111,7 +111,7 @@ def routine_shapes(gcfg, max_forward_frames: int) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def build_graphs(cfg: ServerConfig, model: ModelInfo, arena: StateArena, scheduler: Scheduler,
+def build_graphs(cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
                  metrics: Metrics) -> GraphDispatcher:
     """CUDA graphs for every mode's configured buckets, captured now (the explicit start-up step); the
     scheduler's batch size is capped to the largest captured stateful bucket when configured so."""

@@ -15,7 +15,7 @@ from torch import Tensor
 from .graphs.dispatcher import GraphChoice, GraphDispatcher
 from .graphs.manager import GraphManager
 from .graphs.routine import rows_audio, rows_options, rows_state
-from .models import ModelInfo, StreamBatch
+from .models import LoadedModel, StreamBatch
 from .modes import StreamMode, mode_for
 from .state_store import StateArena
 from .work import DecodeItem
@@ -24,7 +24,7 @@ __all__ = ["Engine", "DecodeItem", "GraphChoice"]
 
 
 class Engine:
-    def __init__(self, model: ModelInfo, arena: StateArena, max_forward_frames: int = 256,
+    def __init__(self, model: LoadedModel, arena: StateArena, max_forward_frames: int = 256,
                  graphs: GraphDispatcher | GraphManager | None = None, metrics=None) -> None:
         self.model = model
         self.arena = arena

@@ -1,7 +1,7 @@
 """A chunk's inputs as they arrive: inline inputs are checked and copied now; CUDA IPC inputs and an
 ``audio_out`` are looked up and bounds-checked now (metadata only), read and written later by the engine step.
 
-What is valid comes from the model's contract (``ModelInfo.input``: codes or latents, channels, wire dtypes,
+What is valid comes from the model's contract (``LoadedModel.input``: codes or latents, channels, wire dtypes,
 range). Sans-IO like ``sessions``: every problem is a ``ChunkRejected`` with a typed code, scoped to the chunk.
 """
 
@@ -15,14 +15,14 @@ from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
 from .ipc.regions import RegionService
-from .models import ModelInfo
+from .models import LoadedModel
 from .scheduler import ChunkJob
 from .work import ChunkRejected
 
 _NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64, "float32": np.float32}
 
 
-def read_chunk_inputs(model: ModelInfo, regions: RegionService, identity: bytes, job: ChunkJob, chunk: proto.Chunk,
+def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: bytes, job: ChunkJob, chunk: proto.Chunk,
                       frames: list) -> None:
     """Inline inputs: checked and copied now (``job.codes``). CUDA IPC inputs: bounds-checked now, read and
     checked by the engine step (``job.ipc_codes``). An ``audio_out`` is bounds-checked too."""
@@ -44,7 +44,7 @@ def read_chunk_inputs(model: ModelInfo, regions: RegionService, identity: bytes,
         if regions.device is None:  # (audio_out is always cuda_ipc) unsupported here, as for codes: not not_found
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "audio_out: cuda_ipc tensors are not supported by "
                                 "this sidecar (capabilities.cuda_ipc is false)")
-        num_samples = (num_frames - chunk.context_frames) * model.samples_per_frame
+        num_samples = proto.audio_num_samples(num_frames, chunk.context_frames, model.samples_per_frame)
         if chunk.audio_out.shape != (num_samples,):
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"audio_out has shape {list(chunk.audio_out.shape)}; "
                                 f"this chunk gives [{num_samples}] samples")
@@ -64,7 +64,7 @@ def read_chunk_inputs(model: ModelInfo, regions: RegionService, identity: bytes,
     job.codes = _inline_inputs(model, desc, frames)
 
 
-def _inline_inputs(model: ModelInfo, desc: proto.TensorDesc, frames: list) -> Tensor:
+def _inline_inputs(model: LoadedModel, desc: proto.TensorDesc, frames: list) -> Tensor:
     num_channels, num_frames = desc.shape
     try:
         view = proto.inline_view(desc, frames)

@@ -17,12 +17,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from .streams import Stream
+from .streams import ServedStream
 
 
 @dataclass(eq=False)
 class ChunkJob:
-    stream: Stream
+    stream: ServedStream
     seq: int
     codes: Any  # torch.Tensor [C, n]: int64 codes or float32 latents
     context_frames: int
@@ -126,7 +126,7 @@ class Scheduler:
         for job in jobs:
             self._queued_per_stream[id(job.stream)] += 1
 
-    def remove_stream(self, stream: Stream) -> list[ChunkJob]:
+    def remove_stream(self, stream: ServedStream) -> list[ChunkJob]:
         """Drop and return every queued chunk of ``stream`` (abort, or an earlier chunk failed)."""
         dropped = [j for j in self._queue if j.stream is stream]
         if dropped:

@@ -32,7 +32,7 @@ from . import bootstrap
 from .config import ServerConfig, busy_poll_s, cpu_threads
 from .connlog import shutdown_summary
 from .metrics import HealthServer, Metrics
-from .models import FAMILIES, DecoderFamily, ModelInfo, configure_cuda, resolve_device
+from .models import FAMILIES, DecoderFamily, LoadedModel, configure_cuda, resolve_device
 from .scheduler import Scheduler
 from .auth import start_client_auth
 from .sessions import CLOSE_SLICE_STREAMS, Sessions
@@ -53,7 +53,7 @@ class Server:
         self.metrics = metrics or Metrics()
         self.health = HealthServer(self.metrics, is_ready=lambda: self.ready)
         self.ready = False
-        self.model: ModelInfo | None = None
+        self.model: LoadedModel | None = None
         self.sessions: Sessions | None = None
         self.transport: Transport | None = None
         self.stepper: Stepper | None = None

@@ -30,14 +30,14 @@ from .inputs import read_chunk_inputs
 from .ipc.device import CudaIpcDevice
 from .ipc.regions import RegionService
 from .metrics import Metrics
-from .models import FamilyError, ModelInfo
+from .models import FamilyError, LoadedModel
 from .modes import get_mode
 from .reaping import plan_reap
 from .replies import Outbox, PendingReply
 from .welcome import model_entry
 from .scheduler import ChunkJob, Scheduler
 from .state_store import ArenaFull, StateArena
-from .streams import SeqVerdict, Stream, check_seq, is_repeat_open
+from .streams import SeqVerdict, ServedStream, check_seq, is_repeat_open
 from .work import ChunkRejected, DecodeItem
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class ClientState:
 
 
 class Sessions:
-    def __init__(self, cfg: ServerConfig, model: ModelInfo, arena: StateArena, scheduler: Scheduler,
+    def __init__(self, cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
                  metrics: Metrics, ipc_device: CudaIpcDevice | None = None, host_id: str | None = None,
                  ipc_off_reason: str = "not configured", clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -75,17 +75,17 @@ class Sessions:
             max_left_context_frames=cfg.limits.max_left_context_frames)
         self.model_info = model_entry(model)  # the welcome's entry: the model's contract, the same for every client
         self.clients: dict[bytes, ClientState] = {}
-        self.streams: dict[tuple[bytes, str], Stream] = {}
+        self.streams: dict[tuple[bytes, str], ServedStream] = {}
         self.out = Outbox(metrics)  # what this turn leaves to send (replies.py)
         self.draining = False
         self.connlog = ConnLog(log)  # connect/disconnect lines, rate-limited
         self.pending_by_client: dict[bytes, int] = {}  # chunks queued or in the engine, per connection
         self.owners = SessionOwners(metrics)
-        self.close_backlog: collections.deque[tuple[Stream, str]] = collections.deque()  # detached, to free
+        self.close_backlog: collections.deque[tuple[ServedStream, str]] = collections.deque()  # detached, to free
         self.regions = RegionService(ipc_device, host_id, metrics, self.out.send, self.out.error, ipc_off_reason,
                                      session_of=self.clients.get)
 
-    def _pending_added(self, stream: Stream) -> None:
+    def _pending_added(self, stream: ServedStream) -> None:
         stream.num_pending += 1
         self.pending_by_client[stream.client] = self.pending_by_client.get(stream.client, 0) + 1
 
@@ -96,7 +96,7 @@ class Sessions:
         job.ipc_codes = job.audio_out = None
         self._pending_done(job.stream)
 
-    def _pending_done(self, stream: Stream) -> None:
+    def _pending_done(self, stream: ServedStream) -> None:
         stream.num_pending -= 1
         left = self.pending_by_client.get(stream.client, 1) - 1
         if left > 0:
@@ -189,7 +189,7 @@ class Sessions:
             except ArenaFull as exc:
                 return self.out.error(identity, rid, ErrorCode.BUSY, f"{exc}; retry later or raise streams.max_streams")
             self._arena_used.set(self.arena.num_used)
-        stream = Stream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
+        stream = ServedStream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
                         left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
         self.streams[stream.key] = stream
         client.streams.add(msg.stream_id)
@@ -197,7 +197,7 @@ class Sessions:
         self.metrics.active_streams.set(len(self.streams))
         self._send_opened(identity, rid, stream)
 
-    def _send_opened(self, identity: bytes, rid: int, stream: Stream) -> None:
+    def _send_opened(self, identity: bytes, rid: int, stream: ServedStream) -> None:
         self.out.send(identity, proto.Opened(
             request_id=rid, stream_id=stream.stream_id, model=stream.model, mode=stream.mode.name,
             left_context_frames=stream.left_context_frames, samples_per_frame=self.model.samples_per_frame,
@@ -313,7 +313,7 @@ class Sessions:
             self._close(stream, stream.closing)
 
     # ------------------------------------------------------------------ lifecycle
-    def abort_stream(self, stream: Stream, reason: str) -> None:
+    def abort_stream(self, stream: ServedStream, reason: str) -> None:
         for job in self.scheduler.remove_stream(stream) if stream.num_pending else ():  # (no queue scan if idle)
             self._job_done(job)
             self.out.reject(job.reply, job.index, stream.stream_id, job.seq, ErrorCode.UNAVAILABLE,
@@ -321,7 +321,7 @@ class Sessions:
             self.out.emit_if_done(job.reply)
         self._close(stream, reason)
 
-    def _close(self, stream: Stream, reason: str) -> None:
+    def _close(self, stream: ServedStream, reason: str) -> None:
         if stream.closed:
             return
         stream.closed = True
@@ -336,7 +336,7 @@ class Sessions:
         self.metrics.active_streams.set(len(self.streams))
         self._arena_used.set(self.arena.num_used)
 
-    def _detach(self, stream: Stream) -> None:
+    def _detach(self, stream: ServedStream) -> None:
         """Take ``stream`` out of the session's maps (no-op if it is not there any more)."""
         if self.streams.get(stream.key) is stream:
             del self.streams[stream.key]

@@ -14,9 +14,20 @@ The arena does not know any model: it only knows names and shapes.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 from torch import Tensor
+
+
+POSITION_NBYTES = 8
+"""Each slot's position (frames decoded so far), an int64 beside its state."""
+
+
+def slot_nbytes(layout: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> int:
+    """Bytes one stream slot takes: every state entry of ``layout`` (per-row shapes) in ``dtype``, and its position.
+    The one definition: the arena, its sizing and the metrics all use it."""
+    return sum(math.prod(shape) for shape in layout.values()) * dtype.itemsize + POSITION_NBYTES
 
 
 class ArenaFull(Exception):
@@ -41,18 +52,7 @@ class StateArena:
         self.positions = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # [S + 1] frames decoded
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out low slots first
         self._in_use = bytearray(num_slots)  # 1 where a slot is handed out: O(1) double-free check
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_stream = sum(math.prod(s) for s in layout.values()) * itemsize + 8
-
-    @staticmethod
-    def stream_nbytes(layout: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
-        """Bytes one slot takes: its state entries plus its position."""
-        return sum(math.prod(s) for s in layout.values()) * dtype.itemsize + 8
-
-    @staticmethod
-    def slots_for_budget(layout: dict[str, tuple[int, ...]], dtype: torch.dtype, budget_bytes: int,
-                         max_slots: int = 65536) -> int:
-        return max(1, min(max_slots, budget_bytes // StateArena.stream_nbytes(layout, dtype)))
+        self.bytes_per_stream = slot_nbytes(layout, dtype)
 
     @property
     def num_used(self) -> int:

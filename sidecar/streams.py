@@ -22,7 +22,7 @@ from .modes import StreamMode, get_mode
 
 
 @dataclass(eq=False)
-class Stream:
+class ServedStream:
     client: bytes  # transport identity of the owning connection
     stream_id: str
     model: str
@@ -50,7 +50,7 @@ class Stream:
         return (self.client, self.stream_id)
 
 
-def is_repeat_open(stream: Stream, model: str, mode: StreamMode, left_context_frames: int,
+def is_repeat_open(stream: ServedStream, model: str, mode: StreamMode, left_context_frames: int,
                    options: dict[str, int]) -> bool:
     """Whether an ``open_stream`` for ``stream``'s id repeats the one that opened it (same model, mode, left
     context and options) while the stream has taken no chunk yet and is not closing: then it is answered again
@@ -66,7 +66,7 @@ class SeqVerdict:
     REFUSE = "refuse"
 
 
-def check_seq(stream: Stream, seq: int) -> tuple[str, str]:
+def check_seq(stream: ServedStream, seq: int) -> tuple[str, str]:
     """``(verdict, reason)``: accept the next seq, resend the last committed one, or refuse with a reason."""
     if seq == stream.next_seq:
         return SeqVerdict.ACCEPT, ""

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from code2wav import proto
 
-from .models import ModelInfo
+from .models import LoadedModel
 
 
-def model_entry(model: ModelInfo) -> proto.ModelInfo:
+def model_entry(model: LoadedModel) -> proto.ModelInfo:
     """The welcome message's entry for ``model``: its contract, so a client can check inputs before sending."""
     spec = model.input
     valid_range = spec.valid_range

@@ -12,7 +12,7 @@ from code2wav.sidecar.arena_sizing import (CPU_STATE_MEMORY_BYTES, MAX_SLOTS, Ar
 from code2wav.sidecar.config import ConfigError, load_config
 from code2wav.sidecar.graphs.compiled import configure_compile_cache
 from code2wav.sidecar.models.qwen3_tts import SHIPPED, random_model
-from code2wav.sidecar.state_store import StateArena
+from code2wav.sidecar.state_store import slot_nbytes
 
 GiB = 1 << 30
 
@@ -28,7 +28,7 @@ def _auto(per_stream: int, free: int | None, reserve: int = 2 * GiB, margin: int
 
 
 def test_an_h200_holds_over_2000_bf16_streams_by_default(shipped_layout):
-    per_stream = StateArena.stream_nbytes(shipped_layout, torch.bfloat16)
+    per_stream = slot_nbytes(shipped_layout, torch.bfloat16)
     cfg = load_config()
     free_after_weights = 139 * GiB
     plan = plan_arena(per_stream, max_streams=cfg.streams.max_streams,
@@ -38,7 +38,8 @@ def test_an_h200_holds_over_2000_bf16_streams_by_default(shipped_layout):
     assert plan.source == "free_device_memory"
     assert plan.num_slots == cfg.streams.auto_max_streams >= 2000  # capped: the H200 could hold far more
     # the old fixed 2 GiB budget held fewer than 1000 (826 on the H200 run of issue 21)
-    assert StateArena.slots_for_budget(shipped_layout, torch.bfloat16, 2 * GiB) < 1000
+    assert plan_arena(per_stream, max_streams=None, state_memory_bytes=2 * GiB, free_device_bytes=None,
+                      graph_reserve_bytes=0, margin_bytes=0, auto_max_streams=4096).num_slots < 1000
 
 
 def test_budget_is_free_memory_less_graph_reserve_and_margin():

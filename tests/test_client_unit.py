@@ -33,7 +33,7 @@ from code2wav.client import (
     VersionMismatch,
     error_from,
 )
-from code2wav.client.transport import InlineTransport, as_wire_codes, audio_from_frames
+from code2wav.client.wire_tensors import InlineTransport, as_wire_codes, audio_from_frames
 from code2wav.proto import (
     Abort, Aborted, Bye, ChunkResult, Decode, DecodeResult, Error, ErrorCode, ErrorInfo, Finish, Finished, Hello,
     InlineLoc, Limits, ModelInfo, Opened, OpenStream, Ping, Pong, ProtocolError, TensorDesc, Welcome,

@@ -8,15 +8,15 @@ import torch
 from code2wav.sidecar.config import ConfigError, load_config
 from code2wav.sidecar.scheduler import ChunkJob, Scheduler
 from code2wav.sidecar.state_store import ArenaFull, StateArena
-from code2wav.sidecar.streams import SeqVerdict, Stream, check_seq
+from code2wav.sidecar.streams import SeqVerdict, ServedStream, check_seq
 
 
-def _stream(name: str, mode: str = "exact", model: str = "m") -> Stream:
-    return Stream(client=b"c", stream_id=name, model=model, mode=mode, left_context_frames=0, slot=0,
+def _stream(name: str, mode: str = "exact", model: str = "m") -> ServedStream:
+    return ServedStream(client=b"c", stream_id=name, model=model, mode=mode, left_context_frames=0, slot=0,
                   last_active_s=0.0)
 
 
-def _job(stream: Stream, seq: int = 0, arrived_s: float = 0.0) -> ChunkJob:
+def _job(stream: ServedStream, seq: int = 0, arrived_s: float = 0.0) -> ChunkJob:
     return ChunkJob(stream=stream, seq=seq, codes=None, context_frames=0, final=False, arrived_s=arrived_s,
                     reply=None, index=0)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from code2wav.proto import RegionRegistered, ServerMessage, UnregisterRegion, encode
+from code2wav.proto import RegionRegistered, ServerMessage, UnregisterRegion, audio_num_samples, encode
 
 from .._call import Call
 from ..errors import SidecarError
@@ -157,8 +157,8 @@ class IpcLink:
         if channel is None or not same_device:  # never registers here: this runs under the order lock
             self.fallback(self._last_reason if channel is None else "second_device: codes on several GPUs", len(rows))
             return packed
-        num_samples = [(planned[i][1].num_frames - planned[i][1].context_frames) * planned[i][0].samples_per_frame
-                       for i in rows]
+        num_samples = [audio_num_samples(planned[i][1].num_frames, planned[i][1].context_frames,
+                                         planned[i][0].samples_per_frame) for i in rows]
         placed = channel.pack([planned[i][1].codes for i in rows], num_samples)
         if placed is None:
             self.fallback("region_full: codes or audio views in flight fill the regions, or every codes event "

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..models import ModelInfo, StreamBatch
+from ..models import LoadedModel, StreamBatch
 from ..state_store import StateArena
 from ..work import DecodeItem
 from .plan import time_slices
 
 
-def rows_state(model: ModelInfo, arena: StateArena | None, slots: Tensor | None, batch: int,
+def rows_state(model: LoadedModel, arena: StateArena | None, slots: Tensor | None, batch: int,
                device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
     """Initial state of a batch: the arena rows of ``slots`` (stateful rows), or an empty state at position 0
     (stateless rows). Shared by the eager engine and the graph routine."""
@@ -45,7 +45,7 @@ def _owned(row: Tensor) -> Tensor:
     return row if row.untyped_storage().nbytes() == row.nbytes else row.clone()
 
 
-def rows_options(model: ModelInfo, items: list[DecodeItem], device: torch.device) -> dict[str, Tensor]:
+def rows_options(model: LoadedModel, items: list[DecodeItem], device: torch.device) -> dict[str, Tensor]:
     """Each option of the model as ``[B]`` int64: the row's stream value, or the option's default."""
     return {opt.name: torch.tensor([it.options.get(opt.name, opt.default) for it in items], dtype=torch.long,
                                    device=device)
@@ -53,7 +53,7 @@ def rows_options(model: ModelInfo, items: list[DecodeItem], device: torch.device
 
 
 class StreamRoutine:
-    def __init__(self, model: ModelInfo, arena: StateArena | None, max_batch: int, max_frames: int) -> None:
+    def __init__(self, model: LoadedModel, arena: StateArena | None, max_batch: int, max_frames: int) -> None:
         self.model = model
         self.arena = arena  # None: stateless (window mode) rows decode from a zero state at position 0
         self.stateful = arena is not None

@@ -1,4 +1,4 @@
-"""Decoder families and loaded models: ``load_model`` turns a ``--model`` spec into a ``ModelInfo`` on a device.
+"""Decoder families and loaded models: ``load_model`` turns a ``--model`` spec into a ``LoadedModel`` on a device.
 
 The contract a family provides (``family.py``) is all the rest of the sidecar knows about a model; the
 registry (``registry.py``) lists the families. Nothing outside this folder names a family.
@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .family import (Contract, DecoderFamily, FamilyError, GraphBuckets, InputSpec, ModelInfo, StateSpec,
+from .family import (Contract, DecoderFamily, FamilyError, GraphBuckets, InputSpec, LoadedModel, StateSpec,
                      StreamBatch, StreamOption)
 from .registry import DTYPES, FAMILIES, default_specs, detect_family, load_model, register_family
 
-LoadedModel = ModelInfo  # the name loadgen and older tests import
-
-__all__ = ["Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec", "ModelInfo", "LoadedModel",
+__all__ = ["Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec", "LoadedModel",
            "StateSpec", "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "default_specs", "detect_family",
            "load_model", "register_family", "configure_cuda", "resolve_device"]
 

@@ -5,7 +5,7 @@ builds a module (from a folder, or ``default``: the shipped architecture with se
 describes it as a ``Contract``: the input kind (integer codes ``[B, Q, T]`` or float latents ``[B, D, T]``)
 with its wire dtypes and valid range, the output rate and samples per frame, the per-stream state layout,
 and the integer per-stream options a stream may set when it opens (validated here, fed per row to every
-forward). ``ModelInfo`` is a loaded model with its contract; engine, sessions, modes, graphs, inputs and
+forward). ``LoadedModel`` is a loaded model with its contract; engine, sessions, modes, graphs, inputs and
 offline read everything from it and never name a family.
 
 The one streaming call every family implements is ``forward_stream(module, batch, state) -> (audio,
@@ -187,7 +187,7 @@ class DecoderFamily(Protocol):
 
 
 @dataclass
-class ModelInfo:
+class LoadedModel:
     """A loaded model and its contract: the one place engine, sessions, graphs and offline read from."""
 
     name: str

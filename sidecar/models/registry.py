@@ -1,4 +1,4 @@
-"""The decoder families this sidecar serves, and turning a ``--model`` spec into a loaded ``ModelInfo``.
+"""The decoder families this sidecar serves, and turning a ``--model`` spec into a loaded ``LoadedModel``.
 
 ``FAMILIES`` is built from an explicit list (adding a family is one line here). Tests and plugins pass their
 own tuple, e.g. ``register_family(FAMILIES, toy)``, which returns a new tuple: nothing is mutated at import
@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .family import DecoderFamily, FamilyError, ModelInfo
+from .family import DecoderFamily, FamilyError, LoadedModel
 from .qwen3_tts.family import QWEN3_TTS
 from .voxcpm2_audiovae.family import VOXCPM2_AUDIOVAE
 
@@ -59,7 +59,7 @@ def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) ->
 
 
 def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None, seed: int = 0,
-               families: Sequence[DecoderFamily] = FAMILIES, fused_kernels: bool = True) -> ModelInfo:
+               families: Sequence[DecoderFamily] = FAMILIES, fused_kernels: bool = True) -> LoadedModel:
     """``spec``: ``default`` (the first family's shipped architecture, seeded random weights), a family's
     ``default_spec`` (that family's, e.g. ``voxcpm2-default``) or a model folder. ``fused_kernels``: on CUDA,
     the family's Triton kernels where it has them (``engine.fused_kernels``)."""
@@ -86,5 +86,5 @@ def load_model(spec: str, device: torch.device, dtype: str = "float32", name: st
                           "the state arena stores one dtype")
     module = module.to(device=device, dtype=torch_dtype).requires_grad_(False)
     fused = family.use_fused_kernels(module, fused_kernels and torch.device(device).type == "cuda")
-    return ModelInfo(name=name or family.default_model_name, family=family, module=module, contract=contract,
+    return LoadedModel(name=name or family.default_model_name, family=family, module=module, contract=contract,
                      device=device, dtype=torch_dtype, source=source, fused_kernels=fused)
