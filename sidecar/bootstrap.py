@@ -1,5 +1,5 @@
-"""Start-up: build the server's parts from its config (model, state arena, CUDA graphs, engine, sessions,
-transport), in order, with progress logs. Nothing here runs after start-up.
+"""Start-up: build the server's parts from its config (model, state arena, CUDA graphs, engine, the batch policy
+and scheduler, sessions, transport), in order, with progress logs. Nothing here runs after start-up.
 
 Graph capture is its own explicit step (``build_graphs``): it logs each bucket (time, memory) as it goes,
 and it runs on the engine thread so ``/healthz`` stays live meanwhile.
@@ -19,7 +19,6 @@ from .arena_sizing import UNCAPPED_GRAPH_RESERVE_BYTES, ArenaPlan, plan_arena
 from .config import ServerConfig, state_memory_bytes
 from .engine import Engine
 from .graphs.compiled import compile_routines
-from .graphs.dispatcher import GraphDispatcher
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
 from .graphs.routine import StreamRoutine
@@ -28,7 +27,7 @@ from .ipc.device import CudaIpcDevice
 from .metrics import Metrics
 from .models import FAMILIES, DecoderFamily, LoadedModel, load_model
 from .modes import MODES
-from .scheduler import Scheduler
+from .scheduler import Scheduler, batch_policy
 from .sessions import Sessions
 from .state_store import StateArena, slot_nbytes
 from .transport import Transport
@@ -43,6 +42,7 @@ class Parts:
     model: LoadedModel
     arena: StateArena
     engine: Engine
+    scheduler: Scheduler
 
 
 def load(cfg: ServerConfig, device, families: Sequence[DecoderFamily] = FAMILIES) -> LoadedModel:
@@ -85,7 +85,7 @@ def plan_arena_for(cfg: ServerConfig, bytes_per_stream: int, device) -> ArenaPla
     reserve = (gcfg.max_graph_memory_bytes if gcfg.max_graph_memory_bytes is not None
                else UNCAPPED_GRAPH_RESERVE_BYTES) if graphs_on else 0
     return plan_arena(bytes_per_stream, max_streams=scfg.max_streams,
-                      state_memory_bytes=state_memory_bytes(cfg, device.type), free_device_bytes=free,
+                      state_memory_bytes=state_memory_bytes(cfg), free_device_bytes=free,
                       graph_reserve_bytes=reserve, margin_bytes=scfg.state_memory_margin_bytes,
                       auto_max_streams=scfg.auto_max_streams)
 
@@ -111,10 +111,8 @@ def routine_shapes(gcfg, max_forward_frames: int) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def build_graphs(cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
-                 metrics: Metrics) -> GraphDispatcher:
-    """CUDA graphs for every mode's configured buckets, captured now (the explicit start-up step); the
-    scheduler's batch size is capped to the largest captured stateful bucket when configured so."""
+def build_graphs(cfg: ServerConfig, model: LoadedModel, arena: StateArena, metrics: Metrics) -> GraphManager:
+    """CUDA graphs for every mode's configured buckets, captured now (the explicit start-up step)."""
     gcfg = cfg.graphs
     max_frames = cfg.engine.max_forward_frames
     buckets, routines = configured_buckets(gcfg), {}
@@ -124,36 +122,33 @@ def build_graphs(cfg: ServerConfig, model: LoadedModel, arena: StateArena, sched
                                  gcfg.max_lazy_captures) if gcfg.compile else None)
     manager = GraphManager(routines, buckets, model.device, metrics, mode=gcfg.mode,
                            max_lazy_captures=gcfg.max_lazy_captures,
-                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes, cudnn_benchmark=gcfg.cudnn_benchmark,
-                           compiled=compiled)
-    dispatcher = GraphDispatcher(manager, max_frames, metrics)
-    dispatcher.capture_startup()
-    for mode in MODES.values():
-        if not mode.stateful:
-            continue
-        largest = dispatcher.largest_captured_batch(mode.name)
-        if largest and scheduler.max_batch_size > largest:
-            if gcfg.cap_batch_to_buckets:
-                log.info("scheduler.max_batch_size %d capped to the largest captured %s bucket (%d)",
-                         scheduler.max_batch_size, mode.name, largest)
-                scheduler.max_batch_size = largest
-            else:
-                log.info("batches of %d..%d chunks run eager (largest captured %s bucket: %d)", largest + 1,
-                         scheduler.max_batch_size, mode.name, largest)
-    return dispatcher
+                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes, compiled=compiled)
+    manager.capture_startup()
+    return manager
 
 
-def build_engine_side(cfg: ServerConfig, device, scheduler: Scheduler, metrics: Metrics,
+def build_scheduler(cfg: ServerConfig, graphs: GraphManager | None) -> Scheduler:
+    """The batch policy, decided once: the configured values, batches capped to the rows the captured stateful
+    graphs serve (``scheduler.batch_policy``)."""
+    largest = max((graphs.largest_captured_batch(m.name) for m in MODES.values() if m.stateful), default=0) \
+        if graphs is not None else 0
+    scfg = cfg.scheduler
+    policy = batch_policy(scfg.max_batch_size, scfg.batch_window_us, scfg.max_pending_chunks, largest)
+    if policy.max_batch_size < scfg.max_batch_size:
+        log.info("scheduler.max_batch_size %d capped to the largest captured graph batch (%d)", scfg.max_batch_size,
+                 policy.max_batch_size)
+    return Scheduler(policy)
+
+
+def build_engine_side(cfg: ServerConfig, device, metrics: Metrics,
                       families: Sequence[DecoderFamily] = FAMILIES) -> Parts:
-    """Model, arena, graphs, engine: the slow part of start-up (run it on the engine thread)."""
+    """Model, arena, graphs, engine, scheduler: the slow part of start-up (run it on the engine thread)."""
     model = load(cfg, device, families)
     cfg = with_family_buckets(cfg, model)
     arena = build_arena(cfg, model, metrics)
-    graphs = None
-    if device.type == "cuda" and cfg.graphs.enabled:
-        graphs = build_graphs(cfg, model, arena, scheduler, metrics)
+    graphs = build_graphs(cfg, model, arena, metrics) if device.type == "cuda" and cfg.graphs.enabled else None
     engine = Engine(model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=metrics)
-    return Parts(model, arena, engine)
+    return Parts(model, arena, engine, build_scheduler(cfg, graphs))
 
 
 def open_ipc_device(cfg: ServerConfig, device) -> tuple[CudaIpcDevice | None, str]:
@@ -172,9 +167,9 @@ def open_ipc_device(cfg: ServerConfig, device) -> tuple[CudaIpcDevice | None, st
     return ipc_device, reason
 
 
-def build_sessions(cfg: ServerConfig, parts: Parts, scheduler: Scheduler, metrics: Metrics) -> Sessions:
+def build_sessions(cfg: ServerConfig, parts: Parts, metrics: Metrics) -> Sessions:
     ipc_device, ipc_off_reason = open_ipc_device(cfg, parts.model.device)
-    return Sessions(cfg, parts.model, parts.arena, scheduler, metrics, ipc_device, host_id(), ipc_off_reason)
+    return Sessions(cfg, parts.model, parts.arena, parts.scheduler, metrics, ipc_device, host_id(), ipc_off_reason)
 
 
 def build_transport(cfg: ServerConfig, context: zmq.Context) -> Transport:

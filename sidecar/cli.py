@@ -3,10 +3,8 @@
 never imports the client: they meet only on the wire).
 
 Mistakes a person can make at the command line (a bad flag value, an address or port in use, a missing model
-folder or input file) end with one ``error: ...`` line on stderr and exit code 2, never a traceback.
-
-Over 300 lines: one parser and one handler per subcommand, plus the checks ``serve`` makes before its
-model loads; the decode checks live in ``offline``, the socket claim in ``transport``."""
+folder or input file) end with one ``error: ...`` line on stderr and exit code 2, never a traceback. The decode
+checks live in ``offline``, the socket claim in ``transport``."""
 
 from __future__ import annotations
 
@@ -106,12 +104,14 @@ def _serve_parser(sub) -> None:
 
 
 def _decode_parser(sub) -> None:
+    from code2wav.proto import STREAM_MODES
+
     p = sub.add_parser("decode", help="decode a codes .npy offline (no server)", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="speech_tokenizer/ folder, or 'default' (random weights)")
     p.add_argument("--input", required=True, help="integer codes .npy, shape [B, Q, T] (Q = the model's "
                    "quantizers), values in [0, codebook size); or float latents [B, D, T] / [D, T] for a latents model")
     p.add_argument("--output", required=True, help="out.npy (float32 [B, 1, T*U]) or out.wav (one file per row)")
-    p.add_argument("--mode", choices=["exact", "window"], default="exact",
+    p.add_argument("--mode", choices=list(STREAM_MODES), default="exact",
                    help="exact: one forward over all frames; window: vLLM-Omni's chunked decode")
     p.add_argument("--chunk-frames", type=int, default=25, help="window mode: new frames per chunk")
     p.add_argument("--left-context-frames", type=int, default=25, help="window mode: left context per chunk")
@@ -247,10 +247,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
         codes = load_inputs_npy(Path(args.input))
     except InputError as exc:
         return _fail(str(exc))
-    from .engine import Engine
     from .models import default_specs, load_model, resolve_device
+    from .modes import get_mode
     from .offline import decode_offline, save_audio
-    from .state_store import StateArena
 
     if args.model not in default_specs() and not Path(args.model).is_dir():
         return _fail(f"--model {args.model}: no such folder (give a model folder or one of {sorted(default_specs())})")
@@ -261,9 +260,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
         options = model.contract.check_options({} if args.sr_cond is None else {"sr_cond": args.sr_cond})
     except (InputError, ValueError, RuntimeError) as exc:  # inputs or options vs model, a bad checkpoint or device
         return _fail(str(exc))
-    engine = Engine(model, StateArena(model.state_layout(), 1, model.dtype, model.device))
     t0 = time.perf_counter()
-    wav = decode_offline(engine, codes_t, args.mode, args.chunk_frames, args.left_context_frames, options)  # [B,1,T*U]
+    wav = decode_offline(model, codes_t, get_mode(args.mode), args.chunk_frames, args.left_context_frames,
+                         options)  # [B, 1, T * U]
     elapsed_s = time.perf_counter() - t0
     written = save_audio(output, wav, model.sample_rate_hz)
     audio_s = wav.shape[0] * wav.shape[2] / model.sample_rate_hz

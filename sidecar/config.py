@@ -81,16 +81,12 @@ class GraphsConfig(_Section):
                                                "captured as exact-streaming time slices (the same audio, a smaller "
                                                "peak), else skipped and run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
-    cap_batch_to_buckets: bool = Field(True, description="limit batches to the largest captured exact bucket, "
-                                       "so every exact batch replays a graph")
     compile: bool = Field(False, description="capture the torch.compile'd step per bucket (plain step if it fails; "
                           "ignored on CPU). Off by default: on the H200 it makes a step 1.7-1.8x faster (b16 16.9 vs "
                           "30.8 ms bf16) but compiles ~30 s per bucket cold (~4 s with the on-disk cache), so the "
                           "default 14 buckets take minutes to start; enable it with a compile_cache_dir volume")
     compile_cache_dir: str | None = Field(None, description="torch's on-disk compile cache (TORCHINDUCTOR_CACHE_DIR); "
                                           "keep it on a volume for fast restarts; null = torch's default")
-    cudnn_benchmark: bool = Field(False, description="let cuDNN time conv algorithms for each captured bucket "
-                                  "(bf16: faster replays, slower capture; fp32: measured slower)")
 
     def for_family(self, defaults: GraphBuckets) -> "GraphsConfig":
         """This section with every unset bucket list taken from the model family's defaults."""
@@ -173,17 +169,11 @@ def cpu_threads(cfg: ServerConfig, device_type: str) -> int | None:
     return cfg.cpu_threads
 
 
-CPU_STATE_MEMORY_BYTES = 256 << 20
-"""``streams.state_memory_bytes: auto`` off CUDA (on CUDA, auto sizes the arena from free device memory)."""
-
-
-def state_memory_bytes(cfg: ServerConfig, device_type: str) -> int | None:
-    """The stream arena budget in bytes (``streams.state_memory_bytes`` with ``auto`` resolved for the device);
-    None on CUDA with ``auto``: the arena is sized from free device memory (``arena_sizing.plan_arena``)."""
+def state_memory_bytes(cfg: ServerConfig) -> int | None:
+    """The stream arena budget in bytes, or None for ``auto``: ``arena_sizing.plan_arena`` sizes the arena then
+    (from free device memory on CUDA, its CPU default on the CPU)."""
     budget = cfg.streams.state_memory_bytes
-    if budget == "auto":
-        return None if device_type == "cuda" else CPU_STATE_MEMORY_BYTES
-    return budget
+    return None if budget == "auto" else budget
 
 
 class ConfigError(ValueError):

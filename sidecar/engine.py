@@ -1,10 +1,10 @@
-"""The engine: the only code that runs the model. Decodes a batch of chunks in one (or a few) forwards.
+"""The engine: the only code that runs the model. It executes a step as its ``StepPlan`` says, and trusts it.
 
-Mechanism only: the scheduler decides which chunks share a batch; the graph dispatcher decides whether a
-captured graph serves it. Otherwise (CPU, no bucket, capture failed) the engine runs eager: pads the chunks
-to a common length, gathers their state from the arena, runs the forward, and commits new state for
-stateful rows only after the whole forward succeeded. Chunks longer than ``max_forward_frames`` are decoded
-in slices with the state carried between slices, which is exact (the decoders are causal).
+Policy lives elsewhere: the scheduler decides which chunks share a step, the planner (``step_plan.py``) decides how
+the step runs (a captured graph bucket, or eager and why). Here: a graph step replays its bucket (capturing it first
+where the plan says so; a capture that fails then runs the step eager, counted); an eager step pads the rows to the
+plan's frames, gathers their state from the arena, runs the forward in the plan's time slices and commits the new
+state of stateful rows only after the whole forward succeeded.
 """
 
 from __future__ import annotations
@@ -12,88 +12,82 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .graphs.dispatcher import GraphChoice, GraphDispatcher
+from .forward import forward_in_slices, rows_audio, rows_options, rows_state
 from .graphs.manager import GraphManager
-from .graphs.routine import rows_audio, rows_options, rows_state
-from .models import LoadedModel, StreamBatch
+from .models import LoadedModel
 from .modes import StreamMode, mode_for
 from .state_store import StateArena
+from .step_plan import StepPlan, StepPlanner, eager_slices
 from .work import DecodeItem
 
-__all__ = ["Engine", "DecodeItem", "GraphChoice"]
+__all__ = ["Engine", "DecodeItem", "StepPlan"]
 
 
 class Engine:
     def __init__(self, model: LoadedModel, arena: StateArena, max_forward_frames: int = 256,
-                 graphs: GraphDispatcher | GraphManager | None = None, metrics=None) -> None:
+                 graphs: GraphManager | None = None, metrics=None) -> None:
         self.model = model
         self.arena = arena
         self.max_forward_frames = max_forward_frames
         self.device = model.device
-        if isinstance(graphs, GraphManager):
-            graphs = GraphDispatcher(graphs, max_forward_frames, metrics)
         self.graphs = graphs
         self.metrics = metrics
-
-    @torch.inference_mode()
-    def decode(self, items: list[DecodeItem], may_capture: bool = True,
-               mode: StreamMode | None = None) -> list[Tensor]:
-        """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
-        valid until the next ``decode``. Stateless and stateful items may not mix. ``may_capture=False``: a batch
-        whose graph is still to be captured runs eager instead (a capture holds the calling thread for long).
-        ``mode``: the batch's stream mode (by default the one whose statefulness the items have)."""
-        stateful = items[0].slot is not None
-        if any((it.slot is not None) != stateful for it in items):
-            raise ValueError("a batch mixes stateful and stateless chunks")
-        if self.graphs is not None:
-            outputs = self.graphs.run((mode or mode_for(stateful)).name, items, may_capture)
-            if outputs is not None:
-                return outputs
-        return self._decode_eager(items, stateful)
+        self.planner = StepPlanner(graphs, max_forward_frames)
 
     @property
     def captures_on_demand(self) -> bool:
-        """Whether a batch may still need a graph captured first (graphs in ``lazy`` or ``startup_lazy`` mode)."""
-        return self.graphs is not None and self.graphs.captures_on_demand
+        """Whether a plan may ask for a capture (graphs in ``lazy`` or ``startup_lazy`` mode)."""
+        return self.planner.captures_on_demand
 
-    def graph_choice(self, mode: str, row_frames: list[int]) -> GraphChoice:
-        """The dispatcher's choice for a batch (no side effects); ``no_graphs`` without graphs."""
-        if self.graphs is None:
-            return GraphChoice(None, "no_graphs")
-        return self.graphs.choose(mode, row_frames)
+    def plan(self, mode: StreamMode, row_frames: list[int], may_capture: bool = True) -> StepPlan:
+        return self.planner.plan(mode, row_frames, may_capture)
 
-    def _decode_eager(self, items: list[DecodeItem], stateful: bool) -> list[Tensor]:
-        batch = len(items)
-        model = self.model
-        num_frames = torch.tensor([it.codes.shape[1] for it in items], dtype=torch.long)  # [B]
-        max_frames = int(num_frames.max())
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, items: list[DecodeItem]) -> list[Tensor]:
+        """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
+        valid until the next step. ``items`` are the plan's rows, or some of them (rows refused after planning:
+        the plan's bucket and frames still hold the rest)."""
+        if any((it.slot is not None) != plan.mode.stateful for it in items):
+            raise ValueError(f"every row of a {plan.mode.name} step must {'' if plan.mode.stateful else 'not '}hold "
+                             "a state slot")
+        bucket = plan.bucket
+        if bucket is not None and (not plan.capture_first or self.graphs.capture(bucket)):
+            return self.graphs.replay(bucket, items)
+        if self.graphs is not None and self.metrics is not None:
+            self.metrics.graph_misses.labels(component=plan.mode.name, reason=plan.reason).inc()
+        slices = plan.slices or eager_slices(plan.frames, self.max_forward_frames)  # (a bucket whose capture failed)
+        return self._eager(plan.mode.stateful, items, plan.frames, slices)
+
+    def decode(self, items: list[DecodeItem], may_capture: bool = True, mode: StreamMode | None = None) -> list[Tensor]:
+        """Plan and execute one step (tests, offline decoding, in-process benches). ``mode``: the rows' stream mode
+        (default: the mode whose statefulness the rows have)."""
+        mode = mode or mode_for(items[0].slot is not None)
+        return self.execute(self.plan(mode, [it.num_frames for it in items], may_capture), items)
+
+    def _eager(self, stateful: bool, items: list[DecodeItem], frames: int,
+               slices: tuple[tuple[int, int], ...]) -> list[Tensor]:
+        batch, model = len(items), self.model
         staged = model.input.staged_dtype(model.dtype)
-        inputs = torch.zeros((batch, model.num_channels, max_frames), dtype=staged)  # [B, C, T] right-padded
+        inputs = torch.zeros((batch, model.num_channels, frames), dtype=staged)  # [B, C, T] right-padded
         for b, it in enumerate(items):
-            inputs[b, :, : it.codes.shape[1]] = it.codes
+            inputs[b, :, : it.num_frames] = it.codes
         inputs = inputs.to(self.device, non_blocking=True)
-        num_frames_dev = num_frames.to(self.device)
+        num_frames = torch.tensor([it.num_frames for it in items], dtype=torch.long).to(self.device)  # [B]
         slots = torch.tensor([it.slot for it in items], dtype=torch.long, device=self.device) if stateful else None
         state, positions = rows_state(model, self.arena if stateful else None, slots, batch, self.device)
-        options = rows_options(model, items, self.device)
-        wav, state, positions = self.run(inputs, num_frames_dev, state, positions, options)  # [B, T * U]
+        options = rows_options(model, items, self.device)  # name -> [B]
+        wav, state, positions = forward_in_slices(model, inputs, num_frames, state, positions, options,
+                                                  slices)  # [B, T * U]
         if stateful:
             self.arena.scatter(slots, state, positions)  # commit: only after the forward succeeded
         return rows_audio(wav, items, model.samples_per_frame)
 
+    @torch.inference_mode()
     def run(self, inputs: Tensor, num_frames: Tensor, state: dict[str, Tensor], positions: Tensor,
             options: dict[str, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        """Forward ``inputs`` ``[B, C, T]`` in time slices of at most ``max_forward_frames``; returns
-        ``(wav [B, T * U], new state, new positions)``. Rows with no valid frames in a slice keep their state.
-        ``options``: name -> ``[B]`` (missing: every row at the option's default)."""
-        batch = inputs.shape[0]
-        options = {**self.model.zero_options(batch), **(options or {})}
-        outs = []
-        total = inputs.shape[2]
-        for start in range(0, total, self.max_forward_frames):
-            piece = inputs[:, :, start: start + self.max_forward_frames]  # [B, C, t]
-            valid = (num_frames - start).clamp(0, piece.shape[2])  # [B]
-            wav, state = self.model.forward_stream(StreamBatch(piece, valid, positions, options), state)  # [B, t * U]
-            positions = positions + valid
-            outs.append(wav)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state, positions
+        """Forward ``inputs`` ``[B, C, T]`` outside the arena (benches): ``(wav [B, T * U], new state, new
+        positions)``, in time slices of at most ``max_forward_frames``. ``options``: name -> ``[B]`` (missing:
+        every row at the option's default)."""
+        options = {**self.model.zero_options(inputs.shape[0]), **(options or {})}
+        slices = eager_slices(inputs.shape[2], self.max_forward_frames)
+        return forward_in_slices(self.model, inputs, num_frames, state, positions, options, slices)

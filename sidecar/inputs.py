@@ -16,7 +16,7 @@ from code2wav.proto import ErrorCode, ProtocolError
 
 from .ipc.regions import RegionService
 from .models import LoadedModel
-from .scheduler import ChunkJob
+from .jobs import ChunkJob, IpcAudioOut, IpcInputs
 from .work import ChunkRejected
 
 _NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64, "float32": np.float32}
@@ -49,7 +49,7 @@ def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: byte
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"audio_out has shape {list(chunk.audio_out.shape)}; "
                                 f"this chunk gives [{num_samples}] samples")
         region = regions.lookup(identity, chunk.audio_out.loc, "write", "audio_out")
-        job.audio_out = (region, regions.view(region, chunk.audio_out, "audio_out"), chunk.audio_out)
+        job.audio_out = IpcAudioOut(region, regions.view(region, chunk.audio_out, "audio_out"), chunk.audio_out)
     if isinstance(desc.loc, proto.CudaIpcLoc):
         if regions.device is None:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, "cuda_ipc tensors are not supported by this "
@@ -59,7 +59,7 @@ def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: byte
         if chunk.codes_event >= num_events:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes_event {chunk.codes_event} is not one of the "
                                 f"{num_events} events registered with region {region.region_id}")
-        job.ipc_codes = (region, regions.view(region, desc, "codes"), chunk.codes_event)
+        job.ipc_codes = IpcInputs(region, regions.view(region, desc, "codes"), chunk.codes_event)
         return
     job.codes = _inline_inputs(model, desc, frames)
 

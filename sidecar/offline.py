@@ -1,5 +1,5 @@
-"""Offline decoding for the ``decode`` command: exact (one forward over all frames) or window (vLLM-Omni's
-stateless chunked decode), plus WAV/NPY output. Uses the same Engine code path as the server."""
+"""Offline decoding for the ``decode`` command: the inputs' checks, the decode (each row streamed through the
+server's own stream modes and engine: exact, or window, vLLM-Omni's stateless chunked decode), WAV/NPY output."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import torch
 from torch import Tensor
 
 from .engine import Engine
-from .models import InputSpec
+from .models import InputSpec, LoadedModel
+from .modes import StreamMode
+from .state_store import StateArena
+from .streams import ServedStream
 
 
 OUTPUT_SUFFIXES = (".npy", ".wav")
@@ -94,53 +97,30 @@ def check_codes(codes: np.ndarray, source: str, num_quantizers: int, codebook_si
 
 
 @torch.inference_mode()
-def decode_exact(engine: Engine, codes: Tensor, options: dict[str, int] | None = None) -> Tensor:
-    """``codes`` ``[B, Q, T]`` -> ``[B, 1, T * U]``: the one-shot decode (exact slices of ``max_forward_frames``)."""
-    batch, _, num_frames = codes.shape
-    device = engine.device
-    lengths = torch.full((batch,), num_frames, dtype=torch.long, device=device)
-    positions = torch.zeros(batch, dtype=torch.long, device=device)
-    rows = _rows_options(options, batch, device)
-    wav, _, _ = engine.run(codes.to(device), lengths, engine.model.zero_state(batch), positions, rows)
-    return wav.cpu()[:, None]
-
-
-@torch.inference_mode()
-def decode_window(engine: Engine, codes: Tensor, chunk_frames: int, left_context_frames: int,
-                  options: dict[str, int] | None = None) -> Tensor:
-    """Stateless chunked decode: frames ``[s, e)`` come from decoding ``codes[s - c : e]`` with
-    ``c = min(left_context_frames, s)`` and dropping the first ``c * U`` samples."""
-    batch, _, num_frames = codes.shape
-    spf = engine.model.samples_per_frame
-    device = engine.device
-    rows = _rows_options(options, batch, device)
+def decode_offline(model: LoadedModel, inputs: Tensor, mode: StreamMode, chunk_frames: int,
+                   left_context_frames: int, options: dict[str, int] | None = None) -> Tensor:
+    """The ``decode`` command's decode: each row of ``inputs`` ``[B, C, T]`` streamed as the server would stream it
+    in ``mode`` (the same ``StreamMode`` objects and engine), with ``options`` (checked stream options) for every
+    row. A stateful mode (exact) carries the state between chunks, so its audio does not depend on the chunking:
+    one chunk of all frames (the engine slices it to ``max_forward_frames``). A stateless mode (window) sends
+    chunks of ``chunk_frames``, each decoded after the last ``left_context_frames`` inputs. Returns
+    ``[B, 1, T * U]``."""
+    batch, _, total = inputs.shape
+    arena = StateArena(model.state_layout(), batch, model.dtype, model.device)
+    engine = Engine(model, arena)
+    left = mode.left_context_frames(left_context_frames)
+    streams = [ServedStream(client=b"offline", stream_id=str(b), model=model.name, mode=mode, left_context_frames=left,
+                            slot=arena.allocate() if mode.stateful else None, last_active_s=0.0,
+                            options=dict(options or {})) for b in range(batch)]
+    step = total if mode.stateful else chunk_frames
     pieces = []
-    for start in range(0, num_frames, chunk_frames):
-        end = min(start + chunk_frames, num_frames)
-        ctx = min(left_context_frames, start)
-        window = codes[:, :, start - ctx: end].to(device)  # [B, Q, c + n]
-        lengths = torch.full((batch,), end - start + ctx, dtype=torch.long, device=device)
-        positions = torch.zeros(batch, dtype=torch.long, device=device)
-        wav, _, _ = engine.run(window, lengths, engine.model.zero_state(batch), positions, rows)  # [B, (c + n) * U]
-        pieces.append(wav[:, ctx * spf:].cpu())
+    for start in range(0, total, step):
+        chunks = [inputs[b, :, start:start + step] for b in range(batch)]  # [C, n] each
+        items = [mode.build_item(stream, chunk, 0) for stream, chunk in zip(streams, chunks)]
+        pieces.append(torch.stack(engine.decode(items, mode=mode)))  # [B, n * U]
+        for stream, chunk in zip(streams, chunks):
+            mode.commit(stream, chunk)
     return torch.cat(pieces, dim=1)[:, None]  # [B, 1, T * U]
-
-
-def _rows_options(options: dict[str, int] | None, batch: int, device: torch.device) -> dict[str, Tensor]:
-    """Checked stream options (``Contract.check_options``), the same for every row: name -> ``[B]``."""
-    return {name: torch.full((batch,), value, dtype=torch.long, device=device)
-            for name, value in (options or {}).items()}
-
-
-def decode_offline(engine: Engine, inputs: Tensor, mode: str, chunk_frames: int, left_context_frames: int,
-                   options: dict[str, int] | None = None) -> Tensor:
-    """The ``decode`` command's one call: ``exact`` (one-shot) or ``window`` (chunked) by name; ``options``: the
-    model's stream options (every row the same)."""
-    decoders = {"exact": lambda: decode_exact(engine, inputs, options),
-                "window": lambda: decode_window(engine, inputs, chunk_frames, left_context_frames, options)}
-    if mode not in decoders:
-        raise ValueError(f"offline mode must be one of {sorted(decoders)}, got {mode!r}")
-    return decoders[mode]()
 
 
 def write_wav(path: Path, audio: np.ndarray, sample_rate_hz: int) -> None:

@@ -9,60 +9,42 @@
   already has a chunk queued (one stream alone, or a closed loop whose every stream waits), so the wait would be
   pure latency. The queued streams counted may include some being closed (a departed client's, detached and
   freed in slices a loop turn later): then a batch runs before its window ends, never after it.
+- Draining (the server is stopping): queued chunks run now, without waiting for company.
+
+The numbers are a ``BatchPolicy``, decided once at start-up by ``batch_policy`` (the configured values, the batch
+size capped to what the captured graphs serve) and never changed afterwards.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any
 
+from .jobs import ChunkJob
 from .streams import ServedStream
 
 
-@dataclass(eq=False)
-class ChunkJob:
-    stream: ServedStream
-    seq: int
-    codes: Any  # torch.Tensor [C, n]: int64 codes or float32 latents
-    context_frames: int
-    final: bool
-    arrived_s: float
-    reply: Any  # the PendingReply this chunk's result belongs to
-    index: int  # position of this chunk's result in the reply
-    ipc_codes: tuple | None = None  # (Region, view [Q, n], codes_event): codes still in the client's region
-    audio_out: tuple | None = None  # (Region, view [num_samples], TensorDesc): write the audio there
-    audio_event: int | None = None  # set by the engine step: the region event recorded after writing
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int  # chunks per step
+    batch_window_s: float  # how long a lone chunk may wait for company
+    max_pending_chunks: int  # queued chunks; past it a chunk is refused (busy)
 
-    @property
-    def regions(self) -> list:
-        """The CUDA IPC regions this chunk reads or writes (each holds one use per chunk)."""
-        return [use[0] for use in (self.ipc_codes, self.audio_out) if use is not None]
 
-    @property
-    def kept_context(self):
-        """The inputs ``[C, c]`` the stream's mode decodes ahead of this chunk's own (window: the kept left
-        context), or None."""
-        return self.stream.mode.kept_context(self.stream)
-
-    @property
-    def decoded_frames(self) -> int:
-        """Frames the engine decodes for this chunk (its codes may still be in a CUDA IPC region): its own, after
-        the ``kept_context`` (the mode's ``build_item`` joins them)."""
-        own = (self.codes if self.ipc_codes is None else self.ipc_codes[1]).shape[1]
-        prefix = self.kept_context
-        return own + (0 if prefix is None else prefix.shape[1])
-
-    @property
-    def batch_key(self) -> tuple[str, str]:
-        return (self.stream.model, self.stream.mode.name)
+def batch_policy(max_batch_size: int, batch_window_us: int, max_pending_chunks: int,
+                 largest_graph_batch: int = 0) -> BatchPolicy:
+    """The policy from the configured values. ``largest_graph_batch``: the most rows a captured stateful graph
+    serves whatever the chunk length (0: no graphs); batches stop there, since a larger batch would run eager (and
+    eager steps in a graph server measured many times slower than a replay)."""
+    if largest_graph_batch:
+        max_batch_size = min(max_batch_size, largest_graph_batch)
+    return BatchPolicy(max_batch_size, batch_window_us / 1e6, max_pending_chunks)
 
 
 class Scheduler:
-    def __init__(self, max_batch_size: int, batch_window_s: float, max_pending_chunks: int) -> None:
-        self.max_batch_size = max_batch_size
-        self.batch_window_s = batch_window_s
-        self.max_pending_chunks = max_pending_chunks
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.policy = policy
+        self.draining = False  # the server is stopping: queued chunks run now
         self._queue: deque[ChunkJob] = deque()
         self._queued_per_stream: Counter[int] = Counter()  # id(stream) -> its chunks in the queue
 
@@ -71,7 +53,7 @@ class Scheduler:
 
     def submit(self, job: ChunkJob) -> bool:
         """Queue ``job``; False when the queue is full (answer busy)."""
-        if len(self._queue) >= self.max_pending_chunks:
+        if len(self._queue) >= self.policy.max_pending_chunks:
             return False
         self._queue.append(job)
         self._queued_per_stream[id(job.stream)] += 1
@@ -83,11 +65,11 @@ class Scheduler:
         queued already, no other stream can join the batch and it runs now."""
         if not self._queue:
             return None
-        if len(self._queue) >= self.max_batch_size:
+        if len(self._queue) >= self.policy.max_batch_size or self.draining:
             return 0.0
         if num_open_streams is not None and len(self._queued_per_stream) >= num_open_streams:
             return 0.0
-        return max(0.0, self._queue[0].arrived_s + self.batch_window_s - now_s)
+        return max(0.0, self._queue[0].arrived_s + self.policy.batch_window_s - now_s)
 
     def _forget(self, jobs) -> None:
         """Count ``jobs`` (just taken out of the queue) out of the per-stream counts."""
@@ -102,18 +84,18 @@ class Scheduler:
         """Remove and return the next batch (FIFO, one key, one chunk per stream)."""
         if not self._queue:
             return []
-        key = self._queue[0].batch_key
+        key, max_batch_size = self._queue[0].batch_key, self.policy.max_batch_size
         batch: list[ChunkJob] = []
         seen: set[int] = set()
         kept: deque[ChunkJob] = deque()
         while self._queue:
             job = self._queue.popleft()
-            if len(batch) < self.max_batch_size and job.batch_key == key and id(job.stream) not in seen:
+            if len(batch) < max_batch_size and job.batch_key == key and id(job.stream) not in seen:
                 batch.append(job)
                 seen.add(id(job.stream))
             else:
                 kept.append(job)
-                if len(batch) >= self.max_batch_size:
+                if len(batch) >= max_batch_size:
                     break
         kept.extend(self._queue)
         self._queue = kept

@@ -30,6 +30,7 @@ from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_au
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sessions import Sessions
+from .step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,11 @@ class Stepper:
             await self.step(self.scheduler.take_batch())
 
     async def step(self, batch: list) -> None:
-        io, sessions = self.io, self.sessions
-        mode = batch[0].stream.mode.name
-        series = self.metrics.mode_series(batch[0].stream.model, mode)
+        """Plan the batch once (``step_plan``), run it where the plan allows (the loop thread, or the worker), reply."""
+        io, chunks, streams = self.io, self.sessions.chunks, self.sessions.streams
+        mode = batch[0].stream.mode
+        series = self.metrics.mode_series(batch[0].stream.model, mode.name)
+        plan = self.engine.plan(mode, [job.decoded_frames for job in batch])
         now = time.monotonic()
         self.busy = True  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
         try:
@@ -102,18 +105,18 @@ class Stepper:
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)
             now = time.monotonic()
-            if self.step_on_loop(batch):
-                done, audios, refused, deferred = self.engine_step(batch, pending, on_loop=True)
+            if self.step_on_loop(batch, plan):
+                done, audios, refused, deferred = self.engine_step(batch, pending, plan)
             else:
                 done, audios, refused, deferred = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, self.engine_step, batch, pending)
+                    self.pool, self.engine_step, batch, pending, plan)
         except Exception as exc:
-            log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode)
+            log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode.name)
             for job in batch:
-                sessions.fail_job(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
+                chunks.fail(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
         else:
             for job, code, message in refused:
-                sessions.fail_job(job, code, message)
+                chunks.fail(job, code, message)
             if deferred:  # codes still being written by the client: first in line for the next step
                 self.scheduler.requeue(deferred)
                 self.metrics.ipc_codes_deferred.inc(len(deferred))
@@ -121,7 +124,7 @@ class Stepper:
                     await asyncio.sleep(DEFERRED_RETRY_S)
             wrote_regions = any(job.audio_out is not None for job in done)  # (completing a job clears it)
             for job, audio in zip(done, audios):
-                sessions.complete_job(job, audio)
+                chunks.complete(job, audio)
             if wrote_regions:  # the step may still be running: the replies leave now, and the next batch
                 # forms in the queue until the device is done
                 io.flush()
@@ -133,7 +136,7 @@ class Stepper:
         for job in batch:
             self.metrics.batch_wait.observe(now - job.arrived_s)
         series.batch_size.observe(len(batch))
-        sessions.release_in_flight(batch)
+        streams.release_in_flight(batch)
         io.flush()
         io.poll_until = time.monotonic() + io.busy_poll_s
 
@@ -146,32 +149,27 @@ class Stepper:
         else:
             await asyncio.get_running_loop().run_in_executor(self.pool, finished.synchronize)
 
-    def step_on_loop(self, batch: list) -> bool:
+    def step_on_loop(self, batch: list, plan: StepPlan) -> bool:
         """Policy: run on the loop thread a step that does not wait for the device (every chunk's audio goes
         to a client region), unless a region is being opened or closed in the worker thread meanwhile, or the
-        step's graph is still to be captured (that holds the thread for up to seconds: receiving and heartbeats
-        would stop; the worker thread captures it)."""
-        if self.io.region_ops_running or not all(job.audio_out is not None for job in batch):
-            return False
-        if not self.engine.captures_on_demand:  # the default (graphs captured at start): nothing to foresee
-            return True
-        frames = [job.decoded_frames for job in batch]
-        return not self.engine.graph_choice(batch[0].stream.mode.name, frames).needs_capture
+        plan captures a graph first (that holds the thread for up to seconds: receiving and heartbeats would stop;
+        the worker thread captures it)."""
+        return (not self.io.region_ops_running and not plan.capture_first
+                and all(job.audio_out is not None for job in batch))
 
-    def engine_step(self, batch: list, incomplete: list, on_loop: bool = False) -> tuple[list, list, list, list]:
+    def engine_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
         """Worker thread (or the loop thread, see ``step_on_loop``): read CUDA IPC inputs (not those behind the
-        codes events in ``incomplete``), decode, write CUDA IPC audio. Returns the decoded jobs, their audio,
-        ``(job, code, message)`` for jobs refused before decoding (their state is untouched), and jobs whose
-        client-side inputs are not ready yet. On the loop thread it never captures a graph (chunks put back or
-        refused can leave a smaller batch than the policy saw)."""
+        codes events in ``incomplete``), decode as ``plan`` says, write CUDA IPC audio. Returns the decoded jobs,
+        their audio, ``(job, code, message)`` for jobs refused before decoding (their state is untouched), and
+        jobs whose client-side inputs are not ready yet. Rows refused or put back leave the plan's bucket with more
+        padding: it still holds the rest."""
         refused, deferred = load_codes(batch, self.engine.model.input, time.monotonic(), self.codes_event_timeout_s,
                                        incomplete)
         skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
         done = [job for job in batch if id(job) not in skipped]
         if not done:
             return done, [], refused, deferred
-        mode = done[0].stream.mode
-        audios = self.engine.decode(self.sessions.build_items(done), may_capture=not on_loop, mode=mode)
+        audios = self.engine.execute(plan, self.sessions.chunks.build_items(done))
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
             audios = store_audio(done, audios)

@@ -27,3 +27,8 @@ class DecodeItem:
     skip_frames: int  # leading frames whose audio is not returned (context frames, window left context)
     out_device: bool = False  # audio wanted on the device (CUDA IPC output), not copied to the host
     options: dict[str, int] = field(default_factory=dict)  # the stream's options (missing: the default)
+
+    @property
+    def num_frames(self) -> int:
+        """``n``: the frames decoded for this chunk (its skipped ones included)."""
+        return self.codes.shape[1]

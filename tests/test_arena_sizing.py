@@ -32,7 +32,7 @@ def test_an_h200_holds_over_2000_bf16_streams_by_default(shipped_layout):
     cfg = load_config()
     free_after_weights = 139 * GiB
     plan = plan_arena(per_stream, max_streams=cfg.streams.max_streams,
-                      state_memory_bytes=state_memory_bytes(cfg, "cuda"), free_device_bytes=free_after_weights,
+                      state_memory_bytes=state_memory_bytes(cfg), free_device_bytes=free_after_weights,
                       graph_reserve_bytes=cfg.graphs.max_graph_memory_bytes,
                       margin_bytes=cfg.streams.state_memory_margin_bytes, auto_max_streams=cfg.streams.auto_max_streams)
     assert plan.source == "free_device_memory"

@@ -20,6 +20,7 @@ from code2wav.client import errors as cerr
 from code2wav.client.vllm_omni.settings import DelegateSettings
 from code2wav.loadgen.spawn import spawn_sidecar
 from code2wav.proto.address import default_address
+from code2wav.sidecar.arena_sizing import plan_arena
 from code2wav.sidecar.config import ServerConfig, load_config, state_memory_bytes
 from code2wav.sidecar.connlog import ConnLog
 from conftest import ROOT, TINY, start_sidecar
@@ -235,10 +236,12 @@ def test_connlog_rate_limits_and_reports_what_it_held_back():
 def test_state_memory_default_depends_on_the_device():
     cfg = ServerConfig()
     assert cfg.streams.state_memory_bytes == "auto"
-    assert state_memory_bytes(cfg, "cpu") == 256 << 20
-    assert state_memory_bytes(cfg, "cuda") is None  # auto on CUDA: sized from free device memory (arena_sizing)
+    assert state_memory_bytes(cfg) is None  # auto: arena_sizing.plan_arena decides for the device
+    cpu = plan_arena(1 << 20, max_streams=None, state_memory_bytes=state_memory_bytes(cfg), free_device_bytes=None,
+                     graph_reserve_bytes=0, margin_bytes=0, auto_max_streams=4096)
+    assert (cpu.budget_bytes, cpu.source) == (256 << 20, "cpu_default")
     pinned = load_config(None, {"streams": {"state_memory_bytes": 64 << 20}})
-    assert state_memory_bytes(pinned, "cuda") == 64 << 20
+    assert state_memory_bytes(pinned) == 64 << 20
 
 
 def _no_nulls(value, where: str = "") -> list[str]:

@@ -153,6 +153,7 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
     from types import SimpleNamespace
 
     from code2wav.sidecar.ipc.io import drop_complete, incomplete_codes_events, load_codes
+    from code2wav.sidecar.jobs import IpcInputs
 
     service, region, _ = _service_with_region()
     region.opened.events = [_StandInEvent(True), _StandInEvent(False), _StandInEvent(True)]
@@ -160,8 +161,8 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
 
     def job(offset: int, event: int, arrived_s: float = 10.0):
         desc = TensorDesc("int64", (2, 3), CudaIpcLoc(7, offset, 48))
-        return SimpleNamespace(ipc_codes=(region, service.view(region, desc, "codes"), event), arrived_s=arrived_s,
-                               codes=None)
+        return SimpleNamespace(ipc_codes=IpcInputs(region, service.view(region, desc, "codes"), event),
+                               arrived_s=arrived_s, codes=None)
 
     ready, shared, waiting, late = job(0, 0), job(48, 0), job(96, 1), job(144, 1, arrived_s=0.0)
     inline = SimpleNamespace(ipc_codes=None)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from code2wav.sidecar.config import ConfigError, load_config
-from code2wav.sidecar.scheduler import ChunkJob, Scheduler
+from code2wav.sidecar.jobs import ChunkJob, IpcInputs
+from code2wav.sidecar.scheduler import BatchPolicy, Scheduler, batch_policy
 from code2wav.sidecar.state_store import ArenaFull, StateArena
 from code2wav.sidecar.streams import SeqVerdict, ServedStream, check_seq
 
@@ -22,7 +23,7 @@ def _job(stream: ServedStream, seq: int = 0, arrived_s: float = 0.0) -> ChunkJob
 
 
 def test_batch_is_fifo_one_key_one_chunk_per_stream():
-    sched = Scheduler(max_batch_size=3, batch_window_s=0.001, max_pending_chunks=100)
+    sched = Scheduler(BatchPolicy(max_batch_size=3, batch_window_s=0.001, max_pending_chunks=100))
     a, b, w, c = _stream("a"), _stream("b"), _stream("w", mode="window"), _stream("c")
     jobs = [_job(a, 0), _job(a, 1), _job(w, 0), _job(b, 0), _job(c, 0), _job(b, 1)]
     for j in jobs:
@@ -43,7 +44,7 @@ def test_decoded_frames_count_a_window_streams_kept_context_and_read_ipc_shapes(
     inline.codes = torch.zeros((4, 7), dtype=torch.long)
     assert inline.decoded_frames == 7
     ipc = _job(window)  # codes still in a CUDA IPC region: only the view's shape is known
-    ipc.ipc_codes = (None, torch.zeros((4, 25), dtype=torch.int32), 0)
+    ipc.ipc_codes = IpcInputs(None, torch.zeros((4, 25), dtype=torch.int32), 0)
     assert ipc.decoded_frames == 25
     window.context_codes = torch.zeros((4, 3), dtype=torch.long)  # kept left context, joined in front
     assert ipc.decoded_frames == 28
@@ -52,7 +53,7 @@ def test_decoded_frames_count_a_window_streams_kept_context_and_read_ipc_shapes(
 
 
 def test_queue_bound_and_window():
-    sched = Scheduler(max_batch_size=2, batch_window_s=0.010, max_pending_chunks=2)
+    sched = Scheduler(BatchPolicy(max_batch_size=2, batch_window_s=0.010, max_pending_chunks=2))
     s = _stream("a")
     assert sched.seconds_until_ready(0.0) is None
     assert sched.submit(_job(s, 0, arrived_s=1.0))
@@ -64,7 +65,7 @@ def test_queue_bound_and_window():
 
 
 def test_window_is_skipped_when_no_other_open_stream_can_join():
-    sched = Scheduler(max_batch_size=8, batch_window_s=0.010, max_pending_chunks=100)
+    sched = Scheduler(BatchPolicy(max_batch_size=8, batch_window_s=0.010, max_pending_chunks=100))
     a, b = _stream("a"), _stream("b")
     sched.submit(_job(a, 0, arrived_s=1.0))
     assert sched.seconds_until_ready(1.0, num_open_streams=1) == 0.0  # one stream alone: nobody to wait for
@@ -85,8 +86,19 @@ def test_window_is_skipped_when_no_other_open_stream_can_join():
     assert sched.seconds_until_ready(1.003, num_open_streams=0) is None
 
 
+def test_batch_policy_caps_batches_to_the_captured_graphs_and_drain_skips_the_window():
+    assert batch_policy(64, 200, 4096) == BatchPolicy(64, 0.0002, 4096)  # no graphs: as configured
+    assert batch_policy(64, 200, 4096, largest_graph_batch=16).max_batch_size == 16  # never an eager batch
+    assert batch_policy(8, 200, 4096, largest_graph_batch=16).max_batch_size == 8
+    sched = Scheduler(batch_policy(8, 10_000, 100))
+    sched.submit(_job(_stream("a"), 0, arrived_s=1.0))
+    assert sched.seconds_until_ready(1.0, num_open_streams=2) == pytest.approx(0.010)
+    sched.draining = True  # stopping: what is queued runs now
+    assert sched.seconds_until_ready(1.0, num_open_streams=2) == 0.0
+
+
 def test_remove_stream_keeps_others_in_order():
-    sched = Scheduler(4, 0.0, 10)
+    sched = Scheduler(BatchPolicy(4, 0.0, 10))
     a, b = _stream("a"), _stream("b")
     for j in [_job(a, 0), _job(b, 0), _job(a, 1), _job(b, 1)]:
         sched.submit(j)

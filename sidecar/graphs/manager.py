@@ -1,32 +1,24 @@
 """CUDA graph manager (mechanism): capture, replay and account for graphs; trusts the bucket key it is given.
 
-Over 300 lines: capture (with sizing each bucket for the budget), replay and the pool's accounting share the
-bucket states and the one pool; split, each half would reach into the other's state.
-
-- Capture largest first into one shared memory pool, after warm-up on the capture stream. Each bucket is
-  first profiled in a temporary pool (its standalone size), then captured for real; both sizes are logged
-  and exported. ``max_graph_memory_bytes`` is honoured: a bucket over it whole waits until the buckets that
-  fit are captured, then is sized in time slices (``plan.time_slices``) to what is left of the budget, or to
-  the largest captured bucket's size when that is more (the shared pool then mostly reuses that bucket's
-  blocks), measuring again until it fits (``plan.refine_slices``); a bucket that would still push the pool
-  past the budget is dropped, with a message naming it (what its capture grew stays in the shared pool, and
-  stays counted in ``pool_bytes``).
-- One block for the step's tensors: warm-up measures the step's live peak (the most bytes its tensors hold at
-  once), and a capture into a pool smaller than that (the temporary profile pool; the shared pool's first, largest
-  bucket, or a bucket in time slices beside smaller ones) first allocates and frees one block of that size, so
-  the step's tensors are carved out of it and freed ones merge back. Without it each upsampling stage's
-  tensors, larger than anything freed before them, took fresh blocks: for the default model's b16 step the pool
-  held 1.65x the live peak, now 1.34x (docs/performance.md).
+- Capture largest first into one shared memory pool, after warm-up on the capture stream (``capture.py``). Each
+  bucket is first profiled in a temporary pool (its standalone size), then captured for real; both sizes are
+  logged and exported. ``max_graph_memory_bytes`` is honoured: a bucket over it whole waits until the buckets that
+  fit are captured, then is sized in time slices (``plan.time_slices``) to what is left of the budget, or to the
+  largest captured bucket's size when that is more (the shared pool then mostly reuses that bucket's blocks),
+  measuring again until it fits (``plan.refine_slices``); a bucket that would still push the pool past the budget
+  is dropped, with a message naming it (what its capture grew stays in the shared pool, and stays counted in
+  ``pool_bytes``).
 - A capture failure leaves that bucket eager, logged with the reason and counted. Nothing captures while
   another stream capture is active on the device.
-- ``run`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
+- ``replay`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
   next replay cannot overwrite them. An error after replay started propagates: no silent eager retry.
-- ``compiled`` (optional, per mode): a compiled implementation of the routine (``graphs/compiled.py``), captured
+- ``compiled`` (optional, per mode): a compiled implementation of the routine (``compiled.py``), captured
   instead of the plain one; if compiling or capturing it fails, that bucket falls back to the plain routine
   (logged, counted in ``graph_compile_fallbacks`` with the reason), and the plain capture may still fall back
   to eager as above.
-- Modes: ``startup`` (all configured buckets at start), ``startup_lazy`` (plus up to ``max_lazy_captures``
-  extra buckets on demand), ``lazy`` (configured buckets on first use, extras as above).
+- Capture modes: ``startup`` (all configured buckets at start), ``startup_lazy`` (plus up to ``max_lazy_captures``
+  extra buckets on demand), ``lazy`` (configured buckets on first use, extras as above). Which bucket a step uses,
+  and whether it is captured first, is the step plan's (``step_plan.py``).
 """
 
 from __future__ import annotations
@@ -35,23 +27,17 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from .capture import Routine, StepCapture
 from .plan import MAX_SLICED_PROFILES, BucketKey, refine_slices, slices_for_budget
 
 log = logging.getLogger(__name__)
 
 CAPTURE_MODES = ("startup", "startup_lazy", "lazy")
-
-
-class Routine(Protocol):
-    def prime(self, batch: int, frames: int) -> None: ...
-    def copy_in(self, batch: int, frames: int, items: list) -> None: ...
-    def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor: ...
-    def copy_out(self, out: Tensor, items: list) -> list: ...
 
 
 @dataclass
@@ -69,44 +55,30 @@ class BucketState:
     replays: Any = None  # its graph_replays child (looked up once captured)
 
 
-def max_split_bytes(environ: Mapping[str, str]) -> float:
-    """The caching allocator's ``max_split_size_mb`` from ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)
-    in bytes: blocks of that size or more are never split. Unlimited (inf) when not set."""
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        for option in environ.get(name, "").split(","):
-            key, _, value = option.partition(":")
-            if key.strip() == "max_split_size_mb" and value.strip().isdigit():
-                return int(value) * 2**20
-    return float("inf")
-
-
 class GraphManager:
     def __init__(self, routines: dict[str, Routine], buckets: tuple[BucketKey, ...], device: torch.device,
                  metrics: Any, mode: str = "startup", max_lazy_captures: int = 8,
                  max_graph_memory_bytes: int | None = None, warmup_iters: int = 2,
-                 cudnn_benchmark: bool = False, compiled: dict[str, Routine] | None = None) -> None:
+                 compiled: dict[str, Routine] | None = None) -> None:
         if mode not in CAPTURE_MODES:
             raise ValueError(f"graphs.mode must be one of {CAPTURE_MODES}, got {mode!r}")
         self.routines = routines
         self.device = device
         self.metrics = metrics
-        self.mode = mode
+        self.capture_mode = mode
         self.max_lazy_captures = max_lazy_captures
         self.max_graph_memory_bytes = max_graph_memory_bytes
-        self.warmup_iters = warmup_iters
-        self.cudnn_benchmark = cudnn_benchmark
         self.buckets: dict[BucketKey, BucketState] = {k: BucketState(k) for k in buckets}
         self.lazy_captures = 0
         self.pool = torch.cuda.graph_pool_handle()
-        self.capture_stream = torch.cuda.Stream(device)
+        self.steps = StepCapture(device, warmup_iters, os.environ)
         self.pool_bytes = 0
         self.compiled = dict(compiled or {})
         self.compile_fallbacks: dict[BucketKey, str] = {}  # bucket -> why it runs the plain routine
-        self.max_split_bytes = max_split_bytes(os.environ)
 
     # ------------------------------------------------------------------ capture
     def capture_startup(self) -> None:
-        if self.mode == "lazy":
+        if self.capture_mode == "lazy":
             log.info("graphs: lazy mode, %d buckets will be captured on first use", len(self.buckets))
             return
         t0 = time.perf_counter()
@@ -125,7 +97,7 @@ class GraphManager:
 
     def may_capture_extra(self, key: BucketKey) -> bool:
         """Whether ``capture_extra(key)`` would capture ``key`` (or has): no side effects."""
-        if self.mode == "startup" or key.mode not in self.routines:
+        if self.capture_mode == "startup" or key.mode not in self.routines:
             return False
         if key in self.buckets:
             return self.buckets[key].status == "captured"
@@ -153,8 +125,6 @@ class GraphManager:
             return True
         routine = self._routine_for(key)
         t0 = time.perf_counter()
-        benchmark_before = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = self.cudnn_benchmark  # static shapes: algorithms timed once, then captured
         state.num_slices, state.profile_bytes = 1, 0  # sized afresh (after a compile fallback: the plain routine)
         budget = self.max_graph_memory_bytes
         try:
@@ -169,10 +139,12 @@ class GraphManager:
                 if over_budget is not None:
                     self._skip(state, over_budget)
                     return True
-                graph, output, before = self._capture_into_pool(routine, state)
-                added = self._reserved() - before
+                # into a pool smaller than the step's live peak: its tensors carved out of one block of that size
+                block = self._block_bytes(state, state.num_slices) if state.live_peak[1] > self.pool_bytes else 0
+                graph, output, before = self.steps.capture(routine, key, state.num_slices, self.pool, block)
+                added = self.steps.reserved_bytes() - before
         except Exception as exc:  # capture failure: this bucket stays eager
-            self._sync()
+            self.steps.sync()
             state.num_slices, state.profile_bytes = 1, whole_bytes or 0
             if routine is not self.routines[key.mode]:  # the compiled routine failed: capture the plain one
                 self._compile_fallback(key, f"{type(exc).__name__}: {exc}")
@@ -181,13 +153,11 @@ class GraphManager:
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: capture failed, bucket stays eager: %s", key.mode, key.label, state.reason)
             return True
-        finally:
-            torch.backends.cudnn.benchmark = benchmark_before
         if budget is not None and self.pool_bytes + added > budget:
             del graph, output
-            self._sync()
+            self.steps.sync()
             # what the discarded graph took stays reserved in the shared pool (later captures reuse it): counted
-            retained = max(0, self._reserved() - before)
+            retained = max(0, self.steps.reserved_bytes() - before)
             self.pool_bytes += retained
             self.metrics.graph_pool_bytes.set(self.pool_bytes)
             state.num_slices, state.profile_bytes = 1, whole_bytes
@@ -258,72 +228,22 @@ class GraphManager:
         largest = max((s.profile_bytes for s in self.buckets.values() if s.status == "captured"), default=0)
         return min(budget, max(budget - self.pool_bytes, largest))
 
-    def _capture_into_pool(self, routine: Routine, state: BucketState) -> tuple[Any, Tensor, int]:
-        """The real capture into the shared pool: ``(graph, output, bytes reserved before it)``. Into a pool
-        smaller than the step's live peak (the first, largest bucket; a bucket in time slices beside smaller ones)
-        the step's tensors are carved out of one block of that size; otherwise they reuse the pool's blocks."""
-        key, num_slices = state.key, state.num_slices
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
-            before = self._reserved()  # read inside: entering empties the allocator cache, which would hide growth
-            if state.live_peak[1] > self.pool_bytes:
-                self._reserve_block(state, num_slices)
-            output = routine.forward(key.batch, key.frames, num_slices)
-        self._sync()
-        return graph, output, before
-
-    def _reserve_block(self, state: BucketState, num_slices: int) -> None:
-        """Inside a capture: allocate and free one block of the step's live peak (measured by the warm-up of the
-        same step), so the pool holds one segment the step's tensors are carved from."""
+    def _block_bytes(self, state: BucketState, num_slices: int) -> int:
+        """The step's live peak, when its last warm-up measured the same slicing (else 0: no block)."""
         measured_slices, nbytes = state.live_peak
-        # a block at or over the allocator's max_split_size is never split: reserving it would only waste it
-        if measured_slices == num_slices and 0 < nbytes < self.max_split_bytes:
-            # freed at once: back to the pool's free blocks, for this capture's own allocations to split
-            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def _reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device)
-
-    def _sync(self) -> None:
-        torch.cuda.synchronize(self.device)
+        return nbytes if measured_slices == num_slices else 0
 
     def _warmup(self, routine: Routine, state: BucketState, num_slices: int) -> None:
-        """Eager runs of the step on the capture stream (first-call work: algorithm choices, compiles); the last
-        one's live peak (bytes allocated at once, above what was allocated before it) goes to
-        ``state.live_peak``."""
-        key = state.key
-        state.live_peak = (num_slices, 0)
-        self.capture_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.capture_stream):
-            routine.prime(key.batch, key.frames)
-            for _ in range(self.warmup_iters - 1):
-                routine.forward(key.batch, key.frames, num_slices)
-            if self.warmup_iters:  # the last run, measured
-                torch.cuda.synchronize(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                base = torch.cuda.memory_allocated(self.device)
-                routine.forward(key.batch, key.frames, num_slices)
-                state.live_peak = (num_slices, max(0, torch.cuda.max_memory_allocated(self.device) - base))
-        torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
-        torch.cuda.synchronize(self.device)
+        state.live_peak = (num_slices, self.steps.warmup(routine, state.key, num_slices))
 
     def _profile(self, routine: Routine, state: BucketState, num_slices: int) -> int:
-        """Standalone graph memory of ``state``'s bucket (its step in ``num_slices``): capture into a temporary
-        pool (carved from one block of the live peak, as the shared pool's first capture is), measure, release."""
-        key = state.key
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.capture_stream):
-            before = torch.cuda.memory_reserved(self.device)
-            self._reserve_block(state, num_slices)
-            output = routine.forward(key.batch, key.frames, num_slices)
-        torch.cuda.synchronize(self.device)
-        nbytes = torch.cuda.memory_reserved(self.device) - before
-        del graph, output
-        torch.cuda.empty_cache()
-        return max(0, nbytes)
+        return self.steps.profile(routine, state.key, num_slices, self._block_bytes(state, num_slices))
 
     # ------------------------------------------------------------------ replay
+    def known_buckets(self) -> tuple[BucketKey, ...]:
+        """Every bucket: the configured ones and the extras captured so far."""
+        return tuple(self.buckets)
+
     def usable_buckets(self) -> tuple[BucketKey, ...]:
         """Buckets a batch may be dispatched to: captured, or still to be captured on first use."""
         return tuple(k for k, s in self.buckets.items() if s.status in ("captured", "pending"))
@@ -341,10 +261,6 @@ class GraphManager:
         state = self.buckets.get(key)
         return state is not None and state.status == "captured"
 
-    def ready(self, key: BucketKey) -> bool:
-        """Captured: a query, never a capture (``capture`` is the explicit step)."""
-        return self.is_captured(key)
-
     def capture(self, key: BucketKey) -> bool:
         """Capture ``key`` now if it is configured and still pending (lazy mode's first use), or an extra bucket
         within ``max_lazy_captures``; True when it is captured afterwards."""
@@ -355,8 +271,8 @@ class GraphManager:
             self._capture(state)
         return state.status == "captured"
 
-    def run(self, key: BucketKey, items: list) -> list:
-        """Replay ``key``'s graph for ``items``. The caller checked ``ready(key)`` (or captured it)."""
+    def replay(self, key: BucketKey, items: list) -> list:
+        """Replay ``key``'s graph for ``items`` (the plan's bucket: captured, or captured just now)."""
         state = self.buckets[key]
         routine = self.routines[key.mode]
         routine.copy_in(key.batch, key.frames, items)

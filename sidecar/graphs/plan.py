@@ -14,9 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("exact", "window")
-
-
 @dataclass(frozen=True, order=True)
 class BucketKey:
     mode: str
@@ -42,9 +39,14 @@ class Dispatch:
     reason: str = ""
 
 
+def padding_of(key: BucketKey, row_frames: list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """``(padding rows, padded frames)`` of ``row_frames``'s rows in bucket ``key``: the rows past the batch's, and
+    the frames of padding over all the bucket's rows."""
+    padding_rows = key.batch - len(row_frames)
+    return padding_rows, sum(key.frames - f for f in row_frames) + padding_rows * key.frames
+
+
 def build_buckets(mode: str, batch_sizes: tuple[int, ...], frames: tuple[int, ...]) -> tuple[BucketKey, ...]:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}")
     if any(b < 1 for b in batch_sizes) or any(f < 1 for f in frames):
         raise ValueError("bucket batch sizes and frame counts must be >= 1")
     return tuple(sorted({BucketKey(mode, b, f) for b in batch_sizes for f in frames}, key=lambda k: -k.cost))
@@ -64,8 +66,7 @@ def dispatch(buckets: tuple[BucketKey, ...], mode: str, num_rows: int, row_frame
             return Dispatch(None, reason="batch_too_large")
         return Dispatch(None, reason="frames_too_long")
     best = min(fitting, key=lambda k: (k.cost, k.batch))
-    padded = sum(best.frames - f for f in row_frames) + (best.batch - num_rows) * best.frames
-    return Dispatch(best, padding_rows=best.batch - num_rows, padded_frames=padded)
+    return Dispatch(best, *padding_of(best, row_frames))
 
 
 def extra_bucket(mode: str, num_rows: int, longest_frames: int, max_batch: int, max_frames: int) -> BucketKey | None:
@@ -97,8 +98,7 @@ class PaddingTable:
         key = self._table[num_rows][longest]
         if key is None:
             return dispatch(self.buckets, self.mode, num_rows, row_frames)
-        padded = sum(key.frames - f for f in row_frames) + (key.batch - num_rows) * key.frames
-        return Dispatch(key, padding_rows=key.batch - num_rows, padded_frames=padded)
+        return Dispatch(key, *padding_of(key, row_frames))
 
 
 MAX_SLICED_PROFILES = 3

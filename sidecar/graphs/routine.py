@@ -4,8 +4,8 @@ A ``StreamRoutine`` allocates its static inputs once at the largest bucket and s
 batch in (inputs, valid frames per row, slot indices, the rows' stream options; padding rows point at the
 arena's scratch slot, have zero valid frames and default options); runs the forward for capture (state gather
 -> ``model.forward_stream`` -> state scatter, all on device); and takes outputs out with an explicit length
-contract: row ``b`` returns exactly samples ``[skip_b * U, n_b * U)``, never the padded length. The graph
-manager never looks inside; the routine never names a family (it reads the model's contract).
+contract (``forward.rows_audio``): row ``b`` returns exactly samples ``[skip_b * U, n_b * U)``, never the padded
+length. The graph manager never looks inside; the routine never names a family (it reads the model's contract).
 """
 
 from __future__ import annotations
@@ -13,43 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..models import LoadedModel, StreamBatch
+from ..forward import forward_in_slices, rows_audio, rows_state
+from ..models import LoadedModel
 from ..state_store import StateArena
 from ..work import DecodeItem
 from .plan import time_slices
-
-
-def rows_state(model: LoadedModel, arena: StateArena | None, slots: Tensor | None, batch: int,
-               device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
-    """Initial state of a batch: the arena rows of ``slots`` (stateful rows), or an empty state at position 0
-    (stateless rows). Shared by the eager engine and the graph routine."""
-    if arena is not None:
-        return arena.gather(slots)
-    return model.zero_state(batch), torch.zeros(batch, dtype=torch.long, device=device)
-
-
-def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int) -> list[Tensor]:
-    """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: copied to the host, or for
-    ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it).
-
-    A host row owns its memory, exactly its own samples: its stream keeps it for an idempotent resend, up to the
-    TTL when the client vanished, and a view would keep the whole padded batch ``[B, T * U]`` alive with it."""
-    spf = samples_per_frame
-    host = None if all(it.out_device for it in items) else wav[: len(items)].cpu()  # [rows, T * U]; synchronous
-    return [wav[b, it.skip_frames * spf: it.codes.shape[1] * spf] if it.out_device
-            else _owned(host[b, it.skip_frames * spf: it.codes.shape[1] * spf]) for b, it in enumerate(items)]
-
-
-def _owned(row: Tensor) -> Tensor:
-    """``row`` itself when it spans its whole storage, else a compact copy (a memcpy of the row only)."""
-    return row if row.untyped_storage().nbytes() == row.nbytes else row.clone()
-
-
-def rows_options(model: LoadedModel, items: list[DecodeItem], device: torch.device) -> dict[str, Tensor]:
-    """Each option of the model as ``[B]`` int64: the row's stream value, or the option's default."""
-    return {opt.name: torch.tensor([it.options.get(opt.name, opt.default) for it in items], dtype=torch.long,
-                                   device=device)
-            for opt in model.contract.stream_options}
 
 
 class StreamRoutine:
@@ -94,7 +62,7 @@ class StreamRoutine:
         host = self._inputs_host[:batch * self._channels * frames].view(batch, self._channels, frames)  # [B, C, T]
         meta = self._meta_host[:, :batch]  # [2 + O, B] (each row contiguous)
         rows = len(items)
-        num_frames = [item.codes.shape[1] for item in items]
+        num_frames = [item.num_frames for item in items]
         longest = max(num_frames)
         if rows == 1:
             staged = items[0].codes.unsqueeze(0)  # [1, C, n]
@@ -125,25 +93,16 @@ class StreamRoutine:
     def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor:
         """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``.
 
-        ``num_slices`` > 1: the frames as that many exact-streaming sub-steps (``plan.time_slices``), each row's
-        state and position carried from one to the next and committed once at the end: the same audio, with the
-        peak memory of the longest slice (a row with no frames left in a slice keeps its state)."""
-        num_frames = self.num_frames[:batch]  # [B]
+        ``num_slices`` > 1: the frames as that many exact-streaming sub-steps (``forward.forward_in_slices``), the
+        state committed once at the end: the same audio, with the peak memory of the longest slice."""
         slots = self.slots[:batch]  # [B]
         state, positions = rows_state(self.model, self.arena, slots, batch, self.inputs.device)
-        start_positions = positions
         options = {name: t[:batch] for name, t in self.options.items()}  # name -> [B]
-        pieces = []
-        for i, (start, length) in enumerate(time_slices(frames, num_slices)):
-            inputs = self.inputs[:batch, :, start:start + length]  # [B, C, t]
-            valid = num_frames if num_slices == 1 else (num_frames - start).clamp(0, length)  # [B] frames here
-            wav, state = self.model.forward_stream(StreamBatch(inputs, valid, positions, options), state)  # [B, t*U]
-            pieces.append(wav)
-            if i + 1 < num_slices:
-                positions = positions + valid
+        wav, state, positions = forward_in_slices(self.model, self.inputs[:batch, :, :frames], self.num_frames[:batch],
+                                                  state, positions, options, time_slices(frames, num_slices))
         if self.stateful:
-            self.arena.scatter(slots, state, start_positions + num_frames)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [B, T * U]
+            self.arena.scatter(slots, state, positions)
+        return wav  # [B, T * U]
 
     def copy_out(self, wav: Tensor, items: list[DecodeItem]) -> list[Tensor]:
         """Exact samples per row: host rows are copied out of graph-owned memory before returning; device rows

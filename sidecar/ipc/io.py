@@ -30,8 +30,7 @@ __all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audi
 
 def _codes_event(job):
     """The client event recorded after ``job``'s codes were copied (its index was checked on arrival)."""
-    region, _view, event_index = job.ipc_codes
-    return region.opened.events[event_index]
+    return job.ipc_codes.region.opened.events[job.ipc_codes.event_index]
 
 
 def drop_complete(events: list) -> list:
@@ -62,19 +61,18 @@ def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s:
         if id(_codes_event(job)) not in waiting:  # complete: the client's copy is done, nothing to wait on
             ready.append(job)
         elif now_s - job.arrived_s > codes_event_timeout_s:
-            region, _view, event_index = job.ipc_codes
-            refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {event_index} of region "
-                            f"{region.region_id} did not complete within {codes_event_timeout_s:g}s"))
+            refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {job.ipc_codes.event_index} of region "
+                            f"{job.ipc_codes.region.region_id} did not complete within {codes_event_timeout_s:g}s"))
         else:
             deferred.append(job)
     if ready:
-        views = [job.ipc_codes[1].reshape(-1) for job in ready]
+        views = [job.ipc_codes.view.reshape(-1) for job in ready]
         flat = views[0] if len(views) == 1 else torch.cat(views)  # [sum Q*n] on device (mixed dtypes promote)
         host = flat.to("cpu", spec.host_dtype())  # the step's one read of all IPC inputs (synchronizes)
         all_valid = spec.problem(host) is None  # the usual case: one check for the whole batch
         start = 0
         for job in ready:
-            shape = job.ipc_codes[1].shape
+            shape = job.ipc_codes.view.shape
             codes = host[start: start + shape.numel()].view(shape)  # [Q, n]
             start += shape.numel()
             problem = None if all_valid else spec.problem(codes)
@@ -92,8 +90,8 @@ def store_audio(jobs: list, audios: list) -> list:
     for i, job in enumerate(jobs):
         if job.audio_out is None:
             continue
-        region, view, _desc = job.audio_out
-        view.copy_(audios[i])  # into the client's memory
+        region = job.audio_out.region
+        job.audio_out.view.copy_(audios[i])  # into the client's memory
         # Our own copy for an idempotent resend (the decoder output is reused next step); one per row, so an
         # idle stream never pins the rows of other streams.
         kept[i] = audios[i].clone()

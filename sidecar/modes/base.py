@@ -1,32 +1,21 @@
 """What a stream mode is: the few decisions in which exact and window streaming differ.
 
-The scheduler, sessions, engine and graph set-up ask the stream's mode; none of them branches on its name.
-A mode never touches sockets, the arena or the model: it decides what a chunk decodes (``build_item``),
-what a stream keeps after a chunk succeeded (``commit``), whether a stream holds an arena slot
-(``stateful``), and which graph buckets serve it (``bucket_sizes``).
+Sessions, the scheduler, the planner, graph set-up and offline decoding ask the stream's mode; none of them branches
+on its name. A mode never touches sockets, the arena or the model: it decides what a chunk decodes (``build_item``),
+what a stream keeps after a chunk succeeded (``commit``), whether a stream holds an arena slot (``stateful``), the
+left context a stream keeps, and which graph buckets serve it (``bucket_sizes``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from ..work import DecodeItem
 
-
-class StreamLike(Protocol):  # the fields of ``streams.Stream`` a mode reads and writes
-    left_context_frames: int
-    slot: int | None
-    context_codes: Tensor | None
-    options: dict[str, int]
-
-
-class JobLike(Protocol):  # the fields of ``scheduler.ChunkJob`` a mode reads
-    stream: Any
-    codes: Any  # Tensor [C, n]
-    context_frames: int
-    audio_out: tuple | None
+if TYPE_CHECKING:
+    from ..streams import ServedStream
 
 
 class StreamMode:
@@ -39,15 +28,22 @@ class StreamMode:
         """The left context a stream opened with ``requested`` keeps (echoed in ``opened``)."""
         raise NotImplementedError
 
-    def kept_context(self, stream: StreamLike) -> Tensor | None:
+    def kept_context(self, stream: ServedStream) -> Tensor | None:
         """Inputs ``[C, c]`` decoded ahead of a chunk's own, or None."""
         raise NotImplementedError
 
-    def build_item(self, job: JobLike) -> DecodeItem:
-        """What the engine decodes for ``job`` (engine thread: its inputs are on the host by now)."""
+    def decoded_frames(self, stream: ServedStream, num_frames: int) -> int:
+        """Frames the engine decodes for a chunk of ``num_frames`` frames: its own after the kept context."""
+        kept = self.kept_context(stream)
+        return num_frames + (0 if kept is None else kept.shape[1])
+
+    def build_item(self, stream: ServedStream, inputs: Tensor, context_frames: int,
+                   out_device: bool = False) -> DecodeItem:
+        """What the engine decodes for a chunk of ``inputs`` ``[C, n]`` (on the host by now) whose first
+        ``context_frames`` give no audio; ``out_device``: its audio stays on the device (a CUDA IPC region)."""
         raise NotImplementedError
 
-    def commit(self, stream: StreamLike, inputs: Tensor) -> None:
+    def commit(self, stream: ServedStream, inputs: Tensor) -> None:
         """After a chunk with ``inputs`` ``[C, n]`` produced its audio: keep what the next chunk needs."""
         raise NotImplementedError
 

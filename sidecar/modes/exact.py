@@ -4,12 +4,15 @@ after the forward succeeded); nothing else is kept."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from ..work import DecodeItem
-from .base import JobLike, StreamLike, StreamMode
+from .base import StreamMode
+
+if TYPE_CHECKING:
+    from ..streams import ServedStream
 
 
 class ExactMode(StreamMode):
@@ -19,15 +22,15 @@ class ExactMode(StreamMode):
     def left_context_frames(self, requested: int) -> int:
         return 0  # the state is the context
 
-    def kept_context(self, stream: StreamLike) -> Tensor | None:
+    def kept_context(self, stream: ServedStream) -> Tensor | None:
         return None
 
-    def build_item(self, job: JobLike) -> DecodeItem:
-        stream = job.stream
-        return DecodeItem(codes=job.codes, slot=stream.slot, skip_frames=job.context_frames,
-                          out_device=job.audio_out is not None, options=stream.options)
+    def build_item(self, stream: ServedStream, inputs: Tensor, context_frames: int,
+                   out_device: bool = False) -> DecodeItem:
+        return DecodeItem(codes=inputs, slot=stream.slot, skip_frames=context_frames, out_device=out_device,
+                          options=stream.options)
 
-    def commit(self, stream: StreamLike, inputs: Tensor) -> None:
+    def commit(self, stream: ServedStream, inputs: Tensor) -> None:
         return None
 
     def bucket_sizes(self, graphs_cfg: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -4,13 +4,16 @@ audio. No arena slot."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from ..work import DecodeItem
-from .base import JobLike, StreamLike, StreamMode
+from .base import StreamMode
+
+if TYPE_CHECKING:
+    from ..streams import ServedStream
 
 
 class WindowMode(StreamMode):
@@ -20,17 +23,17 @@ class WindowMode(StreamMode):
     def left_context_frames(self, requested: int) -> int:
         return requested
 
-    def kept_context(self, stream: StreamLike) -> Tensor | None:
+    def kept_context(self, stream: ServedStream) -> Tensor | None:
         return stream.context_codes
 
-    def build_item(self, job: JobLike) -> DecodeItem:
-        prefix = job.stream.context_codes
-        inputs = job.codes if prefix is None else torch.cat([prefix, job.codes], dim=1)  # [C, c + n]
-        skip = (0 if prefix is None else prefix.shape[1]) + job.context_frames
-        return DecodeItem(codes=inputs, slot=None, skip_frames=skip, out_device=job.audio_out is not None,
-                          options=job.stream.options)
+    def build_item(self, stream: ServedStream, inputs: Tensor, context_frames: int,
+                   out_device: bool = False) -> DecodeItem:
+        prefix = stream.context_codes
+        joined = inputs if prefix is None else torch.cat([prefix, inputs], dim=1)  # [C, c + n]
+        skip = (0 if prefix is None else prefix.shape[1]) + context_frames
+        return DecodeItem(codes=joined, slot=None, skip_frames=skip, out_device=out_device, options=stream.options)
 
-    def commit(self, stream: StreamLike, inputs: Tensor) -> None:
+    def commit(self, stream: ServedStream, inputs: Tensor) -> None:
         if not stream.left_context_frames:
             return
         joined = inputs if stream.context_codes is None else torch.cat([stream.context_codes, inputs], 1)

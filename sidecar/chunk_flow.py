@@ -1,0 +1,139 @@
+"""A chunk's way through the sessions (sans-IO): accepted from a ``decode`` message into the scheduler's queue, then
+completed (its audio committed and replied) or failed (its stream's state untouched).
+
+Rules (``streams.py`` states them per stream): a chunk must carry the stream's next seq, or repeat the last
+committed one (answered again from what the stream kept); its inputs are checked against the model's contract
+(``inputs.py``); a chunk that produced audio commits its stream (seq, the mode's kept context, the audio kept for a
+resend); a chunk that failed rolls the stream's expected seq back to it, and its later queued chunks fail too,
+so the client resends from there. Every problem is a typed error scoped to the chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from code2wav import proto
+from code2wav.proto import ErrorCode
+
+from .inputs import read_chunk_inputs
+from .ipc.regions import RegionService
+from .jobs import ChunkJob
+from .metrics import Metrics
+from .models import LoadedModel
+from .replies import Outbox, PendingReply
+from .scheduler import Scheduler
+from .stream_table import StreamTable
+from .streams import SeqVerdict, check_seq
+from .work import ChunkRejected, DecodeItem
+
+
+class ChunkFlow:
+    def __init__(self, model: LoadedModel, streams: StreamTable, scheduler: Scheduler, regions: RegionService,
+                 out: Outbox, metrics: Metrics, max_pending_per_client: int, clock: Callable[[], float]) -> None:
+        self.model = model
+        self.streams = streams
+        self.scheduler = scheduler
+        self.regions = regions
+        self.out = out
+        self.metrics = metrics
+        self.max_pending_per_client = max_pending_per_client
+        self.clock = clock
+        self.draining = False  # the server is stopping: new chunks are refused
+
+    def decode(self, identity: bytes, msg: proto.Decode, frames: list) -> None:
+        """A ``decode`` message: each chunk queued, answered again (a resend) or refused; the reply goes out once
+        every chunk has an outcome."""
+        now = self.clock()
+        reply = PendingReply(identity, msg.request_id, len(msg.chunks))
+        for index, chunk in enumerate(msg.chunks):
+            try:
+                self._accept(identity, chunk, index, reply, frames, now)
+            except ChunkRejected as exc:
+                self.out.reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message)
+        self.metrics.queue_depth.set(len(self.scheduler))
+        self.out.emit_if_done(reply)
+
+    def _accept(self, identity: bytes, chunk: proto.Chunk, index: int, reply: PendingReply, frames: list,
+                now: float) -> None:
+        stream = self.streams.get(identity, chunk.stream_id)
+        if self.draining:
+            raise ChunkRejected(ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
+        if stream is None or stream.closed:
+            raise ChunkRejected(ErrorCode.NOT_FOUND, f"stream '{chunk.stream_id}' is not open")
+        if stream.closing is not None:
+            raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"stream '{chunk.stream_id}' is closing ({stream.closing})")
+        verdict, reason = check_seq(stream, chunk.seq)
+        if verdict == SeqVerdict.RESEND:
+            return reply.resolve(index, stream.stream_id, chunk.seq, stream.last_audio, stream.last_num_frames)
+        if verdict != SeqVerdict.ACCEPT:
+            raise ChunkRejected(ErrorCode.OUT_OF_ORDER, reason)
+        job = ChunkJob(stream=stream, seq=chunk.seq, codes=None, context_frames=chunk.context_frames,
+                       final=chunk.final, arrived_s=now, reply=reply, index=index)
+        read_chunk_inputs(self.model, self.regions, identity, job, chunk, frames)
+        if chunk.num_frames == 0:  # an empty final chunk: nothing to decode, an empty inline reply
+            stream.next_seq += 1
+            self.streams.chunk_queued(stream)
+            return self.complete(job, torch.zeros(0, dtype=torch.float32))
+        queued = self.streams.pending_by_client.get(identity, 0)
+        if queued >= self.max_pending_per_client:
+            raise ChunkRejected(ErrorCode.BUSY, f"this client has {queued} chunks queued "
+                                "(limits.max_pending_chunks_per_client); retry with backoff")
+        if not self.scheduler.submit(job):
+            raise ChunkRejected(ErrorCode.BUSY, f"{len(self.scheduler)} chunks are queued "
+                                "(scheduler.max_pending_chunks); retry with backoff")
+        for region in job.regions:
+            self.regions.acquire(region)
+        stream.next_seq += 1
+        self.streams.chunk_queued(stream)
+        stream.last_active_s = now
+        if chunk.final:
+            stream.closing = "final"
+
+    @staticmethod
+    def build_items(batch: list[ChunkJob]) -> list[DecodeItem]:
+        """Engine thread (reads stream state that no other thread writes while the chunk is in the engine)."""
+        return [job.stream.mode.build_item(job.stream, job.codes, job.context_frames, job.audio_out is not None)
+                for job in batch]
+
+    def complete(self, job: ChunkJob, audio: Tensor) -> None:
+        """The chunk produced ``audio``: commit its stream and resolve its place in the reply."""
+        stream = job.stream
+        ipc = None if job.audio_out is None else (job.audio_out.desc, job.audio_event)
+        self.streams.chunk_done(job)
+        num_frames = proto.audio_num_frames(job.codes.shape[1], job.context_frames)  # frames that produced audio
+        if not stream.closed:
+            stream.committed_seq = job.seq
+            stream.last_audio = audio
+            stream.last_num_frames = num_frames
+            stream.last_active_s = self.clock()
+            stream.mode.commit(stream, job.codes)
+            series = self.metrics.mode_series(stream.model, stream.mode.name)
+            series.chunks.inc()
+            series.frames.inc(job.codes.shape[1])
+            series.audio_seconds.inc(audio.numel() / self.model.sample_rate_hz)
+            series.chunk_latency.observe(self.clock() - job.arrived_s)
+        job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames, ipc)
+        self.out.emit_if_done(job.reply)
+        if job.final or (stream.closing and stream.num_pending == 0):
+            self.streams.close(stream, stream.closing or "final")
+
+    def fail(self, job: ChunkJob, code: ErrorCode, message: str) -> None:
+        """The chunk produced no audio: its stream keeps the state it had, its later queued chunks fail too."""
+        stream = job.stream
+        self.streams.chunk_done(job)
+        if not stream.closed:
+            stream.next_seq = job.seq
+            if stream.closing == "final":
+                stream.closing = None
+            for later in self.scheduler.remove_stream(stream):
+                self.streams.chunk_done(later)
+                self.out.reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
+                                f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
+                self.out.emit_if_done(later.reply)
+        self.out.reject(job.reply, job.index, stream.stream_id, job.seq, code, message)
+        self.out.emit_if_done(job.reply)
+        if stream.closing and stream.num_pending == 0 and not stream.closed:
+            self.streams.close(stream, stream.closing)

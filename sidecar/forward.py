@@ -1,0 +1,71 @@
+"""One batched forward over decode items, shared by the eager engine and the graph routine: the rows' initial
+state and options, the time-slice loop, and each row's audio out of the padded batch.
+
+The time-slice loop is the one place a step runs ``forward_stream`` more than once: the frames ``[B, C, T]`` go
+through in contiguous slices (``graphs.plan.time_slices``), each row's state and position carried from one slice to
+the next, which is exact (the decoders are causal). Eager steps slice to stay within ``max_forward_frames``; a graph
+bucket over the memory budget was captured in slices to shrink its peak. A row with no frames left in a slice keeps
+its state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .models import LoadedModel, StreamBatch
+from .state_store import StateArena
+from .work import DecodeItem
+
+
+def rows_state(model: LoadedModel, arena: StateArena | None, slots: Tensor | None, batch: int,
+               device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
+    """Initial state of a batch: the arena rows of ``slots`` (stateful rows), or an empty state at position 0
+    (stateless rows)."""
+    if arena is not None:
+        return arena.gather(slots)
+    return model.zero_state(batch), torch.zeros(batch, dtype=torch.long, device=device)
+
+
+def rows_options(model: LoadedModel, items: list[DecodeItem], device: torch.device) -> dict[str, Tensor]:
+    """Each option of the model as ``[B]`` int64: the row's stream value, or the option's default."""
+    return {opt.name: torch.tensor([it.options.get(opt.name, opt.default) for it in items], dtype=torch.long,
+                                   device=device)
+            for opt in model.contract.stream_options}
+
+
+def forward_in_slices(model: LoadedModel, inputs: Tensor, num_frames: Tensor, state: dict[str, Tensor],
+                      positions: Tensor, options: dict[str, Tensor],
+                      slices: tuple[tuple[int, int], ...]) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """``inputs`` ``[B, C, T]`` (row ``b`` valid for ``num_frames[b]`` frames) through ``model.forward_stream`` in
+    ``slices`` (``(start, length)``, contiguous, covering ``T``). Returns ``(wav [B, T * U], state after each row's
+    last valid frame, positions + num_frames)``. Graph-capturable: no Python branch on tensor values."""
+    pieces = []
+    for start, length in slices:
+        piece = inputs[:, :, start:start + length]  # [B, C, t]
+        # one slice: every row's frames are in it (no clamp: two kernels fewer in a batch-1 step)
+        valid = num_frames if len(slices) == 1 else (num_frames - start).clamp(0, length)  # [B] frames here
+        wav, state = model.forward_stream(StreamBatch(piece, valid, positions, options), state)  # [B, t * U]
+        pieces.append(wav)
+        if len(slices) > 1:
+            positions = positions + valid
+    if len(slices) == 1:
+        positions = positions + num_frames
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state, positions  # [B, T * U]
+
+
+def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int) -> list[Tensor]:
+    """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: copied to the host, or for
+    ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it).
+
+    A host row owns its memory, exactly its own samples: its stream keeps it for an idempotent resend, up to the
+    TTL when the client vanished, and a view would keep the whole padded batch ``[B, T * U]`` alive with it."""
+    spf = samples_per_frame
+    host = None if all(it.out_device for it in items) else wav[: len(items)].cpu()  # [rows, T * U]; synchronous
+    return [wav[b, it.skip_frames * spf: it.num_frames * spf] if it.out_device
+            else _owned(host[b, it.skip_frames * spf: it.num_frames * spf]) for b, it in enumerate(items)]
+
+
+def _owned(row: Tensor) -> Tensor:
+    """``row`` itself when it spans its whole storage, else a compact copy (a memcpy of the row only)."""
+    return row if row.untyped_storage().nbytes() == row.nbytes else row.clone()
