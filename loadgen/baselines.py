@@ -166,14 +166,14 @@ def _captured_rows(model: LoadedModel, arena: StateArena, codes, iters: int, war
     manager.capture_startup()  # (compiles each shape first, logged)
     results = []
     for key in buckets:
-        if not manager.ready(key) or key in manager.compile_fallbacks:
+        if not manager.is_captured(key) or key in manager.compile_fallbacks:
             if compile_:
                 print(f"{name(key.batch, key.frames)}: not compiled "
                       f"({manager.compile_fallbacks.get(key, 'not captured')})")
             continue
         slots = [arena.allocate() for _ in range(key.batch)]
         items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]
-        times = time_calls(lambda: manager.run(key, items), model.device, iters, warmup)
+        times = time_calls(lambda: manager.replay(key, items), model.device, iters, warmup)
         results.append(_result(name(key.batch, key.frames), key.batch, key.frames, times, model))
         for s in slots:
             arena.release(s)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from code2wav.sidecar.config import ServerConfig
-from code2wav.sidecar.engine import DecodeItem, Engine, GraphChoice
+from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.modes import MODES
 from code2wav.sidecar.graphs.manager import GraphManager
 from code2wav.sidecar.graphs.plan import BucketKey, build_buckets
 from code2wav.sidecar.models.qwen3_tts.family import GRAPH_BUCKETS as QWEN3  # the default model's buckets
@@ -179,26 +180,29 @@ def test_graph_memory_budget_slices_or_skips_buckets_by_name():
 
 
 def test_capture_is_foreseen_and_can_be_left_to_another_thread(golden_cases):
-    """``graph_choice`` says, without capturing, when a batch needs a capture first (the server then runs it in
+    """The step plan says, without capturing, when a batch needs a capture first (the server then runs it in
     the worker thread, never on the loop thread); ``decode(may_capture=False)`` runs such a batch eager and
     leaves the capture for later. Audio is the same either way."""
     buckets = (BucketKey("exact", 1, 25),)
     model, arena, manager, engine, _, metrics = _setup(str(TINY), buckets, mode="lazy", max_lazy=1)
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     slot = arena.allocate()
-    assert engine.graph_choice("exact", [10]) == GraphChoice(buckets[0], needs_capture=True)
-    assert engine.graph_choice("exact", [30]).needs_capture and manager.lazy_captures == 0  # an extra (b1xt32)
+    exact, window = MODES["exact"], MODES["window"]
+    plan = engine.plan(exact, [10])
+    assert (plan.bucket, plan.capture_first, plan.padded_frames) == (buckets[0], True, 15)
+    assert engine.plan(exact, [30]).capture_first and manager.lazy_captures == 0  # an extra (b1xt32)
     first = engine.decode([DecodeItem(codes[:, :10], slot, 0)], may_capture=False)[0]  # eager, nothing captured
     assert manager.buckets[buckets[0]].status == "pending"
     assert metrics.graph_misses.labels(component="exact", reason="capture_deferred")._value.get() == 1
     second = engine.decode([DecodeItem(codes[:, 10:20], slot, 0)])[0]  # captured now, then replayed
     assert manager.buckets[buckets[0]].status == "captured"
-    assert engine.graph_choice("exact", [10]) == GraphChoice(buckets[0], needs_capture=False)
+    assert (engine.plan(exact, [10]).bucket, engine.plan(exact, [10]).capture_first) == (buckets[0], False)
     torch.testing.assert_close(torch.cat([first, second]), full[: 20 * 48], rtol=0, atol=1e-4)
     engine.decode([DecodeItem(codes[:, 20:40], slot, 0)])  # 20 frames: b1xt25 again
-    assert engine.graph_choice("exact", [30]) == GraphChoice(BucketKey("exact", 1, 32), "frames_too_long",
-                                                             needs_capture=True)
-    assert engine.graph_choice("window", [10]) == GraphChoice(None, "no_buckets")
+    extra = engine.plan(exact, [30])
+    assert (extra.bucket, extra.reason, extra.capture_first) == (BucketKey("exact", 1, 32), "frames_too_long", True)
+    no_bucket = engine.plan(window, [10])
+    assert (no_bucket.bucket, no_bucket.reason, no_bucket.slices) == (None, "no_buckets", ((0, 10),))
 
 
 def test_exact_buckets_up_to_batch_64_fit_the_default_budget():

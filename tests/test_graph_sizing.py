@@ -1,9 +1,9 @@
 """CPU tests for the graph manager's sizing for the memory budget: which buckets wait, what a bucket in time slices
 is sized to, what is counted when a capture is thrown away, and the state a failure leaves.
 
-The CUDA runtime is absent here, so the manager's four device parts are replaced by a memory model (``FakeDevice``;
-the real ones run in tests/test_cuda_graphs.py on the GPU): a bucket's step needs
-``FIXED + PER_ROW_FRAME * batch * longest slice`` bytes standalone (``_profile``), and a real capture into the
+The CUDA runtime is absent here, so the manager's device part (``capture.StepCapture``: warm-up, profile, capture) is
+replaced by a memory model (``FakeDevice``; the real one runs in tests/test_cuda_graphs.py on the GPU): a bucket's step
+needs ``FIXED + PER_ROW_FRAME * batch * longest slice`` bytes standalone (``profile``), and a real capture into the
 shared pool grows it only by what exceeds what the pool already holds (freed blocks are reused; a discarded
 capture's growth stays), as the caching allocator does. Everything else is the manager's own code.
 """
@@ -39,24 +39,29 @@ class FakeDevice:
         return FIXED + PER_ROW_FRAME * key.batch * -(-key.frames // num_slices)
 
     def install(self, manager: GraphManager) -> None:
-        def warmup(routine, state, num_slices):
-            if (routine, state.key, num_slices) in self.fail:
-                raise RuntimeError(f"forced failure of {state.key.label} in {num_slices}")
+        manager.steps = self  # the manager's StepCapture
 
-        def profile(routine, state, num_slices):
-            self.profiles.append((state.key, num_slices))
-            return self.need(state.key, num_slices)
+    # ------------------------------------------------------------------ capture.StepCapture's interface
+    def warmup(self, routine, key: BucketKey, num_slices: int) -> int:
+        if (routine, key, num_slices) in self.fail:
+            raise RuntimeError(f"forced failure of {key.label} in {num_slices}")
+        return 0  # live peak: no block reserved in this model
 
-        def capture_into_pool(routine, state):
-            key, num_slices = state.key, state.num_slices
-            before = self.pool_reserved
-            self.pool_reserved = max(self.pool_reserved, self.need(key, num_slices) + self.extra_on_capture.get(key, 0))
-            self.captured.append((key, num_slices))
-            return object(), torch.zeros(1), before
+    def profile(self, routine, key: BucketKey, num_slices: int, live_peak_bytes: int) -> int:
+        self.profiles.append((key, num_slices))
+        return self.need(key, num_slices)
 
-        manager._warmup, manager._profile, manager._capture_into_pool = warmup, profile, capture_into_pool
-        manager._reserved = lambda: self.pool_reserved
-        manager._sync = lambda: None
+    def capture(self, routine, key: BucketKey, num_slices: int, pool, block_bytes: int):
+        before = self.pool_reserved
+        self.pool_reserved = max(self.pool_reserved, self.need(key, num_slices) + self.extra_on_capture.get(key, 0))
+        self.captured.append((key, num_slices))
+        return object(), torch.zeros(1), before
+
+    def reserved_bytes(self) -> int:
+        return self.pool_reserved
+
+    def sync(self) -> None:
+        return None
 
 
 @pytest.fixture
@@ -143,7 +148,7 @@ def test_sizing_measures_at_most_a_few_slice_counts_and_says_what_it_tried(no_cu
 
 def test_max_split_size_is_read_from_the_allocator_config():
     """The one-block reservation is skipped for a block the caching allocator would never split."""
-    from code2wav.sidecar.graphs.manager import max_split_bytes
+    from code2wav.sidecar.graphs.capture import max_split_bytes
 
     assert max_split_bytes({}) == float("inf")
     assert max_split_bytes({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,max_split_size_mb:512"}) == 512 * MIB
