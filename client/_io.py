@@ -13,9 +13,6 @@ track of the server (``_liveness``: heartbeats, a dead server, a restart that lo
 ZeroMQ's descriptor only signals that the socket's state may have changed, and any operation on the socket
 (a caller's send included) may consume that signal; so every lock holder checks ``ZMQ_EVENTS`` before
 letting go, and wakes the I/O thread when a message is waiting.
-
-Over 300 lines: the socket, its lock and the call bookkeeping share one invariant (only the lock holder touches the
-socket); the I/O thread and the direct send path must read together.
 """
 
 from __future__ import annotations

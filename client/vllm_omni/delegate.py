@@ -22,9 +22,6 @@ CPU waveform per request, in batch order, after ONE ``decode`` round trip to the
 - Errors: a chunk the sidecar rejects (bad input, stream lost after a sidecar restart, busy) ends that
   request's audio (logged; later chunks of it get empty audio) while the other requests go on. A sidecar that
   does not answer at all raises ``SidecarUnavailableError``.
-
-Over 300 lines: the step-to-stream mapping rules listed below are one state machine; split, its invariants would
-span files.
 """
 
 from __future__ import annotations
