@@ -19,8 +19,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from code2wav.sidecar.models import load_model
-from code2wav.sidecar.models.qwen3_tts.blocks import CausalConv, SnakeBeta
-from code2wav.sidecar.models.voxcpm2_audiovae.blocks import Snake
+from code2wav.sidecar.models.streaming import CausalConv, StreamActivation
 from conftest import TINY, VOXCPM2_TINY
 
 TOL = 1e-5
@@ -40,11 +39,11 @@ class OpNames(TorchDispatchMode):
 
 @pytest.fixture
 def forced_fused(monkeypatch):
-    """Both families' Snakes run their fused paths on CPU tensors (``runs_fused`` normally needs CUDA)."""
-    for activation in (SnakeBeta, Snake):
-        monkeypatch.setattr(activation, "runs_fused", lambda self, x: not torch.compiler.is_compiling())
-    monkeypatch.setattr(CausalConv, "runs_depthwise_kernel",  # Qwen3-TTS's ConvNeXt stage: depthwise_snake
-                        lambda self, x: self.depthwise and not torch.compiler.is_compiling())
+    """Both families' Snakes (the kit's ``StreamActivation``s) run their fused paths on CPU tensors (``runs_fused``
+    normally needs CUDA), and so do the kit's depthwise convs (both families': ``depthwise_snake``)."""
+    monkeypatch.setattr(StreamActivation, "runs_fused", lambda self, x: not torch.compiler.is_compiling())
+    monkeypatch.setattr(CausalConv, "runs_depthwise_kernel",
+                        lambda self, x: self.depthwise and self.kernels_on and not torch.compiler.is_compiling())
 
 
 def kernels_on(model) -> None:
