@@ -78,8 +78,9 @@ def test_qwen3_fused_path_streams_the_golden(forced_fused, golden_cases):
     plans = [[1, 16, num_frames - 17], [5, 1, 9, num_frames - 15]]  # rows at different positions share steps
     with torch.inference_mode(), OpNames() as ops:
         out_a, out_b = stream_interleaved(engine, golden_cases["codes"], plans)
-    assert {"code2wav.snake_cat", "code2wav.snake_pairs", "code2wav.snake_conv_out", "code2wav.depthwise_snake", "code2wav.state_cat", "code2wav.rope_kv_cache",
-            "code2wav.window_inputs", "code2wav.add_rms_norm", "code2wav.silu_mul"} <= ops.names
+    assert {"code2wav.snake_cat", "code2wav.snake_pairs", "code2wav.snake_conv_out", "code2wav.depthwise_snake",
+            "code2wav.state_cat", "code2wav.rope_kv_cache", "code2wav.window_inputs", "code2wav.add_rms_norm",
+            "code2wav.silu_mul"} <= ops.names
     assert "aten.gather" not in ops.names  # every state tail came from a kernel op
     assert "aten.add_" not in ops.names  # the residual units' bias adds went into the kernels
     steps = max(len(p) for p in plans)  # forwards taken: each batches the next chunk of every unfinished row

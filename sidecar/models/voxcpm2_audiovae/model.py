@@ -4,7 +4,8 @@
 batch of chunks, each row continuing its own stream from ``state``; a zero state gives the one-shot decode.
 The call matches the Qwen3 family's ``forward_stream(codes, num_frames, state, start_positions)`` (positions
 are accepted and unused: nothing here depends on the absolute position) plus the per-row sample-rate bucket.
-Parameter names under ``decoder.`` are the checkpoint's after weight-norm folding.
+Parameter names under ``decoder.`` are the checkpoint's after weight-norm folding, with the streaming kit's conv
+level added (``model.0.conv.weight`` for the file's ``model.0.weight``; ``checkpoint_state_dict`` has the file's).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ class VoxCPM2AudioVAEDecoder(nn.Module):
 
     def use_fused_kernels(self, enabled: bool) -> bool:
         """Snake + the next conv's state concatenation as one Triton kernel on CUDA (``kernels/snake.py``: before
-        the residual units' depthwise convs and the transposed convs), the depthwise conv + Snake
-        (``kernels/depthwise.py``), Snake + the last conv (``kernels/snake_conv.py``), or torch ops everywhere.
+        the residual units' depthwise convs and the transposed convs), every depthwise conv (with the Snake after it
+        in the residual units: ``kernels/depthwise.py``), Snake + the last conv (``kernels/snake_conv.py``), or torch
+        ops everywhere.
         In float32 the GEMMs (transposed convs, 1x1 convs) may then run as ``kernels/matmul.py``'s 3xTF32 kernel
         where it measures faster than cuBLAS. Returns whether the kernels are in use (False without Triton)."""
         return conv_choice.switch_kernels(self, Snake, enabled)
