@@ -17,7 +17,6 @@ Rows (same fields as ``baselines.BaselineResult``):
 - ``voxcpm2-upstream-compiled-oneshot-b64-t25`` (``--upstream-compile``): the same through ``torch.compile``.
 
 Plus a cross-check: upstream one-shot and streaming against our ``forward`` on the same latents (max abs diff, SNR).
-Over 300 lines: loading, weight copy, timing and the bench step of one baseline, read together.
 """
 
 from __future__ import annotations
@@ -105,7 +104,8 @@ def _norm_except_dim0(weight: Tensor) -> Tensor:
 
 
 def copy_decoder_weights(vae: torch.nn.Module, ours: dict[str, Tensor]) -> None:
-    """Load our folded ``decoder.*`` tensors into upstream's weight-normed decoder, in place. Every upstream
+    """Load our folded ``decoder.*`` tensors (checkpoint names: ``VoxCPM2AudioVAEDecoder.checkpoint_state_dict()``)
+    into upstream's weight-normed decoder, in place. Every upstream
     decoder tensor must get a source of its shape, and every one of ours must be used: else ``UpstreamWeightError``."""
     target = {k: v for k, v in vae.state_dict().items() if k.startswith("decoder.")}
     missing, mismatched, used = [], [], set()
@@ -148,7 +148,7 @@ def upstream_vae(cfg) -> torch.nn.Module:
 def build_upstream(our_module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Upstream's ``AudioVAE`` with our module's config (``our_module.cfg``) and weights, on device/dtype, eval."""
     vae = upstream_vae(our_module.cfg)
-    copy_decoder_weights(vae, our_module.state_dict())  # in float32, before the cast
+    copy_decoder_weights(vae, our_module.checkpoint_state_dict())  # in float32, before the cast
     return vae.to(device=device, dtype=dtype).eval()
 
 

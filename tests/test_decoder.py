@@ -122,7 +122,7 @@ def test_few_kernel_transformer_equals_the_plain_form(config, rope_kernel):
     (``kernels/window_inputs.py``), each residual add with the norm after it and the MLP's gate as one op each
     (``kernels/layer_glue.py``): their CPU implementations here, their kernels in ``tests/test_rope_cache.py``."""
     from code2wav.sidecar.models.qwen3_tts.loader import random_model
-    from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
+    from code2wav.sidecar.models.streaming import StreamContext
 
     model = load_folder(TINY)[0] if config == "tiny" else random_model(SHIPPED, seed=3)
     pre = model.decoder.pre_transformer
@@ -139,10 +139,10 @@ def test_few_kernel_transformer_equals_the_plain_form(config, rope_kernel):
         x = torch.randn((2, num_new, pre.input_proj.in_features), generator=gen)  # [B, T, latent]
         lengths = torch.tensor(valid)
         with torch.enable_grad():
-            plain_ctx = StreamCtx(plain_state)
+            plain_ctx = StreamContext(plain_state)
             plain = pre(x, positions, lengths, plain_ctx).detach()  # [B, T, latent]
         with torch.inference_mode():
-            few_ctx = StreamCtx(few_state)
+            few_ctx = StreamContext(few_state)
             few = pre(x, positions, lengths, few_ctx)  # [B, T, latent]
         for b in range(2):
             assert (few[b, :valid[b]] - plain[b, :valid[b]]).abs().max().item() <= 1e-5 * max(1.0, plain.abs().max())

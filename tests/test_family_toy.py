@@ -1,11 +1,13 @@
-"""A decoder family defined in this file alone serves streams end to end through a real server and the real client.
+"""A decoder family defined in this file, built from the streaming kit alone, serves streams end to end through a
+real server and the real client.
 
-The toy family: float latents ``[B, D, T]`` -> one ``ConvTranspose1d`` (kernel ``2U``, stride ``U``), so frame
-``t``'s ``U`` samples are ``W0 . x_t + W1 . x_{t-1} + bias``; its per-stream state is the last frame, and an
-integer stream option ``gain`` (1..4) scales the audio per row. Nothing outside this file knows the family: the
-server gets it through ``Server(cfg, families=register_family(FAMILIES, TOY))``. The reference audio is computed
-from the weights with numpy (the formula above), not by the module. CPU runs eager; the CUDA test runs the same
-streams with graphs captured at start-up and checks that they replayed.
+The toy family: float latents ``[B, D, T]`` -> a kit ``CausalConv`` (kernel 2, dense: ``h_t = A0 x_{t-1} + A1 x_t
++ a``) -> a kit ``CausalTransConv`` (kernel ``2U``, stride ``U``: frame ``t``'s ``U`` samples are ``W0 . h_t + W1 .
+h_{t-1} + bias``); its per-stream state is what the kit's ``assign_state_keys`` lays out (each conv's last input
+frame), and an integer stream option ``gain`` (1..4) scales the audio per row. Nothing outside this file knows the
+family: the server gets it through ``Server(cfg, families=register_family(FAMILIES, TOY))``. The reference audio is
+computed from the weights with numpy (the formulas above), not by the module. CPU runs eager; the CUDA test runs
+the same streams with graphs captured at start-up and checks that they replayed.
 """
 
 from __future__ import annotations
@@ -25,19 +27,31 @@ from torch import Tensor, nn
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
 from code2wav.sidecar.config import load_config
-from code2wav.sidecar.models import (FAMILIES, Contract, FamilyError, GraphBuckets, InputSpec, StateSpec, StreamBatch,
-                                     StreamOption, detect_family, load_model, register_family)
+from code2wav.sidecar.models import (FAMILIES, Contract, FamilyError, GraphBuckets, InputSpec, StreamBatch,
+                                     StreamOption, detect_family, load_model, register_family, state_specs)
+from code2wav.sidecar.models.streaming import (CausalConv, CausalTransConv, StreamContext, assign_state_keys,
+                                               zero_state)
 from code2wav.sidecar.server import Server
 
 LATENT_DIM = 6
 SAMPLES_PER_FRAME = 8
-TOL = 1e-5  # float32, a handful of multiply-adds per sample
+TOL = 1e-5  # float32, a few dozen multiply-adds per sample
 
 
 class ToyDecoder(nn.Module):
     def __init__(self, latent_dim: int, samples_per_frame: int) -> None:
         super().__init__()
-        self.up = nn.ConvTranspose1d(latent_dim, 1, kernel_size=2 * samples_per_frame, stride=samples_per_frame)
+        self.mix = CausalConv(latent_dim, latent_dim, 2)
+        self.up = CausalTransConv(latent_dim, 1, 2 * samples_per_frame, samples_per_frame)
+        self.samples_per_frame = samples_per_frame
+        self.layout = assign_state_keys(self)  # {"mix": (D, 1), "up": (D, 1)}
+
+    def forward_stream(self, latents: Tensor, num_frames: Tensor, state: dict[str, Tensor]
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+        ctx = StreamContext(state)
+        h, lengths = self.mix(latents.to(self.up.conv.weight.dtype), num_frames, ctx)  # [B, D, T]
+        wav, _ = self.up(h, lengths, ctx)  # [B, 1, T * U]
+        return wav[:, 0].float(), ctx.state_out  # [B, T * U]
 
 
 class ToyFamily:
@@ -50,8 +64,8 @@ class ToyFamily:
         return isinstance(config.get("toy_decoder"), dict)
 
     def _contract(self, module: ToyDecoder) -> Contract:
-        return Contract(input=InputSpec("latents", module.up.in_channels), sample_rate_hz=16000,
-                        samples_per_frame=module.up.stride[0], state={"last": StateSpec((module.up.in_channels, 1))},
+        return Contract(input=InputSpec("latents", module.mix.conv.in_channels), sample_rate_hz=16000,
+                        samples_per_frame=module.samples_per_frame, state=state_specs(module.layout),
                         stream_options=(StreamOption("gain", 1, 4, 1),))
 
     def load(self, folder: Path) -> tuple[ToyDecoder, Contract]:
@@ -67,20 +81,14 @@ class ToyFamily:
 
     def forward_stream(self, module: ToyDecoder, batch: StreamBatch,
                        state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        x = torch.cat([state["last"], batch.inputs.to(state["last"].dtype)], dim=2)  # [B, D, 1 + T]
-        spf = module.up.stride[0]
-        num_frames = batch.inputs.shape[2]
-        wav = module.up(x)[:, 0, spf: (num_frames + 1) * spf]  # [B, T * U]
-        wav = wav * batch.options["gain"][:, None].to(wav.dtype)  # [B, T * U]
-        index = batch.num_frames.view(-1, 1, 1).expand(-1, x.shape[1], 1)  # [B, D, 1]: the last valid frame
-        return wav.float(), {"last": torch.gather(x, 2, index)}  # [B, D, 1]
+        wav, new_state = module.forward_stream(batch.inputs, batch.num_frames, state)  # [B, T * U]
+        return wav * batch.options["gain"][:, None].to(wav.dtype), new_state  # [B, T * U]
 
     def forward(self, module: ToyDecoder, inputs: Tensor) -> Tensor:
         batch = inputs.shape[0]
-        zeros = torch.zeros(batch, dtype=torch.long, device=inputs.device)
-        state = {"last": torch.zeros(batch, inputs.shape[1], 1, dtype=inputs.dtype, device=inputs.device)}
-        wav, _ = self.forward_stream(module, StreamBatch(
-            inputs, torch.full_like(zeros, inputs.shape[2]), zeros, {"gain": zeros + 1}), state)
+        lengths = torch.full((batch,), inputs.shape[2], dtype=torch.long, device=inputs.device)
+        weight = module.up.conv.weight
+        wav, _ = module.forward_stream(inputs, lengths, zero_state(module.layout, batch, weight.dtype, weight.device))
         return wav[:, None]  # [B, 1, T * U]
 
     def use_fused_kernels(self, module: ToyDecoder, enabled: bool) -> bool:
@@ -92,13 +100,19 @@ TEST_FAMILIES = register_family(FAMILIES, TOY)
 
 
 def reference(weights: dict[str, Tensor], latents: np.ndarray, gain: int = 1) -> np.ndarray:
-    """``W0 . x_t + W1 . x_{t-1} + bias`` per frame, from the weights (numpy, float64)."""
-    w = weights["up.weight"].double().numpy()[:, 0, :]  # [D, 2U]
-    bias = float(weights["up.bias"].double().numpy()[0])
+    """The module docstring's formulas from the weights (numpy, float64): ``[T * U]``."""
+    mix_w = weights["mix.conv.weight"].double().numpy()  # [D, D, 2]: tap 0 sees the frame before
+    mix_b = weights["mix.conv.bias"].double().numpy()  # [D]
+    w = weights["up.conv.weight"].double().numpy()[:, 0, :]  # [D, 2U]
+    bias = float(weights["up.conv.bias"].double().numpy()[0])
     spf = w.shape[1] // 2
     x = latents.astype(np.float64)  # [D, T]
-    prev = np.concatenate([np.zeros((x.shape[0], 1)), x[:, :-1]], axis=1)  # [D, T]
-    blocks = x.T @ w[:, :spf] + prev.T @ w[:, spf:] + bias  # [T, U]
+
+    def before(frames: np.ndarray) -> np.ndarray:  # each frame's predecessor, zero before the first
+        return np.concatenate([np.zeros((frames.shape[0], 1)), frames[:, :-1]], axis=1)  # [D, T]
+
+    h = mix_w[:, :, 0] @ before(x) + mix_w[:, :, 1] @ x + mix_b[:, None]  # [D, T]
+    blocks = h.T @ w[:, :spf] + before(h).T @ w[:, spf:] + bias  # [T, U]
     return (blocks.reshape(-1) * gain).astype(np.float32)  # [T * U]
 
 
@@ -169,7 +183,7 @@ def test_registry_detects_the_toy_folder_and_refuses_an_unknown_one(toy_folder, 
     model = load_model(str(toy_folder), torch.device("cpu"), families=TEST_FAMILIES)
     assert (model.name, model.family_name, model.input.kind, model.num_channels) == ("toy", "toy_latents",
                                                                                       "latents", LATENT_DIM)
-    assert model.state_layout() == {"last": (LATENT_DIM, 1)}
+    assert model.state_layout() == {"mix": (LATENT_DIM, 1), "up": (LATENT_DIM, 1)}  # each conv's last input frame
 
 
 def _stream_and_check(client: SidecarClient, weights: dict[str, Tensor], chunks: list[int], gain: int,

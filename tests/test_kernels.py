@@ -301,22 +301,21 @@ def test_the_kernel_stride_transposed_conv_keeps_autograd_and_torch_compile_on_t
     """``FrameTransposedConv`` detaches its weight copy and checks it by data pointer, so ``CausalTransConv`` runs it
     only where autograd is off and ``torch.compile`` is not tracing: with autograd on, gradients reach the weight
     and the bias; a compile after an eager call (which kept the copy) traces whole."""
-    from code2wav.sidecar.models.qwen3_tts.blocks import CausalTransConv
-    from code2wav.sidecar.models.qwen3_tts.streaming import StreamCtx
+    from code2wav.sidecar.models.streaming import CausalTransConv, StreamContext
 
     block = CausalTransConv(6, 4, 2, 2)
     x = torch.randn(2, 6, 5)
     lengths = torch.tensor([5, 3])
     with torch.inference_mode():
-        frames, _ = block(x, lengths, StreamCtx({}))  # the F.linear form, its weight copy kept
+        frames, _ = block(x, lengths, StreamContext({}))  # the F.linear form, its weight copy kept
     assert frames.stride(1) == 1  # channels-last: the F.linear form ran
-    y, _ = block(x, lengths, StreamCtx({}))  # autograd on: the module's own conv
+    y, _ = block(x, lengths, StreamContext({}))  # autograd on: the module's own conv
     y.sum().backward()
     assert block.conv.weight.grad is not None and block.conv.bias.grad is not None
     assert (y - frames).abs().max().item() < 1e-5
 
     def step(x):
-        return block(x, lengths, StreamCtx({}))[0]
+        return block(x, lengths, StreamContext({}))[0]
 
     with torch.inference_mode():
         compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)

@@ -49,19 +49,19 @@ def _variants():
     import triton
 
     from code2wav.sidecar.kernels import (conv_gemm, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
-                                          snake_math, state_cat, window_inputs)
+                                          snake_kernels, snake_math, state_cat, window_inputs)
 
     for dtype in ("bf16", "fp32"):
         sine = 2 if dtype == "bf16" else snake_math.SINE  # snake_math.sine_for: sin.approx for 16-bit CUDA tensors
         for has_state, in_bias in ((True, False), (False, True), (True, True), (False, False)):
             for log_params in (True, False):
                 yield (f"snake_cat-{dtype}-state{has_state:d}-in{in_bias:d}-log{log_params:d}",
-                       snake._snake_cat_kernel, dtype,
+                       snake_kernels._snake_cat_kernel, dtype,
                        dict(LOG_PARAMS=log_params, HAS_STATE=has_state, HAS_IN_BIAS=in_bias,
                             SINE=sine, BLOCK=snake.BLOCK_COLS), {})
             for pairs in (False, True):  # the tiled kernel: channels-last in or out, and transposed.py's pairs
                 yield (f"snake_cat_tile-{dtype}-state{has_state:d}-in{in_bias:d}-pairs{pairs:d}",
-                       snake._snake_cat_tile_kernel, dtype,
+                       snake_kernels._snake_cat_tile_kernel, dtype,
                        dict(LOG_PARAMS=True, HAS_STATE=has_state, HAS_IN_BIAS=in_bias, SINE=sine, PAIRS=pairs,
                             BLOCK_C=snake.tile_for(96)[0], BLOCK_T=snake.tile_for(96)[1],
                             BLOCK_P=snake.state_cols_for(1 if pairs else 54)),  # pairs: a one-frame state
@@ -161,12 +161,12 @@ def test_the_state_program_does_not_lower_the_tiled_kernels_occupancy(dtype, log
     keeps the blocks per SM of its state-less build and spills no more than a word or so (a whole state in one
     piece spilled kilobytes). Register counts move by a few between ptxas versions, so the test compares
     occupancy, not counts."""
-    from code2wav.sidecar.kernels import snake
+    from code2wav.sidecar.kernels import snake, snake_kernels
 
     block_c, block_t = snake.tile_for(96)
     common = dict(LOG_PARAMS=log_params, HAS_IN_BIAS=True, SINE=2 if dtype == "bf16" else 1, PAIRS=pairs,
                   BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_P=snake.state_cols_for(num_state_cols))
-    with_state = _registers(_compile(snake._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=True)))
-    without = _registers(_compile(snake._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=False)))
+    with_state = _registers(_compile(snake_kernels._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=True)))
+    without = _registers(_compile(snake_kernels._snake_cat_tile_kernel, dtype, dict(common, HAS_STATE=False)))
     assert with_state[1] <= without[1] + 16, f"the state program spills: {with_state} against {without}"
     assert _blocks_per_sm(with_state[0]) >= _blocks_per_sm(without[0]), (with_state, without)

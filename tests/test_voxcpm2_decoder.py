@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from chunking import clip_sizes
 from code2wav.sidecar.models.voxcpm2_audiovae import SHIPPED, AudioVAEConfig, VoxCPM2AudioVAEDecoder, load_folder
+from code2wav.sidecar.state_store import POSITION_NBYTES, slot_nbytes
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "voxcpm2_tiny_a"
 TOL = 1e-5
@@ -148,7 +149,7 @@ def test_batch_company_does_not_change_a_row(model, cases):
 
 def test_state_layout_tiny(model):
     layout = model.state_layout()
-    assert model.state_numel_per_stream() == 4920  # 4,800 conv tails + 120 transposed-conv frames (cases.json)
+    assert slot_nbytes(layout, torch.float32) == 4 * 4920 + POSITION_NBYTES  # 4,800 conv tails + 120 frames (cases.json)
     assert layout["model.0"] == (16, 6)
     assert layout["model.2.block.1"] == (64, 1)
     assert layout["model.2.block.4.block.1"] == (32, 54)
@@ -158,10 +159,10 @@ def test_state_layout_tiny(model):
 def test_state_layout_shipped():
     with torch.device("meta"):
         shipped = VoxCPM2AudioVAEDecoder(SHIPPED)
-    assert len(shipped.state_layout()) == 26
-    assert shipped.state_numel_per_stream() == 161_856
-    assert shipped.state_nbytes_per_stream(torch.float32) == 647_424
-    assert shipped.state_nbytes_per_stream(torch.bfloat16) == 323_712
+    layout = shipped.state_layout()
+    assert len(layout) == 26
+    assert slot_nbytes(layout, torch.float32) == 647_424 + POSITION_NBYTES  # 161,856 floats of state
+    assert slot_nbytes(layout, torch.bfloat16) == 323_712 + POSITION_NBYTES
     assert sum(p.numel() for p in shipped.parameters()) == 45_760_641
     assert SHIPPED.samples_per_frame == 1920 and SHIPPED.frame_rate_hz == 25.0
     assert SHIPPED.history_frames == 20
@@ -258,15 +259,15 @@ def test_cuda_eager_and_graph_match_cpu_golden(cases):
 
 @pytest.mark.parametrize("dilation", [1, 3, 9])
 def test_depthwise_taps_equal_the_depthwise_conv(dilation):
-    """The formulation the compiled step uses for depthwise convs (``blocks.depthwise_taps``) is the same
+    """The formulation the compiled step uses for depthwise convs (``depthwise.shifted_taps``) is the same
     convolution (float64, so only the summation order differs)."""
-    from code2wav.sidecar.models.voxcpm2_audiovae.blocks import depthwise_taps
+    from code2wav.sidecar.kernels.depthwise import shifted_taps
 
     gen = torch.Generator().manual_seed(dilation)
     x = torch.randn(3, 8, 6 * dilation + 11, generator=gen, dtype=torch.float64)  # [B, C, P + T]
     weight = torch.randn(8, 1, 7, generator=gen, dtype=torch.float64)
     bias = torch.randn(8, generator=gen, dtype=torch.float64)
     expected = torch.nn.functional.conv1d(x, weight, bias, dilation=dilation, groups=8)  # [B, C, T]
-    got = depthwise_taps(x, weight, bias, dilation)
+    got = shifted_taps(x, weight, bias, dilation)
     assert got.shape == expected.shape == (3, 8, 11)
     assert (got - expected).abs().max().item() < 1e-12

@@ -94,7 +94,7 @@ def test_cross_check_reports_the_difference(ours, vae, cases):
 
 def test_weight_copy_that_does_not_cover_upstream_raises(ours):
     fresh = up.upstream_vae(ours.cfg)
-    state = dict(ours.state_dict())
+    state = ours.checkpoint_state_dict()
     missing = {k: v for k, v in state.items() if k != "decoder.model.1.weight"}
     with pytest.raises(up.UpstreamWeightError, match=r"no source in our model: \['decoder.model.1.weight_g', "
                                                      r"'decoder.model.1.weight_v'\]"):

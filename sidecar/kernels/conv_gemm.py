@@ -20,8 +20,8 @@ dense convs of a step) and for the small ``pre_conv``, so ``ConvChoice`` (``conv
 where it measured fastest, picks it there; better tiles (TMA loads, Hopper-sized tiles) are the open work.
 
 Float32 inputs would multiply in IEEE float32 (``input_precision="ieee"``: no TF32, as the server's float32
-promises); that is slow, so ``ConvChoice`` offers this kernel for bf16/fp16 only. ``Config`` is the tile shape;
-``CONFIGS`` the candidates a choice measures.
+promises); that is slow, so ``ConvChoice`` offers this kernel for bf16/fp16 only. ``ConvGemmTile`` is a tile
+shape; ``CONFIGS`` the candidates a choice measures.
 
 Registered as ``code2wav::conv_snake`` (CUDA: the kernel; CPU and meta: ``F.conv1d`` and Snake's torch expression).
 """
@@ -46,7 +46,7 @@ else:
     from .snake_math import sine_for, snake_apply, snake_scale_inv
 
 
-class Config(NamedTuple):
+class ConvGemmTile(NamedTuple):
     """A tile shape and launch setting of the kernel."""
 
     block_co: int
@@ -57,10 +57,10 @@ class Config(NamedTuple):
 
 
 CONFIGS = (
-    Config(128, 128, 64, 8, 3),
-    Config(64, 128, 64, 4, 3),
-    Config(128, 64, 64, 4, 3),
-    Config(64, 256, 32, 8, 3),
+    ConvGemmTile(128, 128, 64, 8, 3),
+    ConvGemmTile(64, 128, 64, 4, 3),
+    ConvGemmTile(128, 64, 64, 4, 3),
+    ConvGemmTile(64, 256, 32, 8, 3),
 )
 """Candidates: output channels x columns per tile, input channels per step, warps, pipeline stages."""
 
@@ -124,7 +124,7 @@ if triton is not None:
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
-            beta: Tensor | None, log_params: bool, config: Config) -> Tensor:
+            beta: Tensor | None, log_params: bool, config: ConvGemmTile) -> Tensor:
     batch, c_in, num_in = x.shape
     c_out, _, ksize = weight.shape
     num_cols_out = num_in - (ksize - 1) * dilation
@@ -150,10 +150,10 @@ def conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, al
     """``y`` ``[B, C_out, T]``, see the module docstring: ``x`` ``[B, C_in, P + T]`` (any strides), ``weight``
     ``[C_out, C_in, K]`` (any strides: ``kernel_weight`` gives the layout the kernel reads best), ``bias``
     ``[C_out]`` or None, ``alpha``/``beta`` ``[C_out]`` the Snake after the conv (``alpha`` None: none), ``config``
-    the five fields of a ``Config``."""
+    the five fields of a ``ConvGemmTile``."""
     check_shapes(x, weight, bias, dilation)
     if x.is_cuda and triton is not None:
-        return _launch(x, weight, bias, dilation, alpha, beta, log_params, Config(*config))
+        return _launch(x, weight, bias, dilation, alpha, beta, log_params, ConvGemmTile(*config))
     return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
 
 
@@ -179,7 +179,8 @@ def kernel_weight(weight: Tensor) -> Tensor:
 
 
 def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
-                    beta: Tensor | None, log_params: bool, config: Config = Config(16, 32, 16, 1, 1)) -> Tensor:
+                    beta: Tensor | None, log_params: bool,
+                    config: ConvGemmTile = ConvGemmTile(16, 32, 16, 1, 1)) -> Tensor:
     """The Triton kernel on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton was
     imported), for the CPU tests (small tiles: many programs, partial tiles at every edge)."""
     check_shapes(x, weight, bias, dilation)

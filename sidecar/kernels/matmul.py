@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 
-class Config(NamedTuple):
+class MatmulTile(NamedTuple):
     """A tile shape and launch setting of the kernel."""
 
     block_m: int
@@ -42,9 +42,9 @@ class Config(NamedTuple):
 
 
 CONFIGS = (
-    Config(128, 128, 32, 8, 3),
-    Config(128, 64, 32, 4, 4),
-    Config(128, 32, 32, 4, 4),
+    MatmulTile(128, 128, 32, 8, 3),
+    MatmulTile(128, 64, 32, 4, 4),
+    MatmulTile(128, 32, 32, 4, 4),
 )
 """Candidates (rows x columns per tile, depth per step, warps, pipeline stages); float32 tiles take twice the shared
 memory of bf16 ones, so the depth is 32."""
@@ -126,7 +126,7 @@ if triton is not None:
         tl.store(c_at, acc, mask=in_tile)
 
 
-def _launch(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, accumulate: bool, config: Config) -> None:
+def _launch(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, accumulate: bool, config: MatmulTile) -> None:
     num_rows, depth = a.shape
     num_cols = b.shape[1]
     if out.numel() == 0:
@@ -143,12 +143,12 @@ def _launch(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, accumulate: 
 @torch.library.custom_op("code2wav::mm_3xtf32_", mutates_args=("out",))
 def mm_3xtf32_(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, accumulate: bool, config: list[int]) -> None:
     """``out = a @ b (+ bias) (+ out when accumulate)`` in float32 (the module docstring); ``config`` the five
-    fields of a ``Config`` (CUDA), ignored on CPU."""
+    fields of a ``MatmulTile`` (CUDA), ignored on CPU."""
     check_shapes(out, a, b, bias)
     if a.is_cuda and triton is not None:
         if not (a.dtype == b.dtype == out.dtype == torch.float32):
             raise ValueError(f"mm_3xtf32_ is for float32 tensors, got {a.dtype}, {b.dtype}, {out.dtype}")
-        _launch(out, a, b, bias, accumulate, Config(*config))
+        _launch(out, a, b, bias, accumulate, MatmulTile(*config))
         return
     reference(out, a, b, bias, accumulate)
 
@@ -166,7 +166,7 @@ def _flops(dest_shape, a_shape, b_shape, *args, **kwargs) -> int:
 
 
 def run_interpreted(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, accumulate: bool,
-                    config: Config = Config(16, 16, 16, 1, 1)) -> None:
+                    config: MatmulTile = MatmulTile(16, 16, 16, 1, 1)) -> None:
     """The Triton kernel on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton was
     imported), for the CPU tests (small tiles: many programs, partial tiles at every edge)."""
     check_shapes(out, a, b, bias)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .family import (Contract, DecoderFamily, FamilyError, GraphBuckets, InputSpec, LoadedModel, StateSpec,
-                     StreamBatch, StreamOption)
+from .family import (CheckpointError, Contract, DecoderFamily, FamilyError, GraphBuckets, InputSpec, LoadedModel,
+                     StateSpec, StreamBatch, StreamOption, state_specs)
 from .registry import DTYPES, FAMILIES, default_specs, detect_family, load_model, register_family
 
-__all__ = ["Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec", "LoadedModel",
-           "StateSpec", "StreamBatch", "StreamOption", "DTYPES", "FAMILIES", "default_specs", "detect_family",
-           "load_model", "register_family", "configure_cuda", "resolve_device"]
+__all__ = ["CheckpointError", "Contract", "DecoderFamily", "FamilyError", "GraphBuckets", "InputSpec",
+           "LoadedModel", "StateSpec", "StreamBatch", "StreamOption", "state_specs", "DTYPES", "FAMILIES",
+           "default_specs", "detect_family", "load_model", "register_family", "configure_cuda", "resolve_device"]
 
 
 def configure_cuda(allow_tf32: bool = False) -> None:

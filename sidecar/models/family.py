@@ -33,6 +33,11 @@ class FamilyError(ValueError):
     """A model folder or option no family accepts; the message says what to change."""
 
 
+class CheckpointError(FamilyError):
+    """A checkpoint folder whose files do not hold the family's model (missing, unexpected or misshapen tensors, a
+    bad config); the message names what to fix. Every family's loader raises this one class."""
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """What one chunk's inputs are: ``[channels, n]`` per chunk, ``[B, channels, T]`` per batch.
@@ -109,6 +114,12 @@ class StreamOption:
 class StateSpec:
     shape: tuple[int, ...]  # per row
     dtype: torch.dtype | None = None  # None: the model's dtype (the arena stores one dtype for all entries)
+
+
+def state_specs(layout: Mapping[str, tuple[int, ...]]) -> dict[str, StateSpec]:
+    """``Contract.state`` from a module's state layout (``streaming.assign_state_keys``): each entry per row, in the
+    model's dtype."""
+    return {name: StateSpec(tuple(shape)) for name, shape in layout.items()}
 
 
 @dataclass(frozen=True)

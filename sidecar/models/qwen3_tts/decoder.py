@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from ...kernels import conv_choice
 from ...kernels.pending import BiasSum, folds_biases, run_chain
-from .blocks import CausalConv, CausalTransConv, ConvNeXt, DecoderBlock, SnakeBeta, StreamSequential
+from ..streaming import CausalConv, CausalTransConv, StreamContext, StreamSequential, assign_state_keys, zero_state
+from .blocks import ConvNeXt, DenseDecoderBlock, SnakeBeta
 from .config import DecoderConfig
-from .streaming import StatefulBlock, StreamCtx
 from .transformer import PreTransformer
 
 
@@ -74,8 +74,8 @@ class SplitRVQ(nn.Module):
         return self.rvq_first.output_proj(first) + self.rvq_rest.output_proj(rest)  # [B, codebook_dim, T]
 
 
-class DecoderNet(nn.Module):
-    """Everything under the checkpoint prefix ``decoder.``."""
+class CodesToWaveNet(nn.Module):
+    """Everything under the checkpoint prefix ``decoder.``: codes ``[B, Q, T]`` to the waveform."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -89,7 +89,7 @@ class DecoderNet(nn.Module):
         layers: list[nn.Module] = [CausalConv(cfg.latent_dim, cfg.decoder_dim, 7)]
         dim = cfg.decoder_dim
         for rate in cfg.upsample_rates:
-            layers.append(DecoderBlock(dim, dim // 2, rate))
+            layers.append(DenseDecoderBlock(dim, dim // 2, rate))
             dim //= 2
         layers += [SnakeBeta(dim), CausalConv(dim, 1, 7)]
         self.decoder = StreamSequential(layers)
@@ -101,13 +101,9 @@ class Qwen3TTSDecoder(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.decoder = DecoderNet(cfg)
+        self.decoder = CodesToWaveNet(cfg)
         self.samples_per_frame = cfg.samples_per_frame
-        self._stateful: dict[str, StatefulBlock] = {}
-        for name, module in self.decoder.named_modules():
-            if isinstance(module, StatefulBlock) and module.state_shape() is not None:
-                module.state_key = name
-                self._stateful[name] = module
+        self._state_layout = assign_state_keys(self.decoder)  # the convs' tails and the attention caches
         self.register_buffer("codebook_table", torch.empty(0), persistent=False)
         self.out_bias = BiasSum()  # the blocks' pending biases' sum, added by the last Snake kernel
 
@@ -126,12 +122,11 @@ class Qwen3TTSDecoder(nn.Module):
 
     def state_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-row shape of every state entry (stored in the model's dtype)."""
-        return {name: block.state_shape() for name, block in self._stateful.items()}  # type: ignore[misc]
+        return dict(self._state_layout)
 
     def zero_state(self, batch: int) -> dict[str, Tensor]:
         p = next(self.parameters())
-        return {k: torch.zeros((batch, *shape), dtype=p.dtype, device=p.device)
-                for k, shape in self.state_layout().items()}
+        return zero_state(self._state_layout, batch, p.dtype, p.device)
 
     def forward_stream(self, codes: Tensor, num_frames: Tensor, state: dict[str, Tensor],
                        start_positions: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -143,7 +138,7 @@ class Qwen3TTSDecoder(nn.Module):
         and the new state after each row's last valid frame.
         """
         net = self.decoder
-        ctx = StreamCtx(state_in=state)
+        ctx = StreamContext(state_in=state)
         dtype = self.codebook_table.dtype
         x = net.quantizer(codes, self.codebook_table).to(dtype)  # [B, codebook_dim, T]
         x, lengths = net.pre_conv(x, num_frames, ctx)  # [B, latent, T]

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from ..family import Contract, GraphBuckets, InputSpec, StateSpec, StreamBatch
+from ..family import Contract, GraphBuckets, InputSpec, StreamBatch, state_specs
 from .config import SAMPLE_RATE_HZ, SHIPPED
 from .decoder import Qwen3TTSDecoder
 from .loader import load_folder, random_model
@@ -27,7 +27,7 @@ def contract_of(module: Qwen3TTSDecoder, sample_rate_hz: int) -> Contract:
     cfg = module.cfg
     return Contract(input=InputSpec("codes", cfg.num_quantizers, cfg.codebook_size), sample_rate_hz=sample_rate_hz,
                     samples_per_frame=cfg.samples_per_frame,
-                    state={name: StateSpec(shape) for name, shape in module.state_layout().items()})
+                    state=state_specs(module.state_layout()))
 
 
 class Qwen3TTSFamily:

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..family import CheckpointError
+from .blocks import DenseResidualUnit
 from .config import DecoderConfig, SHIPPED
-from .blocks import ResidualUnit
 from .decoder import Qwen3TTSDecoder
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,6 @@ log = logging.getLogger(__name__)
 DECODER_PREFIX = "decoder."
 SKIPPED_PREFIXES = ("encoder.",)
 RANDOM_OUTPUT_GAIN = 0.1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that does not hold this decoder; the message says what to fix."""
 
 
 def read_config(folder: Path) -> tuple[DecoderConfig, int]:
@@ -120,7 +117,7 @@ def random_model(cfg: DecoderConfig = SHIPPED, seed: int = 0) -> Qwen3TTSDecoder
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / math.sqrt(fan_in))
         # Keep residual branches small and the output layer quiet, so the stack neither explodes nor clips.
         for module in model.decoder.modules():
-            if isinstance(module, ResidualUnit):
+            if isinstance(module, DenseResidualUnit):
                 module.conv2.conv.weight.mul_(0.3)
         model.decoder.decoder[-1].conv.weight.mul_(RANDOM_OUTPUT_GAIN)
     model.refresh_codebooks()

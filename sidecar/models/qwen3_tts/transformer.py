@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...kernels import layer_glue as _registers_layer_glue  # noqa: F401  (code2wav::add_rms_norm, ::silu_mul)
-from ...kernels import rope_cache as _registers_rope_kv_cache  # noqa: F401  (torch.ops.code2wav.rope_kv_cache)
-from ...kernels import window_inputs  # (registers torch.ops.code2wav.window_inputs)
+from ...kernels import layer_glue, rope_cache, window_inputs
 from ...kernels.derived import DerivedTensor, kernel_forms
+from ..streaming import StatefulBlock, StreamContext
 from .config import DecoderConfig
-from .streaming import StatefulBlock, StreamCtx
+
+CALLED_OPS = (layer_glue.add_rms_norm, layer_glue.silu_mul, rope_cache.rope_kv_cache, window_inputs.window_inputs)
+"""The kernel ops the layers call as ``torch.ops.code2wav.*`` (importing their modules registers them)."""
 
 
 class StackedWeights:
@@ -125,7 +126,7 @@ class Attention(StatefulBlock):
         return (2, self.num_heads, self.num_cached, self.head_dim) if self.num_cached else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, lengths: Tensor,
-                ctx: StreamCtx, cache_index: Tensor | None = None) -> Tensor:
+                ctx: StreamContext, cache_index: Tensor | None = None) -> Tensor:
         """``rope``: ``(cos, sin)`` ``[B, T, D]``; ``mask`` ``[B, 1, T, W-1+T]``; ``lengths`` ``[B]`` valid new
         positions per row (the next cache ends at each row's last valid one). With ``cache_index`` (from
         ``PreTransformer.few_kernel_inputs``, the same for every layer) the few-kernel form runs, and ``rope``'s
@@ -152,7 +153,7 @@ class Attention(StatefulBlock):
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))  # [B, T, hidden]
 
     def _few_kernels(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, lengths: Tensor,
-                     cache_index: Tensor, ctx: StreamCtx) -> Tensor:
+                     cache_index: Tensor, ctx: StreamContext) -> Tensor:
         """``forward``'s maths in about 9 kernels: one GEMM for q/k/v; the rotary embedding of q and k together,
         in place in its output (``x * cos + rotate_half(x) * sin`` as ``x * cos + swap_halves(x) * signed sin``,
         the same numbers); one ``cat`` with the cache and one ``gather`` for the next cache. With ``kernels_on``
@@ -195,13 +196,13 @@ class TransformerLayer(nn.Module):
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, lengths: Tensor,
-                ctx: StreamCtx, cache_index: Tensor | None = None) -> Tensor:
+                ctx: StreamContext, cache_index: Tensor | None = None) -> Tensor:
         x = self.self_attn_layer_scale.add_scaled(x, self.self_attn(self.input_layernorm(x), rope, mask, lengths,
                                                                      ctx, cache_index))  # [B, T, hidden]
         return self.mlp_layer_scale.add_scaled(x, self.mlp(self.post_attention_layernorm(x)))  # [B, T, hidden]
 
     def forward_normed(self, x: Tensor, x_normed: Tensor, next_norm: RMSNorm, rope: tuple[Tensor, Tensor],
-                       mask: Tensor, lengths: Tensor, ctx: StreamCtx,
+                       mask: Tensor, lengths: Tensor, ctx: StreamContext,
                        cache_index: Tensor | None) -> tuple[Tensor, Tensor]:
         """The few-kernel form with each residual add and the norm after it as one op (``kernels/layer_glue.py``):
         ``x_normed`` is ``input_layernorm(x)`` (the layer before made it with its last add); returns the layer's
@@ -252,7 +253,7 @@ class PreTransformer(nn.Module):
         """Query ``i`` sees keys ``j`` with ``i - W < j <= i`` and ``j >= 0``; keys are cache then new."""
         return window_inputs.window_mask(start_positions, num_new, self.window)  # [B, 1, T, W-1+T]
 
-    def forward(self, x: Tensor, start_positions: Tensor, lengths: Tensor, ctx: StreamCtx) -> Tensor:
+    def forward(self, x: Tensor, start_positions: Tensor, lengths: Tensor, ctx: StreamContext) -> Tensor:
         num_new = x.shape[1]
         cache_index = None
         if kernel_forms() and self.kernels_on:  # one op (kernels/window_inputs.py)

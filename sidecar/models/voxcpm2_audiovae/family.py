@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from ..family import Contract, GraphBuckets, InputSpec, StateSpec, StreamBatch, StreamOption
+from ..family import Contract, GraphBuckets, InputSpec, StreamBatch, StreamOption, state_specs
 from .config import SHIPPED
 from .loader import CONFIG_KEY, DEFAULT_SPEC, load_folder, random_model
 from .model import VoxCPM2AudioVAEDecoder
@@ -34,7 +34,7 @@ def contract_of(module: VoxCPM2AudioVAEDecoder) -> Contract:
                            doc="sample-rate condition in Hz (bucketed by the checkpoint's sr_bin_boundaries)")
     return Contract(input=InputSpec("latents", cfg.latent_channels), sample_rate_hz=cfg.out_sample_rate,
                     samples_per_frame=cfg.samples_per_frame,
-                    state={name: StateSpec(shape) for name, shape in module.state_layout().items()},
+                    state=state_specs(module.state_layout()),
                     stream_options=(sr_cond,))
 
 

@@ -18,8 +18,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from ..qwen3_tts.loader import CheckpointError as _CheckpointError
-from .blocks import CausalConv, CausalTransConv, ResidualUnit
+from ...state_store import slot_nbytes
+from ..family import CheckpointError
+from ..streaming import CausalConv, CausalTransConv, flat_conv_names
+from .blocks import DepthwiseResidualUnit
 from .config import SHIPPED, AudioVAEConfig
 from .model import VoxCPM2AudioVAEDecoder
 
@@ -33,11 +35,6 @@ SKIPPED_PREFIXES = ("encoder.",)
 RANDOM_OUTPUT_GAIN = 0.1  # random weights: scale of the last conv, for a speech-like level
 DEFAULT_SPEC = "voxcpm2-default"  # --model spec for the shipped architecture with seeded random weights
 _NORM_PAIRS = (("weight_g", "weight_v"), ("parametrizations.weight.original0", "parametrizations.weight.original1"))
-
-
-class CheckpointError(_CheckpointError):
-    """A folder that does not hold this decoder; the message says what to fix (a ``ValueError``, and the same
-    ``CheckpointError`` the Qwen3 family raises, so one ``except`` serves both)."""
 
 
 def is_family_folder(folder: str | Path) -> bool:
@@ -136,9 +133,11 @@ def fold_decoder_state(tensors: dict[str, Tensor], source: str = "checkpoint") -
 
 
 def load_state(model: VoxCPM2AudioVAEDecoder, tensors: dict[str, Tensor], source: str) -> None:
-    """Strictly load a file's tensors (encoder ones skipped) into ``model``; errors name the tensors."""
+    """Strictly load a file's tensors (encoder ones skipped) into ``model``; errors name the tensors (by the file's
+    names: the kit convs' ``.conv`` level is the module's alone, ``streaming.flat_conv_names``)."""
     state = fold_decoder_state(tensors, source)
-    expected = model.decoder.state_dict()
+    module_names = {flat: name for name, flat in flat_conv_names(model.decoder).items()}  # file name -> module's
+    expected = {k[len(DECODER_PREFIX):]: t for k, t in model.checkpoint_state_dict().items()}  # file names
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong_shape = [f"decoder.{k}: file {tuple(t.shape)} vs model {tuple(expected[k].shape)}"
@@ -159,7 +158,8 @@ def load_state(model: VoxCPM2AudioVAEDecoder, tensors: dict[str, Tensor], source
         raise CheckpointError(f"{source}: decoder.sr_bin_boundaries {bounds.tolist()} ({bounds.dtype}) differ from "
                               f"the config's {list(model.cfg.sr_bin_boundaries or ())}: the file does not belong to "
                               f"this config.json")
-    state = {k: (t.to(torch.int32) if k == "sr_bin_boundaries" else t.float()) for k, t in state.items()}
+    state = {module_names.get(k, k): (t.to(torch.int32) if k == "sr_bin_boundaries" else t.float())
+             for k, t in state.items()}
     model.decoder.load_state_dict(state, strict=True)
 
 
@@ -172,8 +172,8 @@ def load_folder(folder: str | Path) -> tuple[VoxCPM2AudioVAEDecoder, int]:
     tensors, path = read_weights(folder)
     model = VoxCPM2AudioVAEDecoder(cfg)
     load_state(model, tensors, str(path))
-    log.info("loaded VoxCPM2 AudioVAE decoder from %s: %d parameters, %d state bytes per stream (fp32)",
-             path, sum(p.numel() for p in model.parameters()), model.state_nbytes_per_stream(torch.float32))
+    log.info("loaded VoxCPM2 AudioVAE decoder from %s: %d parameters, %d bytes per stream slot (fp32)",
+             path, sum(p.numel() for p in model.parameters()), slot_nbytes(model.state_layout(), torch.float32))
     return model.eval(), cfg.out_sample_rate
 
 
@@ -195,16 +195,17 @@ def random_model(cfg: AudioVAEConfig = SHIPPED, seed: int = 0) -> VoxCPM2AudioVA
                 param.copy_(0.05 * torch.randn(param.shape, generator=gen))
         for module in model.decoder.modules():  # weights scaled by fan-in
             if isinstance(module, CausalTransConv):
-                fan_in = module.in_channels * 2  # each output sample sees 2 input frames
+                fan_in = module.conv.in_channels * 2  # each output sample sees 2 input frames
             elif isinstance(module, CausalConv):
-                fan_in = math.prod(module.weight.shape[1:])
+                fan_in = math.prod(module.conv.weight.shape[1:])
             else:
                 continue
-            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / math.sqrt(fan_in))
+            weight = module.conv.weight
+            weight.copy_(torch.randn(weight.shape, generator=gen) / math.sqrt(fan_in))
         for module in model.decoder.modules():  # small residual branches, so the stack neither explodes nor clips
-            if isinstance(module, ResidualUnit):
-                module.block[3].weight.mul_(0.3)
-        model.decoder.model[-1].weight.mul_(RANDOM_OUTPUT_GAIN)
+            if isinstance(module, DepthwiseResidualUnit):
+                module.block[3].conv.weight.mul_(0.3)
+        model.decoder.model[-1].conv.weight.mul_(RANDOM_OUTPUT_GAIN)
     log.warning("RANDOM WEIGHTS: the VoxCPM2 AudioVAE decoder was built with seeded random weights (seed %d); "
                 "audio is noise-like, for tests and benchmarks only. Pass --model FOLDER (a VoxCPM2 model folder) "
                 "for real audio.", seed)
