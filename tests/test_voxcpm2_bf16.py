@@ -184,6 +184,7 @@ def test_ipc_bf16_regions_are_viewed_as_bf16_widened_exactly_and_checked():
     from types import SimpleNamespace
 
     from code2wav.sidecar.ipc.io import load_codes
+    from code2wav.sidecar.jobs import IpcInputs
     from code2wav.sidecar.models import InputSpec
     from test_ipc_cpu import _service_with_region, _StandInEvent
 
@@ -199,10 +200,11 @@ def test_ipc_bf16_regions_are_viewed_as_bf16_widened_exactly_and_checked():
 
     def job(dtype: str, offset: int):
         desc = proto.TensorDesc(dtype, (2, 3), proto.CudaIpcLoc(7, offset, 6 * proto.WIRE_DTYPE_ITEMSIZES[dtype]))
-        return SimpleNamespace(ipc_codes=(region, service.view(region, desc, "codes"), 0), arrived_s=0.0, codes=None)
+        return SimpleNamespace(ipc_codes=IpcInputs(region, service.view(region, desc, "codes"), 0), arrived_s=0.0,
+                               codes=None)
 
     jobs = [job("bfloat16", 0), job("bfloat16", 256), job("bfloat16", 512), job("float32", 768)]
-    assert jobs[0].ipc_codes[1].dtype == torch.bfloat16 and jobs[3].ipc_codes[1].dtype == torch.float32
+    assert jobs[0].ipc_codes.view.dtype == torch.bfloat16 and jobs[3].ipc_codes.view.dtype == torch.float32
     refused, deferred = load_codes(jobs, InputSpec("latents", 2), now_s=0.0, codes_event_timeout_s=5.0, incomplete=[])
     assert deferred == [] and [j for j, _, _ in refused] == jobs[1:3]
     assert all(code == proto.ErrorCode.INVALID_ARGUMENT and "non-finite" in message and "shape [2, n]" in message

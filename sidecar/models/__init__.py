@@ -20,9 +20,9 @@ __all__ = ["CheckpointError", "Contract", "DecoderFamily", "FamilyError", "Graph
 def configure_cuda(allow_tf32: bool = False) -> None:
     """Process-wide CUDA math settings, set once at start-up by whoever owns the process (server, bench).
 
-    TF32 off keeps float32 decoding within 1e-4 of the CPU reference. cuDNN benchmark mode stays off for
-    eager work: eager batches come in many shapes, and timing algorithms for each new shape cost seconds per
-    step on the H200 (measured); graph capture may turn it on for its static shapes (graphs.cudnn_benchmark)."""
+    TF32 off keeps float32 decoding within 1e-4 of the CPU reference. cuDNN's benchmark mode stays off: eager
+    batches come in many shapes, and timing algorithms for each new shape cost seconds per step on the H200
+    (measured); the dense convs' forms are timed per shape by ``kernels.conv_choice.ConvChoice`` instead."""
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     torch.backends.cudnn.allow_tf32 = allow_tf32
     torch.backends.cudnn.benchmark = False
