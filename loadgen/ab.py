@@ -25,19 +25,19 @@ from pathlib import Path
 from .scenarios import Run, expand
 
 TREES = ("base", "new")
-METRICS = {"baselines": ("latency_ms_p50", "audio_s_per_s"),
-           "results": ("chunk_latency_ms_p50", "chunk_latency_ms_p99", "audio_s_per_s")}
+BASELINE_METRICS = ("latency_ms_p50", "audio_s_per_s")  # an in-process row's
+LEVEL_METRICS = ("chunk_latency_ms_p50", "chunk_latency_ms_p99", "audio_s_per_s")  # a sidecar level's
 
 
 def measured(report: dict) -> dict[tuple[str, str], float]:
     """``(row, metric) -> value`` of one bench report: in-process rows by name, sidecar levels by stream count."""
     found = {}
     for row in report.get("baselines", []):
-        for metric in METRICS["baselines"]:
+        for metric in BASELINE_METRICS:
             if row.get(metric) is not None:
                 found[(row["name"], metric)] = float(row[metric])
     for row in report.get("results", []):
-        for metric in METRICS["results"]:
+        for metric in LEVEL_METRICS:
             if row.get(metric) is not None:
                 found[(f"{row['concurrency']} streams ({row['arrival']})", metric)] = float(row[metric])
     return found

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import PurePath
+from types import MappingProxyType
 
 QWEN3_BF16 = ("--model", "default", "--device", "cuda", "--dtype", "bfloat16")
 VOXCPM2 = ("--model", "voxcpm2-default", "--device", "cuda")
@@ -28,7 +29,7 @@ class Scenario:
     runs: tuple[tuple[str, tuple[str, ...]], ...]  # (run name, bench flags); one run: its name is ""
 
 
-SCENARIOS: dict[str, Scenario] = {
+SCENARIOS: MappingProxyType[str, Scenario] = MappingProxyType({
     "inprocess": Scenario(
         "the exact graph steps in-process at b1 x 1, b1 x 25, b16 x 25, b64 x 25 (and b16/b64 x 1), no sidecar, "
         "no stock baseline",
@@ -75,7 +76,7 @@ SCENARIOS: dict[str, Scenario] = {
         "VoxCPM2, float32: open-loop real-time streams (a 4-frame patch every 160 ms) at 256, 512 and 1024 streams",
         (("", (*VOXCPM2, "--dtype", "float32", "--arrival", "realtime", "--concurrency", "256,512,1024",
                "--frames", "101", *PATCHES, "--no-baselines")),)),
-}
+})  # read-only: the table is data
 
 OUTPUT_FLAGS = ("--json", "--plot", "--sidecar-log")
 
