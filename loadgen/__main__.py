@@ -1,10 +1,11 @@
 import sys
 
-USAGE = "usage: python -m code2wav.loadgen {demo,bench,fidelity} [options]"
+COMMANDS = ("demo", "bench", "fidelity", "profile")
+USAGE = f"usage: python -m code2wav.loadgen {{{','.join(COMMANDS)}}} [options]"
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "bench", "fidelity"):
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(USAGE, file=sys.stderr)
         return 2
     command, argv = sys.argv[1], sys.argv[2:]
@@ -12,6 +13,8 @@ def main() -> int:
         from .demo import main as run
     elif command == "fidelity":
         from .fidelity import main as run
+    elif command == "profile":
+        from .profile import main as run
     else:
         from .bench import main as run
     from code2wav.client.errors import SidecarError

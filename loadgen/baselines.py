@@ -31,7 +31,7 @@ from code2wav.sidecar.models import LoadedModel
 from code2wav.sidecar.state_store import StateArena
 
 from .inputs import InputContract, synthetic_inputs
-from .timing import baseline_row, sync_device, time_calls
+from .timing import baseline_row, time_calls
 
 
 @dataclass
@@ -181,28 +181,13 @@ def _captured_rows(model: LoadedModel, arena: StateArena, codes, iters: int, war
 
 
 def profile_kernels(model: LoadedModel, batch: int, new_frames: int, row_limit: int = 15) -> str:
-    """Where the time of one eager exact step goes: torch.profiler's top operators by device time (with the
-    family's fused kernels on, also the same step with torch ops, for before/after in one run)."""
+    """Where the time of one eager exact step goes: ``profile.py``'s per-kernel table (the ``profile`` command's),
+    with the family's fused kernels on, and also with torch ops, for before/after in one run."""
+    from .profile import format_table, profile_step
+
     if not model.fused_kernels:
-        return _profile_step(model, batch, new_frames, row_limit)
-    fused = _profile_step(model, batch, new_frames, row_limit)
+        return format_table(profile_step(model, batch, new_frames), row_limit)
+    fused = format_table(profile_step(model, batch, new_frames), row_limit)
     with _torch_ops(model):
-        plain = _profile_step(model, batch, new_frames, row_limit)
+        plain = format_table(profile_step(model, batch, new_frames), row_limit)
     return f"fused kernels (the default):\n{fused}\ntorch ops (engine.fused_kernels: false):\n{plain}"
-
-
-def _profile_step(model: LoadedModel, batch: int, new_frames: int, row_limit: int) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    arena = StateArena(model.module.state_layout(), batch, model.dtype, model.device)
-    engine = Engine(model, arena)
-    codes = synthetic_inputs(InputContract.of(model), new_frames, seed=2)  # [C, T]
-    items = [DecodeItem(codes=codes, slot=arena.allocate(), skip_frames=0) for _ in range(batch)]
-    for _ in range(2):
-        engine.decode(items)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        engine.decode(items)
-        sync_device(model.device)
-    sort_by = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)

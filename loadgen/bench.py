@@ -5,6 +5,7 @@ like vLLM-Omni traffic, and measures in-process baselines on the same device and
 every sidecar figure is also a ratio against them. Prints progress per phase on stderr and a table at the end;
 ``--json`` and ``--plot`` write files (Ctrl-C keeps what finished: the JSON is written, marked interrupted).
 Streams the server refuses (busy: at capacity) are counted as refused at that load, and the run goes on.
+``--scenario NAME`` runs a named flag set (scenarios.py, listed below); flags given beside it override its values.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ from .report import BenchReport, PlotUnavailable, check_plot_available, load, pl
 from code2wav.sidecar.cli import DefaultsHelpFormatter
 
 from .options import add_server_key_option
+from .scenarios import expand, help_text, split_scenario
 from .stock_bench import add_stock_args
 from .voxcpm2_upstream import add_upstream_args
 
 EXIT_INTERRUPTED = 130
+EXIT_USAGE = 2
+
+
+class BenchHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """Defaults on every option, and the description and the scenario list as written (not reflowed)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar bench", description=__doc__,
-                                formatter_class=DefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="code2wav-sidecar bench", description=__doc__, epilog=help_text(),
+                                formatter_class=BenchHelpFormatter)
+    p.add_argument("--scenario", metavar="NAME[,NAME]",
+                   help="run these named flag sets in turn (listed below); other flags given here override theirs")
     p.add_argument("--address", help="benchmark a running sidecar instead of spawning one")
     add_server_key_option(p)
     p.add_argument("--metrics-url", help="with --address: its /metrics URL (batch size, graph hit rate)")
@@ -116,7 +125,28 @@ def finish(report: BenchReport, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One run of the given flags, or each run of the ``--scenario`` names (the worst exit status of them)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        names, rest = split_scenario(argv)
+        runs = expand(names, rest) if names is not None else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if runs is None:
+        return run_once(rest, None)
+    status = 0
+    for run in runs:
+        print(f"[bench] scenario {run.label}: code2wav-sidecar bench {' '.join(run.argv)}", file=sys.stderr, flush=True)
+        status = max(status, run_once(list(run.argv), run.label))
+        if status == EXIT_INTERRUPTED:
+            break
+    return status
+
+
+def run_once(argv: list[str], scenario: str | None) -> int:
     args = build_parser().parse_args(argv)
+    args.scenario = scenario  # the run's name, recorded in the report's settings
     if args.plot_path:
         try:
             check_plot_available()

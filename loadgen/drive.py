@@ -212,8 +212,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
         inputs = [t.to(input_device) for t in inputs]
         # one CUDA stream per slot, used once before the clock starts and then by each of the slot's streams in
         # turn, as a runner submits every request on its own long-lived stream; with a new pool stream per stream
-        # (before), a stream's first chunk could also be its CUDA stream's first work, which
-        # loadgen/probes/first_chunk.py times apart
+        # (before), a stream's first chunk could also be its CUDA stream's first work (docs/design-notes.md, "One
+        # stream with its inputs on the GPU")
         cuda_streams = [torch.cuda.Stream(input_device) for _ in streams]
         for cuda_stream in cuda_streams:
             with torch.cuda.stream(cuda_stream):

@@ -39,7 +39,8 @@ class StockUnavailable(RuntimeError):
 
 def deploy_settings() -> dict[str, Any]:
     """Stage 1's settings from vLLM-Omni's shipped deploy file: the connector ``extra``, ``enforce_eager`` and
-    ``async_chunk``, read from the installed package (not copied)."""
+    ``async_chunk``, read from the installed package (not copied). ``path`` names the file inside the package, not
+    where this machine installed it (reports are kept)."""
     import yaml
 
     spec = importlib.util.find_spec("vllm_omni")
@@ -51,7 +52,8 @@ def deploy_settings() -> dict[str, Any]:
     stage = next(s for s in doc["stages"] if s["stage_id"] == STAGE_ID)
     connector_name = next(iter(stage["input_connectors"].values()))
     extra = dict(doc["connectors"][connector_name]["extra"])
-    return {"path": str(path), "extra": extra, "enforce_eager": bool(stage.get("enforce_eager", False)),
+    return {"path": f"vllm_omni/deploy/{DEPLOY_FILE}", "extra": extra,
+            "enforce_eager": bool(stage.get("enforce_eager", False)),
             "async_chunk": bool(doc.get("async_chunk", False)), "stage_dtype": stage.get("dtype")}
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-CLIENT_SIDE_COMMANDS = ("demo", "bench", "fidelity")
+CLIENT_SIDE_COMMANDS = ("demo", "bench", "fidelity", "profile")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = ("float32 (exact to the golden vectors), bfloat16 (about 2-3x the throughput on a GPU, half the "
               "state memory) or float16")

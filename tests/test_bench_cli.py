@@ -118,7 +118,7 @@ def test_time_left_counts_known_durations_and_estimates_the_rest():
 
 def test_plot_draws_the_real_time_lines():
     pytest.importorskip("matplotlib")
-    report = load(str(ROOT / "deploy" / "k8s" / "bench" / "h200-bfloat16.json"))
+    report = load(str(ROOT / "docs" / "results" / "h200-bfloat16.json"))
     fig = draw(report)
     latency_ax, throughput_ax = fig.axes
     chunk_ms = report.settings["chunk_frames"] * FRAME_S * 1e3
@@ -134,7 +134,7 @@ def test_plot_draws_the_real_time_lines():
 def test_in_process_rows_are_ratios_to_the_upstream_baselines(capsys):
     """Issue 21: every figure also as a ratio to stock in the same run. The bf16 run of this session: the graph
     step's 25-frame chunk at batch 1 against stock's (3.224 / 6.099 ms), throughput against stock's batch-1 runner."""
-    report = load(str(ROOT / "deploy" / "k8s" / "bench" / "h200-bfloat16-fold.json"))
+    report = load(str(ROOT / "docs" / "results" / "h200-bfloat16-fold.json"))
     by_name = {b["name"]: b for b in report.baselines}
     assert upstream_twin(report, by_name["exact-graph-b1"])["name"] == "vllm-omni-stock-b1"
     assert upstream_twin(report, by_name["exact-graph-b1-t1"])["name"] == "vllm-omni-stock-b1-t1"

@@ -537,12 +537,20 @@ def test_kubernetes_native_sidecar_wiring():
 
 
 def test_scaling_page_quotes_the_committed_bench_results():
-    """The capacity figures on the scaling page are those of the bench JSON files committed beside it: the
-    in-process graph steps of the current kernels, the closed-loop levels (64 and 256 streams) and the open-loop
-    real-time levels of the same session, one stream through the sidecar (inline bytes, CUDA IPC), and the older
-    float32 and bf16 runs it compares float32 with."""
+    """The capacity figures on the scaling page are those of the bench JSON files it names in the results folder
+    (``docs/results/``): the in-process graph steps of the current kernels, the closed-loop levels (64 and 256
+    streams) and the open-loop real-time levels of the same session, one stream through the sidecar (inline bytes,
+    CUDA IPC), and the older float32 and bf16 runs it compares float32 with. deploy/ holds deployment files only."""
     page = (K8S / "SCALING.md").read_text()
-    bench = K8S / "bench"
+    bench = ROOT / "docs" / "results"
+    named = set(re.findall(r"docs/results/([\w.-]+\.json)", page))
+    assert {"h200-bfloat16-state-cols-2.json", "h200-bfloat16-buckets16.json", "h200-bfloat16-buckets16-realtime.json",
+            "h200-bfloat16-glue.json", "h200-c1-inputs.json", "h200-float32.json", "h200-bfloat16.json"} <= named
+    assert all((bench / name).is_file() for name in named)
+    stray = [str(p.relative_to(ROOT)) for p in DEPLOY.rglob("*") if p.is_file()
+             and not (p.suffix in (".yaml", ".yml") or p.name in (".env.example", "SCALING.md")
+                      or (p.suffix == ".json" and p.parent == DASHBOARDS))]
+    assert stray == [], "not deployment files"
 
     def report(name: str, dtype: str) -> dict:
         data = json.loads((bench / name).read_text())

@@ -4,10 +4,14 @@
 - Import names are the installed ``code2wav.*`` ones: no ``from client``/``import proto``/``python -m sidecar``,
   no shared-folder variable or sibling-folder path; every ``from code2wav.x import y`` in a doc imports.
 - Every ``code2wav-sidecar <command> --flag`` quoted exists in that command's ``--help`` (the real CLI, run).
-- Every table of figures names its source (a JSON file under ``deploy/k8s/bench/``, a ``code2wav-sidecar bench``
-  command or a probe under ``loadgen/probes/``) in the text since the previous heading or table; where it names
-  JSON files, every quantity in it (a number with a unit: ms, us, s, audio-s/s) equals, rounded as quoted, a
-  value in them, and every command there that wrote one of them (``--json``) has that run's settings.
+- Every table of figures names its source, in the text since the previous heading or table or in its own cells: a
+  result file under ``docs/results/`` (JSON, or a tool's text output), a ``code2wav-sidecar bench``/``profile``
+  command, or a retired probe at the commit that has it (``loadgen/probes/NAME.py`` at ``COMMIT``, checked in the
+  history). Where it names result files, every quantity in it (a number with a unit: ms, us, s, audio-s/s) equals,
+  rounded as quoted, a value in them (a row that names its own files: in those); every command that wrote one
+  (``--json``, a ``--scenario`` expanded to its flags) has that run's settings.
+- ``docs/results/INDEX.md`` lists exactly the result files, each cited by the docs it names and no other, with the
+  GPU its JSON records.
 - The README fits on a screen and keeps the two commands that ``.ci/run`` runs; config examples load.
 """
 
@@ -26,11 +30,11 @@ import pytest
 
 from conftest import ROOT
 
-BENCH_DIR = ROOT / "deploy" / "k8s" / "bench"
+RESULTS_DIR = ROOT / "docs" / "results"
+INDEX = RESULTS_DIR / "INDEX.md"
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "deploy" / "k8s" / "SCALING.md"])
-ALL_MARKDOWN = sorted({*DOCS, ROOT / "proto" / "README.md", ROOT / "tests" / "data" / "README.md",
-                       ROOT / "loadgen" / "probes" / "README.md"})
-SUBCOMMANDS = ("serve", "decode", "keygen", "demo", "bench", "fidelity")
+ALL_MARKDOWN = sorted({*DOCS, ROOT / "proto" / "README.md", ROOT / "tests" / "data" / "README.md", INDEX})
+SUBCOMMANDS = ("serve", "decode", "keygen", "demo", "bench", "fidelity", "profile")
 SERVE_COMMAND = "pip install torch==2.13.0 -e . && code2wav-sidecar serve --model default"
 TEST_COMMAND = "pip install torch==2.13.0 -e '.[test,bench]' && bash .ci/install-deploy-tools && python -m pytest -q"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -197,8 +201,28 @@ def _matches(quoted: str, values: list[float]) -> bool:
     return any(abs(round(v * scale, digits) - target) < 1e-9 for v in values for scale in (1.0, 1e3, 1e-3))
 
 
-def _json_sources(context: str) -> list[Path]:
-    return [BENCH_DIR / name for name in dict.fromkeys(re.findall(r"bench/([\w.-]+\.json)", context))]
+_RESULT = re.compile(r"results/([\w.-]+\.(?:json|txt))")
+_PROBE_AT = re.compile(r"`loadgen/probes/(\w+\.py)` at `([0-9a-f]{7,40})`")
+
+
+def _result_sources(text: str) -> list[Path]:
+    return [RESULTS_DIR / name for name in dict.fromkeys(_RESULT.findall(text))]
+
+
+def _values(path: Path) -> list[float]:
+    """Every number a result file holds: a JSON file's numeric leaves, a text output's numbers."""
+    if path.suffix == ".json":
+        return _leaves(json.loads(path.read_text()))
+    return [float(x) for x in re.findall(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?![\w.])", path.read_text())]
+
+
+@functools.cache
+def _in_history(commit: str, path: str) -> bool | None:
+    """Whether ``commit`` has ``path`` (None where there is no git history to ask)."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
+        return None
+    return subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:{path}"],
+                          capture_output=True).returncode == 0
 
 
 def _figure_tables() -> list[tuple[Path, str, list[list[str]]]]:
@@ -206,26 +230,47 @@ def _figure_tables() -> list[tuple[Path, str, list[list[str]]]]:
             if any(_quantities(c) for row in rows for c in row[1:]) or rows[0][-1] == "us"]
 
 
+def _table_problems(where: str, context: str, rows: list[list[str]]) -> list[str]:
+    """What is wrong with one table of figures: no source named, a result file or probe that does not exist, a
+    quantity in none of its files."""
+    table_text = context + "\n" + "\n".join("|".join(row) for row in rows)
+    sources = _result_sources(table_text)
+    probes = _PROBE_AT.findall(context)
+    if not sources and not probes and not re.search(r"code2wav-sidecar (bench|profile)", table_text):
+        return [f"{where}: names no source (a docs/results file, a bench/profile command or a probe at a commit)"]
+    problems = [f"{where}: loadgen/probes/{name} is not in the history at {commit}"
+                for name, commit in probes if _in_history(commit, f"loadgen/probes/{name}") is False]
+    missing = [p.name for p in sources if not p.is_file()]
+    if missing:
+        return problems + [f"{where}: no such file {missing}"]
+    table_values = [v for p in sources for v in _values(p)]
+    for row in rows[1:] if sources else []:
+        own = _result_sources("|".join(row))
+        values = [v for p in own for v in _values(p)] if own else table_values
+        for cell in row[1:]:
+            problems += [f"{where}: {row[0]!r}: {q} is in none of {[p.name for p in own or sources]}"
+                         for q in _quantities(cell) if not _matches(q, values)]
+    return problems
+
+
 def test_every_figure_table_names_its_source_and_quotes_it_exactly():
     tables = _figure_tables()
-    assert len(tables) >= 5  # README, performance history, design notes, SCALING
+    assert len(tables) >= 10  # README, performance (figures, soak, profile), design notes, voxcpm2, SCALING
     problems = []
     for doc, context, rows in tables:
-        where = f"{doc.name}: table {rows[0]}"
-        sources = _json_sources(context)
-        if not sources and not re.search(r"code2wav-sidecar bench|loadgen/probes/", context):
-            problems.append(f"{where}: names no source (a deploy/k8s/bench JSON, a bench command or a probe)")
-            continue
-        missing = [p.name for p in sources if not p.is_file()]
-        if missing:
-            problems.append(f"{where}: no such file {missing}")
-            continue
-        values = [v for p in sources for v in _leaves(json.loads(p.read_text()))]
-        for row in rows[1:] if sources else []:
-            for cell in row[1:]:
-                problems += [f"{where}: {row[0]!r}: {q} is in none of {[p.name for p in sources]}"
-                             for q in _quantities(cell) if not _matches(q, values)]
+        problems += _table_problems(f"{doc.name}: table {rows[0]}", context, rows)
     assert problems == [], "\n".join(problems)
+
+
+def _bench_tokens(line: str) -> list[str]:
+    """A quoted ``bench`` command's flags, with ``--scenario NAME`` expanded to the scenario's (one run)."""
+    from code2wav.loadgen.scenarios import expand, split_scenario
+
+    names, rest = split_scenario(line.split()[2:])
+    if names is None:
+        return rest
+    (run,) = expand(names, rest)
+    return list(run.argv)
 
 
 def test_commands_that_wrote_a_bench_json_match_its_settings():
@@ -236,25 +281,73 @@ def test_commands_that_wrote_a_bench_json_match_its_settings():
             if subcommand != "bench" or m is None or not (ROOT / m.group(1)).is_file():
                 continue
             settings = json.loads((ROOT / m.group(1)).read_text())["settings"]
-            tokens = line.split()[2:]
-            for i, tok in enumerate(tokens):
-                if not tok.startswith("--") or tok in ("--json", "--transport"):
+            tokens = _bench_tokens(line)
+            given = {tok: tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else True
+                     for i, tok in enumerate(tokens) if tok.startswith("--")}  # the last value of a flag wins
+            for tok, value in given.items():
+                if tok in ("--json", "--transport"):
                     continue
                 key = {"transport_batch": "batch_cap"}.get(tok[2:].replace("-", "_"), tok[2:].replace("-", "_"))
-                value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else True
                 if key in settings:
                     assert settings[key] == value or str(settings[key]) == value, (doc.name, line, key)
                     checked += 1
-    assert checked >= 10
+    assert checked >= 50  # README, performance.md, voxcpm2.md: their scenarios expanded
 
 
 def test_table_check_catches_a_figure_that_is_not_in_the_json():
-    values = _leaves(json.loads((BENCH_DIR / "h200-bfloat16.json").read_text()))
+    values = _leaves(json.loads((RESULTS_DIR / "h200-bfloat16.json").read_text()))
     assert _matches("824", values) and _matches("575", values) and _matches("8.3", values)
     assert _matches("0.58", values)  # 575.44 ms quoted in seconds
     assert not _matches("825", values) and not _matches("8.4", values)
     assert _quantities("133.6 ms (+11.0 ms), p95 137.3 ms") == ["133.6", "11.0", "137.3"]
     assert _quantities("7.20-7.24 ms (+2.30 / +2.32 ms), 4 steps at batch 16") == ["7.20", "7.24", "2.30", "2.32"]
+
+
+def test_table_check_reads_text_outputs_rows_own_files_and_probes_in_the_history():
+    """A text output's numbers count (a kernel profile); a row that names its own file is checked against that file
+    only; a probe named at a commit must be in that commit; a figure edited by one digit fails."""
+    profile = "h200-bfloat16-b64-kernels-state-cols.txt"
+    assert _matches("4500.4", _values(RESULTS_DIR / profile)) and not _matches("4500.5", _values(RESULTS_DIR / profile))
+    rows = [["kernel", "total"], ["snake", "4500.4 us"]]
+    assert _table_problems("t", f"Source: results/{profile}", rows) == []
+    assert _table_problems("t", f"Source: results/{profile}", [rows[0], ["snake", "4500.5 us"]]) != []
+    both = f"results/{profile} and results/h200-bfloat16.json"
+    assert _table_problems("t", both, [rows[0], ["snake", "824 audio-s/s"]]) == []  # the table's files
+    own = ["snake [p](results/h200-bfloat16-b64-kernels-state-cols.txt)", "824 audio-s/s"]
+    assert _table_problems("t", both, [rows[0], own]) != []  # the row's own file only
+    assert _table_problems("t", "no source here", rows) != []
+    good, bad = "`loadgen/probes/doorbell.py` at `7287a53`", "`loadgen/probes/doorbell.py` at `10c8450`"
+    assert _table_problems("t", good, [["mode", "us"], ["bell", "+297 us"]]) == []
+    if _in_history("7287a53", "loadgen/probes/doorbell.py") is not None:  # a checkout with its history
+        assert _table_problems("t", bad, [["mode", "us"], ["bell", "+297 us"]]) != []
+
+
+def test_results_index_lists_every_result_file_and_who_cites_it():
+    rows = {}
+    for _context, table in _tables(INDEX.read_text()):
+        for row in table[1:]:
+            name = re.fullmatch(r"\[([\w.-]+)\]\(\1\)", row[0])
+            assert name, row
+            rows[name.group(1)] = row
+    files = {p.name for p in RESULTS_DIR.iterdir() if p != INDEX}
+    assert set(rows) == files and len(files) >= 20
+    for name, (_file, date, commit, gpu, what, cited) in rows.items():
+        assert re.fullmatch(r"20\d\d-\d\d-\d\d", date) and re.search(r"`[0-9a-f]{7}`", commit) and what, name
+        named = set(re.findall(r"\]\(([\w./-]+\.md)\)", cited))
+        citing = {os.path.relpath(doc, RESULTS_DIR) for doc in DOCS if name in doc.read_text()}
+        assert named == citing and citing, (name, named, citing)
+        if name.endswith(".json"):
+            recorded = {g for g in _gpus(json.loads((RESULTS_DIR / name).read_text())) if g}
+            assert recorded <= {f"NVIDIA {gpu}"}, (name, gpu, recorded)
+
+
+def _gpus(node) -> set:
+    if isinstance(node, dict):
+        found = {node["environment"].get("gpu")} if isinstance(node.get("environment"), dict) else set()
+        return found.union(*(_gpus(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_gpus(v) for v in node))
+    return set()
 
 
 # ------------------------------------------------------------------------------------------------ README

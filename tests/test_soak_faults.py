@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from code2wav.loadgen.soak_summary import summary_lines
 from conftest import ROOT, TINY
 
 
@@ -57,6 +58,14 @@ def test_soak_with_client_kill_and_sidecar_restart(tmp_path):
     served = [w for w in report["server_by_window"] if w["chunk_latency_ms_mean"] is not None]
     assert served and all(w["chunk_latency_ms_mean"] > 0 and w["engine_step_ms_mean"] > 0 for w in served)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the summary the GPU phases print says what the report says
+    lines = summary_lines(report, min_chunks=1, every_s=5)
+    counts = json.loads(lines[0].removeprefix("counts: "))
+    assert (counts["sent"], counts["decoded"], counts["lost"], counts["failed"]) == (
+        report["sent"], report["decoded"], 0, report["failed"])
+    assert lines[1] == f"p99 per 10 s window (ms): {[round(w['p99_ms']) for w in report['p99_by_window']]}"
+    assert f"max {max(w['p99_ms'] for w in report['p99_by_window']):.0f} ms" in lines[2]
+    assert lines[-1].startswith("memory: t=0s RSS ") and lines[-1].count("; ") >= len(report["memory"]) // 6 - 1
 
 
 def test_a_client_that_dies_before_connecting_stops_the_soak_with_its_exit_code(tmp_path):
