@@ -1,6 +1,6 @@
 """``code2wav-sidecar`` command line: ``serve``, ``decode`` (offline), ``keygen``, and the client-side tools
-``demo`` and ``bench``, which live in the ``loadgen`` package and run in their own process (the server package
-never imports the client: they meet only on the wire).
+``demo``, ``bench``, ``fidelity`` and ``profile``, which live in the ``loadgen`` package and run in their own process
+(the server package never imports the client: they meet only on the wire).
 
 Mistakes a person can make at the command line (a bad flag value, an address or port in use, a missing model
 folder or input file) end with one ``error: ...`` line on stderr and exit code 2, never a traceback. The decode

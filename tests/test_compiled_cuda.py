@@ -24,7 +24,7 @@ from conftest import TINY, VOXCPM2_TINY
 
 pytestmark = pytest.mark.cuda
 
-NUM_SLOTS = 160  # the arena and routine shapes of loadgen/probes/compile_profile.py: its compiles are cache hits
+NUM_SLOTS = 160
 ROUTINE_BATCH, ROUTINE_FRAMES = 64, 25
 
 

@@ -58,7 +58,7 @@ class StreamRoutine:
         device finished the previous one (the server's step loop waits for it), so those buffers are free.
 
         A handful of tensor ops whatever the batch (no per-row indexing: at 64 rows that loop cost about 0.45 ms
-        of host time per step, with the device idle, ``loadgen/probes/hot_path_cpu.py``)."""
+        of host time per step, with the device idle, docs/design-notes.md, "Batch 1: norms, gate and state joins as ops")."""
         host = self._inputs_host[:batch * self._channels * frames].view(batch, self._channels, frames)  # [B, C, T]
         meta = self._meta_host[:, :batch]  # [2 + O, B] (each row contiguous)
         rows = len(items)

@@ -14,7 +14,7 @@ Each program owns a ``[BLOCK_CO, BLOCK_T]`` output tile of one row and walks the
 layout conversion of the input, the weight and the output around each call (about 2.6 ms of a 15 ms batch-16
 step on the H200) at a small fraction of the tensor cores' rate, and PyTorch adds the bias in another pass; here
 the input is read in place, and the Snake after the conv (in a residual unit its only reader) comes in the
-epilogue. Measured (``loadgen/probes/conv_forms.py``, H200, bf16): as tuned so far it is 1.5-2.4x slower than
+epilogue. Measured (H200, bf16; docs/design-notes.md, "Biases into the next kernel"): as tuned so far it is 1.5-2.4x slower than
 cuDNN at batch 16 and 64 on the residual units' convs, and faster only at batch 1 for some shapes (5 of the 14
 dense convs of a step) and for the small ``pre_conv``, so ``ConvChoice`` (``conv_choice.py``), which keeps it only
 where it measured fastest, picks it there; better tiles (TMA loads, Hopper-sized tiles) are the open work.

@@ -4,7 +4,7 @@ cuDNN's heuristics sometimes pick a kernel that does not use tensor cores for a 
 the default model's residual unit ``Conv1d(384, 384, 7, dilation=9)`` at ``[16, 384, 4054]`` takes 4.7 ms where its
 ``dilation=3`` sibling at almost the same shape takes 0.50 ms (18.3 against 1.8 ms at batch 64), and at batch 1
 the 192-channel ``dilation=3`` and ``9`` convs take 0.56 ms against 0.11 ms undilated
-(``loadgen/probes/conv_shapes.py``). Which shapes are hit depends on cuDNN's version and the GPU, so no rule is
+(docs/design-notes.md, "The convolutions"). Which shapes are hit depends on cuDNN's version and the GPU, so no rule is
 written down here; instead:
 
 - ``polyphase_conv`` computes the same conv as one *undilated* conv: with dilation ``d``,

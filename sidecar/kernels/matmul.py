@@ -10,7 +10,7 @@ Rules:
   ``tests/test_matmul.py`` holds it to float32 cuBLAS's error against float64 on the GPU.
 - Why: with TF32 off (the float32 promise), cuBLAS runs float32 GEMMs on the SIMT units (about 67 TFLOP/s on the
   H200, against 495 for TF32 tensor cores). The 48 kHz family's float32 step at 64 x 25 frames spent 26.5 of its
-  40 ms in them (``loadgen/probes/kernel_count.py``): its transposed convs (``transposed.py``) and residual units'
+  40 ms in them (``code2wav-sidecar profile``): its transposed convs (``transposed.py``) and residual units'
   1x1 convs are GEMMs.
 - Which form runs is ``matmul_choice.py``'s policy (measured per shape); this module is the mechanism.
 """

@@ -101,7 +101,7 @@ def state_cols_for(num_state_cols: int) -> int:
 def tile_for(num_channels: int) -> tuple[int, int]:
     """``(channels, columns)`` per program of the tiled kernel: 64 channels (fewer where ``num_channels``' next power
     of two is less) and columns to fill ``TILE_ELEMENTS``. Measured per kind of call on the H200
-    (``loadgen/probes/snake_tiles.py``, bf16, 64 x 25 frames, docs/performance.md): 64 x 64 was the fastest or
+    (bf16, 64 x 25 frames; docs/design-notes.md, "Batch 64: Snake tiles"): 64 x 64 was the fastest or
     within 3% of it for ``snake_cat`` and the pairs. Pure."""
     block_c = min(1 << max(num_channels - 1, 0).bit_length(), 64)
     return block_c, TILE_ELEMENTS // block_c

@@ -86,7 +86,7 @@ if triton is not None:
     @triton.jit
     def snake_apply(x, scale, inv, SINE: tl.constexpr):
         """``x + inv * sin(x * scale)^2`` in float32. ``SINE`` (``sine_for``'s; 0 is for
-        ``loadgen/probes/snake_tiles.py``): 0 libdevice's ``sinf`` squared; 1 ``sin_squared``; 2 the hardware's
+        docs/design-notes.md, "Batch 64: Snake tiles"): 0 libdevice's ``sinf`` squared; 1 ``sin_squared``; 2 the hardware's
         ``sin.approx`` (one MUFU instruction; absolute error about ``2^-21`` plus ``|x * scale| * 2^-22`` from its
         range reduction; not available under Triton's interpreter)."""
         z = x * scale

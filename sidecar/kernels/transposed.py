@@ -9,7 +9,7 @@ of the chunk (``t < L``, ``r < s``) is
 (each output frame sees two input frames, so the state is one frame). Run by cuDNN, PyTorch's transposed conv is a
 backward-data conv: on the H200 an sm75 ``cutlass`` kernel with alignment 1 in bf16 (1.73 ms of a 13.5 ms step at
 batch 16 x 25 frames, the default model) and a generic ``dgrad_engine`` in float32 (280 of 711 us of the 48 kHz
-family's 1 x 4-frame step; ``loadgen/probes/kernel_count.py``). Here:
+family's 1 x 4-frame step; ``code2wav-sidecar profile``). Here:
 
 - ``snake_pairs`` (``code2wav::snake_pairs``) applies the Snake and writes each frame pair once, time-major:
   ``pairs[b, t] = [cat[:, t], cat[:, t + 1]]`` ``[B, L, 2 C_in]`` (``snake.py``'s tiled kernel; the state frame
