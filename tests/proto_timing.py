@@ -18,26 +18,26 @@ from typing import Any, Callable
 Q, N, U = 16, 25, 1920  # quantizers, frames per chunk, samples per frame
 
 
-def _decode(proto: Any, num_chunks: int) -> tuple[proto.Decode, list[bytes]]:
+def _decode(proto: Any, num_chunks: int) -> tuple[Any, list[bytes]]:
     chunks = tuple(proto.Chunk(f"stream-{i}", 7, proto.TensorDesc("int64", (Q, N), proto.InlineLoc(i + 1)),
                                context_frames=0) for i in range(num_chunks))
     return proto.Decode(42, chunks), [bytes(Q * N * 8)] * num_chunks
 
 
-def _decode_result(proto: Any, num_results: int) -> tuple[proto.DecodeResult, list[bytes]]:
+def _decode_result(proto: Any, num_results: int) -> tuple[Any, list[bytes]]:
     results = tuple(proto.ChunkResult(f"stream-{i}", 7, proto.TensorDesc("float32", (N * U,), proto.InlineLoc(i + 1)),
                                       N) for i in range(num_results))
     return proto.DecodeResult(42, results), [bytes(N * U * 4)] * num_results
 
 
-def _welcome(proto: Any) -> tuple[proto.Welcome, list[bytes]]:
+def _welcome(proto: Any) -> tuple[Any, list[bytes]]:
     model = proto.ModelInfo("qwen3-tts-12hz", Q, 2048, U, 24000, ("exact", "window"), "bfloat16", "cuda:0",
                             family="qwen3_tts", input_channels=Q, input_range=(0, 2048))
     return proto.Welcome(1, 1, "gpu-node-3", "1732860000-8f2a", (model,), "qwen3-tts-12hz",
                          capabilities={"cuda_ipc": False}, session_secret="s" * 32), []
 
 
-def _hello(proto: Any) -> tuple[proto.Hello, list[bytes]]:
+def _hello(proto: Any) -> tuple[Any, list[bytes]]:
     return proto.Hello(1, 1, "host:4242:9f1c", {"cuda_ipc": False, "gpu_uuid": None}), []
 
 

@@ -31,7 +31,7 @@ def instances() -> dict[str, Any]:
         "open_stream": OpenStream(2, "req-1", None, "window", 25),
         "open_stream_options": OpenStream(3, "req-2", "voxcpm2-audiovae", "exact", 0, {"sr_cond": 2, "x": -5}),
         "decode": Decode(3, (Chunk("req-1", 0, inline),
-                             Chunk("req-2", 9, TensorDesc("int32", (16, 0), InlineLoc(2)), final=True, context_frames=0),
+                             Chunk("req-2", 9, TensorDesc("int32", (16, 0), InlineLoc(2)), final=True),
                              Chunk("req-3", 2**63 - 1, ipc, context_frames=1, codes_event=5, audio_out=audio_out))),
         "finish": Finish(4, "req-1"),
         "abort": Abort(5, "req-1"),
