@@ -1,11 +1,12 @@
 """How fast ``proto`` encodes and parses its hot messages (not a test: run it, compare before/after on one CPU).
 
-    python tests/proto_timing.py [--repeat 7] [--module code2wav.proto]
+    python tests/proto_timing.py [--repeat 7] [--module code2wav.proto [--module oldproto]]
 
 Prints, per case, the best of ``--repeat`` timeit runs in microseconds per call: ``encode`` (``to_wire`` and
 msgpack) and ``parse`` (``decode_client_message`` / ``decode_server_message``) of a 1-chunk and a 64-chunk
-inline ``decode``, a ``decode_result`` with 64 results, a ``hello`` and a ``welcome``. ``--module`` times another
-copy of the package (e.g. the old one, copied to a folder on ``PYTHONPATH``), to compare on one machine.
+inline ``decode``, a ``decode_result`` with 64 results, a ``hello`` and a ``welcome``. ``--module`` (repeatable)
+times other copies of the package (e.g. the old one, copied to a folder on ``PYTHONPATH``) in turns with it,
+to compare them on one machine.
 """
 
 from __future__ import annotations
@@ -50,27 +51,40 @@ CASES: dict[str, tuple[Callable[[Any], tuple[Any, list[bytes]]], str]] = {
 }
 
 
-def _best_us(fn: Callable[[], Any], repeat: int) -> float:
-    timer = timeit.Timer(fn)
-    number, _ = timer.autorange()
-    return min(timer.repeat(repeat=repeat, number=number)) / number * 1e6
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--module", default="code2wav.proto")
-    args = parser.parse_args()
-    proto = importlib.import_module(args.module)
-    print(f"{'case':<18} {'encode us':>10} {'parse us':>10}")
+def _timers(proto: Any) -> dict[tuple[str, str], timeit.Timer]:
+    timers = {}
     for name, (make, parser_name) in CASES.items():
         parse = getattr(proto, parser_name)
         msg, buffers = make(proto)
         frames = proto.encode(msg, buffers)
         assert parse(frames) == msg
-        encode_us = _best_us(lambda: proto.encode(msg, buffers), args.repeat)
-        parse_us = _best_us(lambda: parse(frames), args.repeat)
-        print(f"{name:<18} {encode_us:>10.2f} {parse_us:>10.2f}")
+        timers[name, "encode"] = timeit.Timer(lambda msg=msg, buffers=buffers: proto.encode(msg, buffers))
+        timers[name, "parse"] = timeit.Timer(lambda parse=parse, frames=frames: parse(frames))
+    return timers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--module", action="append", default=[],
+                        help="a proto package to time (repeatable; default code2wav.proto); several are timed "
+                             "in turns, so drifts of the machine's speed hit them alike")
+    args = parser.parse_args()
+    modules = args.module or ["code2wav.proto"]
+    timers = {module: _timers(importlib.import_module(module)) for module in modules}
+    best: dict[tuple[str, str, str], float] = {}
+    for _ in range(args.repeat):
+        for key in timers[modules[0]]:
+            for module in modules:
+                timer = timers[module][key]
+                number = max(1, timer.autorange()[0] // 4)
+                seconds = timer.timeit(number) / number
+                best[(module, *key)] = min(best.get((module, *key), seconds), seconds)
+    header = "".join(f" {module + ' ' + what:>28}" for module in modules for what in ("encode us", "parse us"))
+    print(f"{'case':<18}{header}")
+    for name in CASES:
+        cells = "".join(f" {best[module, name, what] * 1e6:>28.2f}" for module in modules for what in ("encode", "parse"))
+        print(f"{name:<18}{cells}")
 
 
 if __name__ == "__main__":
