@@ -4,10 +4,10 @@ Rules: sans-IO; stdlib only; imports nothing outside ``proto``.
 
 The method is written once per declaration as Python source and compiled, as ``dataclasses`` writes
 ``__init__``: a dict display of the fields (a message's ``"type"`` first), each as it is or through its wire
-type's encoder (arrays and nil inline), then one ``if`` per field left off the wire while it equals its default (``omit_default``) and
-per field after such one. So a message encodes as fast as a hand-written ``to_wire``, with nothing looked up per
-call. Only field names (identifiers, checked) and ``repr`` of strings go into the source; encoders and
-defaults are bound by name in the function's namespace.
+type's encoder (arrays and nil written inline), then one ``if`` per field left off the wire while it equals its
+default (``omit_default``) and a statement per field after such one. So a message encodes as fast as a
+hand-written ``to_wire``, with nothing looked up per call. Only field names (identifiers, checked) and
+``repr`` of strings go into the source; encoders and defaults are bound by name in the function's namespace.
 """
 
 from __future__ import annotations
@@ -44,16 +44,22 @@ def build_to_wire(type_name: str | None, fields: Sequence[Any]) -> Callable[[Any
         if not field.name.isidentifier():
             raise ValueError(f"field name {field.name!r} is not an identifier")
         ref = f"self.{field.name}"
-        value = _value(field.kind, ref, namespace)
-        if field.omit_default:
-            default = f"_default_{len(namespace)}"
-            namespace[default] = field.absent if field.absent_factory is None else field.absent_factory()
-            test = f"{ref} is not None" if namespace[default] is None else f"{ref} != {default}"
-            statements.append(f"    if {test}:\n        wire[{field.name!r}] = {value}")
-        elif statements:
-            statements.append(f"    wire[{field.name!r}] = {value}")
+        if not field.omit_default:
+            value = _value(field.kind, ref, namespace)
+            if statements:
+                statements.append(f"    wire[{field.name!r}] = {value}")
+            else:
+                display.append(f"{field.name!r}: {value}")
+            continue
+        default = field.absent if field.absent_factory is None else field.absent_factory()
+        if default is None:  # sent only when not nil, so written without the nil case
+            inner = field.kind.inner if isinstance(field.kind, Nullable) else field.kind
+            test, value = f"{ref} is not None", _value(inner, ref, namespace)
         else:
-            display.append(f"{field.name!r}: {value}")
+            name = f"_default_{len(namespace)}"
+            namespace[name] = default
+            test, value = f"{ref} != {name}", _value(field.kind, ref, namespace)
+        statements.append(f"    if {test}:\n        wire[{field.name!r}] = {value}")
     source = "\n".join(["def to_wire(self):", f"    wire = {{{', '.join(display)}}}", *statements, "    return wire"])
     exec(compile(source, f"<to_wire of {type_name or 'record'}>", "exec"), namespace)
     to_wire = namespace["to_wire"]

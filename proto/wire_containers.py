@@ -46,7 +46,7 @@ class ArrayOf(WireType):
     def __init__(self, item: Any, max_len: int | str) -> None:
         self.item = item = as_wire_type(item)
         self.type_doc = f"array of {item.plural_doc or item.type_doc}"
-        self.limits_doc = f"<= {bound_doc(max_len)} entries"
+        self.limits_doc = f"<= {bound_doc(max_len)} entries" + (f"; each {item.limits_doc}" if item.limits_doc else "")
         named = f" ({max_len})" if isinstance(max_len, str) else ""  # a limit's wire name, as in welcome.limits
         item_parse, item_encode = item.parse, item.encode
         self.encode = list if item_encode is None else (lambda values: [item_encode(v) for v in values])

@@ -83,7 +83,8 @@ def main() -> None:
     header = "".join(f" {module + ' ' + what:>28}" for module in modules for what in ("encode us", "parse us"))
     print(f"{'case':<18}{header}")
     for name in CASES:
-        cells = "".join(f" {best[module, name, what] * 1e6:>28.2f}" for module in modules for what in ("encode", "parse"))
+        cells = "".join(f" {best[module, name, what] * 1e6:>28.2f}"
+                        for module in modules for what in ("encode", "parse"))
         print(f"{name:<18}{cells}")
 
 

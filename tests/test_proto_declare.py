@@ -169,3 +169,9 @@ def test_wire_dtypes_are_one_list() -> None:
     assert proto.INTEGER_DTYPES == {"int16", "int32", "int64"}
     assert proto.FLOAT_DTYPES == {"float16", "bfloat16", "float32"}
     assert proto.ModelInfo("m", 1, 2, 3, 4, (), "f", "d").input_dtypes == ("int16", "int32", "int64")
+
+
+def test_the_readme_lists_the_wire_dtypes() -> None:
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| `dtype` |"))
+    listed = re.findall(r"`(\w+)` \((\d+)", row.split(";")[0])  # "`int16` (2 bytes), `int32` (4), ..."
+    assert listed == [(dtype.name, str(dtype.itemsize)) for dtype in proto.WIRE_DTYPES]
