@@ -15,14 +15,16 @@ A message (or a map nested in one, such as a chunk) is a class whose fields are 
         def _a_rule(self, path, limits, frames): ...   # raises ProtocolError; may return a replacement
 
 ``message`` / ``record`` make it a frozen dataclass (the constructor is the fields in order, with their defaults)
-and give it ``WIRE`` (its ``Declaration``), ``to_wire`` (``_to_wire.py``) and, for a message, ``TYPE`` (the wire
-``type``). ``sender="client"`` parses strictly (an unknown key is an error naming it), ``sender="server"``
-leniently (unknown keys are ignored, a newer server may add fields); known keys are always checked. A field with
-a default is optional on the wire (absent: the default; ``absent=`` when the wire's default differs, e.g. a
-field the constructor requires); ``required=True`` makes it required on the wire anyway; ``omit_default=True``
-leaves it off the wire while it equals its default, so peers that predate it keep working; ``first=True`` checks
-it before anything else (``hello.version``). The parser is built once per declaration: per field its wire type's
-closure (``wire_types``), per message a loop over them, then the rules in the order the class declares them.
+and give it ``WIRE`` (its ``Declaration``, whose ``parse`` is the parser), ``to_wire`` and, for a message,
+``TYPE`` (the wire ``type``); ``_codegen.py`` writes the parser and ``to_wire``. ``sender="client"`` parses
+strictly (an unknown key is an error naming it), ``sender="server"`` leniently (unknown keys are ignored, a
+newer server may add fields); known keys are always checked, each by its wire type (``wire_types``,
+``wire_containers``), then the rules run in the order the class declares them. A field with a default is
+optional on the wire (absent: the default; ``absent=`` when the wire's default differs, e.g. for a field the
+constructor requires); ``required=True`` makes it required on the wire anyway; ``omit_default=True`` leaves it
+off the wire while it equals its default, so peers that predate it keep working; ``first=True`` checks it
+before anything else (``hello.version``). A subclass of a declared class, declared in turn, is the message with
+more fields (a newer version of it), its base's rules included.
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ._check import invalid, type_name
-from ._to_wire import build_to_wire
+from ._codegen import build_parse, build_to_wire
 from .wire_containers import as_wire_type
-from .wire_types import WireType, field_name
+from .wire_types import WireType
 
-__all__ = ["wire", "rule", "message", "record", "Declaration", "WireField", "Record", "instance_builder"]
+__all__ = ["wire", "rule", "message", "record", "Declaration", "WireField", "Record"]
 
-_NOTHING: Any = object()  # "not given" / "key absent"
+_NOTHING: Any = object()  # "not given"
 _RULE_TEXT = "__wire_rule__"
 SENDERS = ("client", "server")
 
@@ -167,87 +168,9 @@ def _declare(cls: type, type_name: str | None, doc_name: str, sender: str, order
     if order and sorted(order) != sorted(by_name):
         raise TypeError(f"{cls.__name__}: order must name every field once")
     wire_fields = tuple(by_name[name] for name in order) if order else fields
-    parse = _build_parse(cls, fields, tuple(check for _, check in rules), sender == "client", type_name is not None)
+    parse = build_parse(cls, fields, tuple(check for _, check in rules), sender == "client", type_name is not None)
     cls.WIRE = Declaration(cls, type_name, doc_name, sender, wire_fields, rules, parse)  # type: ignore[attr-defined]
     cls.to_wire = build_to_wire(type_name, wire_fields)  # type: ignore[attr-defined]
     if type_name is not None:
         cls.TYPE = type_name  # type: ignore[attr-defined]
     return cls
-
-
-def instance_builder(cls: type) -> Callable[..., Any]:
-    """``build(*values)``: an instance of the frozen dataclass ``cls`` from all its fields' values, in order,
-    without running its ``__init__`` (which sets the fields one ``object.__setattr__`` at a time): for parsers,
-    whose values are checked already. ``cls`` must have no ``__post_init__``."""
-    if hasattr(cls, "__post_init__"):
-        raise TypeError(f"{cls.__name__} has a __post_init__: build it with its constructor")
-    names = tuple(field.name for field in dataclasses.fields(cls))
-    new, set_attribute = object.__new__, object.__setattr__
-
-    def build(*values: Any) -> Any:
-        obj = new(cls)
-        set_attribute(obj, "__dict__", dict(zip(names, values)))
-        return obj
-    return build
-
-
-def _bad_key(key: object, path: str, allowed: frozenset[str]) -> None:
-    if type(key) is not str:
-        invalid(f"{path} has a non-string key of type {type_name(key)}")
-    invalid(f"{path} has unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
-
-
-def _absent(field: WireField, path: str) -> Any:
-    """The value of a field whose key is missing (an error when the field is required)."""
-    if field.required:
-        invalid(f"{path} is missing required key {field.name!r}")
-    return field.absent_factory()  # type: ignore[misc]
-
-
-def _build_parse(cls: type, fields: tuple[WireField, ...], checks: tuple[Callable[..., Any], ...], strict: bool,
-                 top_level: bool) -> Callable[[Any, str, str, Any, Sequence[Any]], Any]:
-    """The parser of one declaration: a map in, an instance out (fields in constructor order, then the rules).
-    A message's header keys were checked to be strings by ``codec.read_header``; a nested map's are here."""
-    # per field: key, parse, and what a missing key gives (_NOTHING: ask _absent, an error or a fresh default)
-    steps = tuple((field.name, field.kind.parse, _NOTHING if field.required or field.absent_factory else field.absent,
-                   field) for field in fields)
-    firsts = tuple(step for step in steps if step[3].first)
-    allowed = frozenset(field.name for field in fields) | ({"type"} if top_level else set())
-    check_key_types = not (strict or top_level)
-    build = instance_builder(cls)
-
-    def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> Any:
-        if key:
-            path = field_name(path, key)
-        if type(value) is not dict:
-            invalid(f"{path} must be a map, got {type_name(value)}")
-        for name, parse_field, _, field in firsts:
-            if name in value:
-                parse_field(value[name], path, name, limits, frames)
-            else:
-                _absent(field, path)
-        if strict:
-            for name in value:
-                if name not in allowed:
-                    _bad_key(name, path, allowed)
-        elif check_key_types:
-            for name in value:
-                if type(name) is not str:
-                    _bad_key(name, path, allowed)
-        values = []
-        append = values.append
-        for name, parse_field, default, field in steps:
-            entry = value.get(name, _NOTHING)
-            if entry is not _NOTHING:
-                append(parse_field(entry, path, name, limits, frames))
-            elif default is not _NOTHING:
-                append(default)
-            else:
-                append(_absent(field, path))
-        obj = build(*values)
-        for check in checks:
-            replaced = check(obj, path, limits, frames)
-            if replaced is not None:
-                obj = replaced
-        return obj
-    return parse

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from ._check import INT64_MAX, as_map, check_int, invalid, reject_unknown_keys, type_name
 from .dtypes import WIRE_DTYPE_ITEMSIZES
-from .declare import instance_builder
+from ._codegen import instance_builder
 from .errors import ProtocolError
 from .wire_types import WireType, field_name
 
