@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from ._check import INT64_MAX, as_map, check_int, invalid, reject_unknown_keys, type_name
-from .dtypes import WIRE_DTYPE_ITEMSIZES
 from ._codegen import instance_builder
+from .dtypes import WIRE_DTYPE_ITEMSIZES
 from .errors import ProtocolError
 from .wire_types import WireType, field_name
 
@@ -149,9 +149,8 @@ def _parse_shape(value: object, limits: Limits) -> tuple[int, ...]:
     if len(value) > limits.max_rank:
         invalid(f"tensor rank {len(value)} exceeds the limit of {limits.max_rank} (max_rank)")
     numel = 1
-    for dim in value:
+    for index, dim in enumerate(value):
         if type(dim) is not int or dim < 0 or dim > INT64_MAX:
-            index = next(i for i, d in enumerate(value) if d is dim)
             check_int(dim, f"tensor shape[{index}]", lo=0, hi=INT64_MAX)  # raises, naming the dimension
         numel *= dim
     if numel > limits.max_tensor_elements:
@@ -189,6 +188,7 @@ class TensorField(WireType):
 
     def __init__(self) -> None:
         self.encode = TensorDesc.to_wire
+
         def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> TensorDesc:
             try:
                 return TensorDesc.from_wire(value, limits, len(frames))

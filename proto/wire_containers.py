@@ -89,7 +89,7 @@ class IntMap(WireType):
     encode = dict
 
     def __init__(self, max_len: int) -> None:
-        self.limits_doc = f"<= {max_len} entries; names <= `max_id_len` UTF-8 bytes"
+        self.limits_doc = f"<= {max_len} entries; names <= `max_id_len` UTF-8 bytes; nil reads as empty"
 
         def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> dict[str, int]:
             if value is None:

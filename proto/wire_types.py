@@ -104,10 +104,10 @@ class Str(WireType):
 
     def __init__(self, max_nbytes: int | str = "max_id_len", empty: bool = False) -> None:
         self.limits_doc = f"{'' if empty else 'non-empty, '}<= {bound_doc(max_nbytes)} UTF-8 bytes"
-        min_len = 0 if empty else 1
+        min_len, limit = (0 if empty else 1), (max_nbytes if isinstance(max_nbytes, str) else "")
 
         def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> str:
-            top = getattr(limits, max_nbytes) if isinstance(max_nbytes, str) else max_nbytes
+            top = getattr(limits, limit) if limit else max_nbytes
             if type(value) is str and min_len <= len(value) and 4 * len(value) <= top:  # (<= 4 bytes a character)
                 return value
             return check_str(value, field_name(path, key), max_nbytes=top, allow_empty=empty)
