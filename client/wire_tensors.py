@@ -19,7 +19,7 @@ from typing import Any, Protocol, Sequence, Union
 import numpy as np
 import torch
 
-from code2wav.proto import INTEGER_DTYPES, InlineLoc, TensorDesc, inline_view
+from code2wav.proto import INTEGER_DTYPES, WIRE_DTYPES, InlineLoc, TensorDesc, inline_view
 
 from .errors import InvalidArgument
 
@@ -28,9 +28,10 @@ __all__ = ["CodesLike", "TensorTransport", "InlineTransport", "HostBfloat16", "a
 
 CodesLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
 
-_TORCH_WIRE_INTS = {torch.int16, torch.int32, torch.int64}
+# the wire dtypes (proto's one list) as torch dtypes, by name: integers for codes, floats for latents
+_TORCH_WIRE_INTS = frozenset(getattr(torch, dtype.name) for dtype in WIRE_DTYPES if dtype.is_integer)
+_LATENT_DTYPES = {dtype.name: getattr(torch, dtype.name) for dtype in WIRE_DTYPES if not dtype.is_integer}
 _FLOAT32_ALIGN = 4
-_LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # wire floats
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Rules: no I/O; imports only the standard library and msgpack; never imports
 zmq, torch or numpy; imports nothing else of this project. ``client`` and
 ``sidecar`` both import ``proto`` and meet only on the wire. The protocol is
-documented in ``proto/README.md``.
+documented in ``proto/README.md``; each message is declared once (``declare.py``), and its parser, encoder
+and the README's field table come from that declaration.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from .ipc import (
 )
 from .limits import DEFAULT_LIMITS, Limits, MiB, exceeded_limit
 from .messages import (
+    CLIENT_MESSAGES,
     DEFAULT_LEFT_CONTEXT_FRAMES,
+    SERVER_MESSAGES,
     PROTOCOL_VERSION,
     STREAM_MODES,
     Abort,
@@ -47,9 +50,8 @@ from .messages import (
     ServerMessage,
     Welcome,
 )
+from .dtypes import FLOAT_DTYPES, INTEGER_DTYPES, WIRE_DTYPE_ITEMSIZES, WIRE_DTYPES, WireDtype
 from .tensors import (
-    INTEGER_DTYPES,
-    WIRE_DTYPE_ITEMSIZES,
     CudaIpcLoc,
     InlineLoc,
     TensorDesc,
@@ -74,8 +76,11 @@ __all__ = [
     "decode_client_message",
     "decode_server_message",
     "read_header",
+    "WireDtype",
+    "WIRE_DTYPES",
     "WIRE_DTYPE_ITEMSIZES",
     "INTEGER_DTYPES",
+    "FLOAT_DTYPES",
     "InlineLoc",
     "CudaIpcLoc",
     "TensorLoc",
@@ -83,6 +88,8 @@ __all__ = [
     "inline_view",
     "ClientMessage",
     "ServerMessage",
+    "CLIENT_MESSAGES",
+    "SERVER_MESSAGES",
     "Hello",
     "OpenStream",
     "Chunk",

@@ -18,44 +18,27 @@ from typing import Any, Callable, Sequence, Union
 
 import msgpack
 
-from . import _decode_client, _decode_server, ipc
 from ._check import UINT64_MAX, as_map, invalid, is_int, type_name
 from .errors import ProtocolError
 from .limits import DEFAULT_LIMITS, Limits
-from .messages import ClientMessage, ServerMessage
+from .messages import CLIENT_MESSAGES, SERVER_MESSAGES, ClientMessage, ServerMessage
 
-__all__ = ["encode", "decode_client_message", "decode_server_message", "read_header", "Buffer"]
+__all__ = ["encode", "decode_client_message", "decode_server_message", "decode_message", "read_header", "Buffer",
+           "parsers"]
 
 Buffer = Union[bytes, bytearray, memoryview]
+Parser = Callable[[dict[str, Any], Limits, Sequence[Any]], Any]
 
 _MAX_MAP_LEN = 256
 
-_ClientParser = Callable[[dict[str, Any], Limits, Sequence[Any]], ClientMessage]
-_ServerParser = Callable[[dict[str, Any], Limits, Sequence[Any]], ServerMessage]
 
-_CLIENT_PARSERS: dict[str, _ClientParser] = {
-    "hello": _decode_client.parse_hello,
-    "open_stream": _decode_client.parse_open_stream,
-    "decode": _decode_client.parse_decode,
-    "finish": _decode_client.parse_finish,
-    "abort": _decode_client.parse_abort,
-    "ping": _decode_client.parse_ping,
-    "bye": _decode_client.parse_bye,
-    "register_region": ipc.parse_register_region,
-    "unregister_region": ipc.parse_unregister_region,
-}
+def parsers(classes: Sequence[type]) -> dict[str, Parser]:
+    """``{TYPE: parse}`` of declared message classes: what a decoder dispatches on."""
+    return {cls.TYPE: cls.WIRE.parse_message for cls in classes}  # type: ignore[attr-defined]
 
-_SERVER_PARSERS: dict[str, _ServerParser] = {
-    "welcome": _decode_server.parse_welcome,
-    "opened": _decode_server.parse_opened,
-    "decode_result": _decode_server.parse_decode_result,
-    "finished": _decode_server.parse_finished,
-    "aborted": _decode_server.parse_aborted,
-    "pong": _decode_server.parse_pong,
-    "error": _decode_server.parse_error,
-    "region_registered": ipc.parse_region_registered,
-    "region_unregistered": ipc.parse_region_unregistered,
-}
+
+_CLIENT_PARSERS = parsers(CLIENT_MESSAGES)
+_SERVER_PARSERS = parsers(SERVER_MESSAGES)
 
 
 def encode(msg: ClientMessage | ServerMessage, buffers: Sequence[Buffer] = ()) -> list[Buffer]:
@@ -137,7 +120,7 @@ def _peek_request_id(header: dict[str, Any]) -> int | None:
     return None
 
 
-def _message_type(header: dict[str, Any], known: Sequence[str]) -> str:
+def _message_type(header: dict[str, Any], known: dict[str, Parser]) -> str:
     msg_type = header.get("type")
     if not isinstance(msg_type, str):
         invalid(f"header key 'type' must be a string, got {type_name(msg_type)}")
@@ -146,30 +129,25 @@ def _message_type(header: dict[str, Any], known: Sequence[str]) -> str:
     return msg_type
 
 
-def decode_client_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ClientMessage:
-    """Parse and validate a client -> server message (strict: unknown keys are rejected)."""
+def decode_message(frames: Sequence[Any], table: dict[str, Parser], limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Parse and validate a message of one of the types in ``table`` (``parsers``)."""
     header = read_header(frames, limits, check_size=False)
     request_id = _peek_request_id(header)
     try:
         _check_message_nbytes(frames, limits)
-        parser = _CLIENT_PARSERS[_message_type(header, tuple(_CLIENT_PARSERS))]
+        parser = table[_message_type(header, table)]
         msg = parser(header, limits, frames)
         _check_frame_count(frames, limits)
         return msg
     except ProtocolError as exc:
         raise exc.with_request_id(request_id) from None
+
+
+def decode_client_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ClientMessage:
+    """Parse and validate a client -> server message (strict: unknown keys are rejected)."""
+    return decode_message(frames, _CLIENT_PARSERS, limits)
 
 
 def decode_server_message(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> ServerMessage:
     """Parse and validate a server -> client message (unknown keys are ignored)."""
-    header = read_header(frames, limits, check_size=False)
-    request_id = _peek_request_id(header)
-    try:
-        _check_message_nbytes(frames, limits)
-        parser = _SERVER_PARSERS[_message_type(header, tuple(_SERVER_PARSERS))]
-        msg = parser(header, limits, frames)
-        _check_frame_count(frames, limits)
-        return msg
-    except ProtocolError as exc:
-        raise exc.with_request_id(request_id) from None
-
+    return decode_message(frames, _SERVER_PARSERS, limits)

@@ -24,47 +24,31 @@ says ``bye``, re-handshakes or is forgotten after the server's TTL.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Sequence
 
-from ._check import (
-    INT64_MAX,
-    UINT64_MAX,
-    as_map,
-    check_str,
-    get_choice,
-    get_int,
-    get_list,
-    get_str,
-    invalid,
-    reject_unknown_keys,
-)
-from ._flat import FlatMessage
-from .limits import Limits
+from ._check import check_str, invalid
+from .constants import MAX_REGION_EVENTS
+from .declare import message, rule, wire
+from .wire_containers import ArrayOf
+from .wire_types import UINT64, Choice, Int, Str, WireType, field_name
 
 __all__ = [
     "IPC_HANDLE_NBYTES",
     "MAX_REGION_EVENTS",
     "MAX_REGION_NBYTES",
     "REGION_ACCESS",
+    "Handle",
     "RegisterRegion",
     "RegionRegistered",
     "UnregisterRegion",
     "RegionUnregistered",
-    "parse_register_region",
-    "parse_unregister_region",
-    "parse_region_registered",
-    "parse_region_unregistered",
 ]
 
 IPC_HANDLE_NBYTES = 64
 """``cudaIpcMemHandle_t`` and ``cudaIpcEventHandle_t`` are both 64 opaque bytes."""
-MAX_REGION_EVENTS = 64
 MAX_REGION_NBYTES = 1 << 40
 REGION_ACCESS: tuple[str, ...] = ("read", "write")
 _HEX = frozenset("0123456789abcdef")
-_REGISTER_KEYS = frozenset({"type", "request_id", "gpu_uuid", "ipc_handle", "nbytes", "access", "events"})
-_UNREGISTER_KEYS = frozenset({"type", "request_id", "region_id"})
 
 
 def check_handle(value: object, name: str) -> str:
@@ -75,107 +59,67 @@ def check_handle(value: object, name: str) -> str:
     return text
 
 
-def _handles(obj: dict[str, Any], key: str, what: str, *, lo: int, hi: int) -> tuple[str, ...]:
-    values = get_list(obj, key, what, max_len=MAX_REGION_EVENTS)
-    if not lo <= len(values) <= hi:
-        invalid(f"{what}.{key} must hold {lo}..{hi} event handles, got {len(values)}")
-    return tuple(check_handle(v, f"{what}.{key}[{i}]") for i, v in enumerate(values))
+class Handle(WireType):
+    """A CUDA IPC memory or event handle: 64 bytes as 128 lowercase hex digits."""
+
+    type_doc, plural_doc = "str", "str"
+    limits_doc = f"{2 * IPC_HANDLE_NBYTES} lowercase hex digits"
+
+    def __init__(self) -> None:
+        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> str:
+            return check_handle(value, field_name(path, key))
+        self.parse = parse
 
 
-@dataclass(frozen=True)
+_EVENTS = ArrayOf(Handle(), MAX_REGION_EVENTS)
+_REPLY = "the request's"
+
+
+@message("register_region", sender="client")
 class RegisterRegion:
     """Client -> server: export one device memory block; answered by ``region_registered``."""
 
-    TYPE: ClassVar[str] = "register_region"
-    request_id: int
-    gpu_uuid: str
-    ipc_handle: str
-    nbytes: int
-    access: str
-    events: tuple[str, ...] = ()
+    request_id: int = wire(UINT64, doc="chosen by the client, echoed in the reply")
+    gpu_uuid: str = wire(Str(), doc="the block's GPU, `GPU-xxxxxxxx-...` as `nvidia-smi -L` prints it; must equal "
+                                    "`welcome.capabilities.gpu_uuid`")
+    ipc_handle: str = wire(Handle(), doc="the `cudaIpcMemHandle_t` of the block's start")
+    nbytes: int = wire(Int(1, MAX_REGION_NBYTES), doc="the region's size; the server checks it against the real "
+                                                      "allocation")
+    access: str = wire(Choice(REGION_ACCESS), doc="`read`: the server reads codes from it; `write`: the server "
+                                                  "writes audio into it")
+    events: tuple[str, ...] = wire(_EVENTS, default=(), doc="the interprocess event handles "
+                                                            "(`cudaIpcEventHandle_t`) the client records after "
+                                                            "writing codes")
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "request_id": self.request_id,
-            "gpu_uuid": self.gpu_uuid,
-            "ipc_handle": self.ipc_handle,
-            "nbytes": self.nbytes,
-            "access": self.access,
-            "events": list(self.events),
-        }
+    @rule("A `read` region has 1..64 `events`; a `write` region none (the server creates its events).")
+    def _events_by_access(self, path: str, limits: Any, frames: Any) -> None:
+        if self.access == "write" and self.events:
+            invalid(f"{path}.events must be empty for a write region (the server creates its events)")
+        if self.access == "read" and not 1 <= len(self.events) <= MAX_REGION_EVENTS:
+            invalid(f"{path}.events must hold 1..{MAX_REGION_EVENTS} event handles, got {len(self.events)}")
 
 
-@dataclass(frozen=True)
-class UnregisterRegion(FlatMessage):
+@message("unregister_region", sender="client")
+class UnregisterRegion:
     """Client -> server: close a region; answered by ``region_unregistered`` once no chunk uses it."""
 
-    TYPE: ClassVar[str] = "unregister_region"
-    request_id: int
-    region_id: int
+    request_id: int = wire(UINT64, doc="chosen by the client, echoed in the reply")
+    region_id: int = wire(Int(0), doc="one of this connection's regions")
 
 
-@dataclass(frozen=True)
+@message("region_registered", sender="server")
 class RegionRegistered:
     """Server -> client: the region's id; for ``write`` regions the server's event handles."""
 
-    TYPE: ClassVar[str] = "region_registered"
-    request_id: int
-    region_id: int
-    events: tuple[str, ...] = ()
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "request_id": self.request_id, "region_id": self.region_id,
-                "events": list(self.events)}
+    request_id: int = wire(UINT64, doc=_REPLY)
+    region_id: int = wire(Int(0), doc="what descriptors name as `region`")
+    events: tuple[str, ...] = wire(_EVENTS, default=(), doc="`write` regions: the server's event handles (16 "
+                                                            "today), which results name in `audio_event`")
 
 
-@dataclass(frozen=True)
-class RegionUnregistered(FlatMessage):
-    TYPE: ClassVar[str] = "region_unregistered"
-    request_id: int
-    region_id: int
+@message("region_unregistered", sender="server")
+class RegionUnregistered:
+    """Server -> client: the region is closed."""
 
-
-def parse_register_region(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -> RegisterRegion:
-    what = "register_region"
-    reject_unknown_keys(header, _REGISTER_KEYS, what)
-    access = get_choice(header, "access", what, choices=REGION_ACCESS)
-    events = _handles(header, "events", what, lo=1, hi=MAX_REGION_EVENTS) if access == "read" else ()
-    if access == "write" and header.get("events"):
-        invalid("register_region.events must be empty for a write region (the server creates its events)")
-    return RegisterRegion(
-        request_id=get_int(header, "request_id", what, lo=0, hi=UINT64_MAX),
-        gpu_uuid=get_str(header, "gpu_uuid", what, max_nbytes=limits.max_id_len),
-        ipc_handle=check_handle(header.get("ipc_handle"), f"{what}.ipc_handle"),
-        nbytes=get_int(header, "nbytes", what, lo=1, hi=MAX_REGION_NBYTES),
-        access=access,
-        events=events,
-    )
-
-
-def parse_unregister_region(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -> UnregisterRegion:
-    reject_unknown_keys(header, _UNREGISTER_KEYS, "unregister_region")
-    return UnregisterRegion(
-        request_id=get_int(header, "request_id", "unregister_region", lo=0, hi=UINT64_MAX),
-        region_id=get_int(header, "region_id", "unregister_region", lo=0, hi=INT64_MAX),
-    )
-
-
-def parse_region_registered(header: dict[str, Any], limits: Limits, frames: Sequence[Any]) -> RegionRegistered:
-    what = "region_registered"
-    events = _handles(header, "events", what, lo=0, hi=MAX_REGION_EVENTS) if "events" in header else ()
-    return RegionRegistered(
-        request_id=get_int(header, "request_id", what, lo=0, hi=UINT64_MAX),
-        region_id=get_int(header, "region_id", what, lo=0, hi=INT64_MAX),
-        events=events,
-    )
-
-
-def parse_region_unregistered(header: dict[str, Any], limits: Limits,
-                              frames: Sequence[Any]) -> RegionUnregistered:
-    what = "region_unregistered"
-    as_map(header, what)
-    return RegionUnregistered(
-        request_id=get_int(header, "request_id", what, lo=0, hi=UINT64_MAX),
-        region_id=get_int(header, "region_id", what, lo=0, hi=INT64_MAX),
-    )
+    request_id: int = wire(UINT64, doc=_REPLY)
+    region_id: int = wire(Int(0), doc="the closed region")

@@ -5,51 +5,36 @@ Rules: sans-IO; stdlib only; imports nothing outside ``proto``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
-
-from ._check import as_map, check_int
+from .declare import record, wire
+from .wire_types import Int
 
 __all__ = ["Limits", "DEFAULT_LIMITS", "MiB", "exceeded_limit"]
 
 MiB = 1024 * 1024
 
 
-@dataclass(frozen=True)
+@record("limits", sender="server")
 class Limits:
-    """Bounds enforced by the decoders; all counts are inclusive maxima."""
+    """Bounds enforced by the decoders; all counts are inclusive maxima. A server sends its own in ``welcome``;
+    a client reads the ones it gets leniently (unknown keys ignored, missing ones keep these defaults)."""
 
-    max_message_bytes: int = 64 * MiB
-    """Sum of the sizes of all frames of one message."""
-    max_header_bytes: int = 1 * MiB
-    """Size of frame 0 (the msgpack header)."""
-    max_frames_per_message: int = 1025
-    """Header plus one tensor frame per chunk."""
-    max_chunks_per_message: int = 1024
-    max_tensor_elements: int = 64 * 1024 * 1024
-    """Element count of any one tensor (bounds CUDA IPC tensors, which the byte limit does not)."""
-    max_rank: int = 4
-    max_id_len: int = 256
-    """UTF-8 bytes of stream ids, client ids, model names, server ids, boot epochs."""
-    max_chunk_frames: int = 8192
-    """Codec frames (``n``) in one chunk."""
-    max_left_context_frames: int = 1024
-
-    def to_wire(self) -> dict[str, int]:
-        return asdict(self)
+    max_message_bytes: int = wire(Int(1), default=64 * MiB, doc="sum of the sizes of all frames of one message")
+    max_header_bytes: int = wire(Int(1), default=1 * MiB, doc="size of frame 0 (the msgpack header)")
+    max_frames_per_message: int = wire(Int(1), default=1025, doc="the header plus one tensor frame per chunk")
+    max_chunks_per_message: int = wire(Int(1), default=1024, doc="entries of `decode.chunks`")
+    max_tensor_elements: int = wire(Int(1), default=64 * 1024 * 1024,
+                                    doc="elements of any one tensor (bounds CUDA IPC tensors, which the byte "
+                                        "limit does not)")
+    max_rank: int = wire(Int(1), default=4, doc="rank of any tensor")
+    max_id_len: int = wire(Int(1), default=256,
+                           doc="UTF-8 bytes of stream ids, client ids, model names, server ids, boot epochs")
+    max_chunk_frames: int = wire(Int(1), default=8192, doc="codec frames (`n`) in one chunk")
+    max_left_context_frames: int = wire(Int(0), default=1024, doc="`open_stream.left_context_frames`")
 
     @classmethod
     def from_wire(cls, obj: object) -> Limits:
         """Parse limits sent by a server: unknown keys are ignored, missing keys keep defaults."""
-        mapping: dict[str, Any] = as_map(obj, "limits")
-        values: dict[str, int] = {}
-        for field in fields(cls):
-            if field.name in mapping:
-                lowest = 0 if field.name == "max_left_context_frames" else 1
-                values[field.name] = check_int(
-                    mapping[field.name], f"limits.{field.name}", lo=lowest, hi=2**63 - 1
-                )
-        return cls(**values)
+        return cls.WIRE.parse(obj, "limits", "", None, ())  # type: ignore[attr-defined]
 
 
 DEFAULT_LIMITS = Limits()

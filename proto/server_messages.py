@@ -1,165 +1,64 @@
-"""Server -> client messages of wire protocol v1 (the CUDA IPC region replies are in ``ipc.py``).
+"""Server -> client messages of wire protocol v1, each declared once (``welcome``: ``server_welcome.py``; the
+CUDA IPC region replies: ``ipc.py``).
 
-Rules: sans-IO; stdlib only; never imports zmq, torch or numpy; imports nothing
-outside ``proto``. Each message is a frozen dataclass with its ``TYPE`` and its
-wire form (``to_wire``); parsing and validation live in ``_decode_client.py`` and
-``_decode_server.py``, the table of all messages in ``messages.py``.
+Rules: sans-IO; stdlib only; never imports zmq, torch or numpy; imports nothing outside ``proto``. Parsed
+leniently: unknown keys are ignored (a newer server may add fields), known ones are checked. An error code this
+version does not know reads as INTERNAL, with the original code kept in the message.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+import dataclasses
+from typing import Any
 
-from ._flat import FlatMessage
-from .errors import ErrorCode
-from .limits import DEFAULT_LIMITS, Limits
-from .tensors import TensorDesc
+from ._check import invalid
+from .constants import MAX_REGION_EVENTS
+from .declare import message, record, rule, wire
+from .errors import ErrorCode, ProtocolError
+from .server_welcome import ModelInfo, StreamOptionInfo, Welcome
+from .tensors import CudaIpcLoc, InlineLoc, TensorDesc, TensorField, inline_view
+from .wire_containers import ArrayOf, Nullable
+from .wire_types import UINT64, ErrorCodeField, Int, Str, UnknownErrorCode
 
 __all__ = ["StreamOptionInfo", "ModelInfo", "Welcome", "Opened", "ErrorInfo", "ChunkResult", "DecodeResult",
            "Finished", "Aborted", "Pong", "Error"]
 
-
-@dataclass(frozen=True)
-class StreamOptionInfo:
-    """An integer option a stream of this model may set in ``open_stream.options`` (range inclusive)."""
-
-    name: str
-    low: int
-    high: int
-    default: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "low": self.low, "high": self.high, "default": self.default}
+_TEXT = Str("max_header_bytes", empty=True)
+_REPLY = "the request's"
+_UNKNOWN_CODE = "An unknown `code` reads as `internal`, the message starting `[server error code '<code>'] `."
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """A served model and its input contract (proto/README.md, "welcome"). ``num_quantizers`` is the inputs'
-    first dimension (Q codes or D latent channels, same as ``input_channels``); ``codebook_size`` is 0 for
-    latents. The contract fields default to a codes model's values for servers that do not send them."""
-
-    name: str
-    num_quantizers: int
-    codebook_size: int
-    samples_per_frame: int
-    sample_rate: int
-    modes: tuple[str, ...]
-    dtype: str
-    device: str
-    family: str = ""
-    input_kind: str = "codes"  # "codes": integers [Q, n] in input_range; "latents": finite floats [D, n]
-    input_dtypes: tuple[str, ...] = ("int16", "int32", "int64")
-    input_channels: int = 0  # 0: num_quantizers (a server before the contract fields)
-    input_range: tuple[int, int] | None = None  # [low, high) of codes; None: latents, or [0, codebook_size)
-    stream_options: tuple[StreamOptionInfo, ...] = ()
-
-    @property
-    def channels(self) -> int:
-        return self.input_channels or self.num_quantizers
-
-    @property
-    def valid_range(self) -> tuple[int, int] | None:
-        if self.input_kind != "codes":
-            return None
-        return self.input_range or (0, self.codebook_size)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "num_quantizers": self.num_quantizers,
-            "codebook_size": self.codebook_size,
-            "samples_per_frame": self.samples_per_frame,
-            "sample_rate": self.sample_rate,
-            "modes": list(self.modes),
-            "dtype": self.dtype,
-            "device": self.device,
-            "family": self.family,
-            "input_kind": self.input_kind,
-            "input_dtypes": list(self.input_dtypes),
-            "input_channels": self.input_channels,  # 0: num_quantizers
-            "input_range": None if self.input_range is None else list(self.input_range),
-            "stream_options": [option.to_wire() for option in self.stream_options],
-        }
+def _internal_for_unknown_code(error: Any, path: str, limits: Any, frames: Any) -> Any:
+    if type(error.code) is UnknownErrorCode:
+        return dataclasses.replace(error, code=ErrorCode.INTERNAL,
+                                   message=f"[server error code {str(error.code)!r}] {error.message}")
+    return None
 
 
-@dataclass(frozen=True)
-class Welcome:
-    """Reply to ``Hello``."""
-
-    TYPE: ClassVar[str] = "welcome"
-    request_id: int
-    version: int
-    server_id: str
-    boot_epoch: str
-    models: tuple[ModelInfo, ...]
-    default_model: str
-    limits: Limits = DEFAULT_LIMITS
-    heartbeat_interval_s: float = 0.5
-    capabilities: dict[str, Any] = field(default_factory=dict)
-    session_secret: str | None = None
-    """Binds the session to this client: a later ``hello`` on the same routing id must present it."""
-
-    def model(self, name: str | None) -> ModelInfo | None:
-        """The model called ``name`` (the default model for ``None``), if served."""
-        wanted = self.default_model if name is None else name
-        for info in self.models:
-            if info.name == wanted:
-                return info
-        return None
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "request_id": self.request_id,
-            "version": self.version,
-            "server_id": self.server_id,
-            "boot_epoch": self.boot_epoch,
-            "models": [info.to_wire() for info in self.models],
-            "default_model": self.default_model,
-            "limits": self.limits.to_wire(),
-            "heartbeat_interval_s": float(self.heartbeat_interval_s),
-            "capabilities": dict(self.capabilities),
-            **({} if self.session_secret is None else {"session_secret": self.session_secret}),
-        }
-
-
-@dataclass(frozen=True)
+@message("opened", sender="server")
 class Opened:
     """Reply to ``OpenStream``: the parameters in effect for the stream."""
 
-    TYPE: ClassVar[str] = "opened"
-    request_id: int
-    stream_id: str
-    model: str
-    mode: str
-    left_context_frames: int
-    samples_per_frame: int
-    num_quantizers: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "request_id": self.request_id,
-            "stream_id": self.stream_id,
-            "model": self.model,
-            "mode": self.mode,
-            "left_context_frames": self.left_context_frames,
-            "samples_per_frame": self.samples_per_frame,
-            "num_quantizers": self.num_quantizers,
-        }
+    request_id: int = wire(UINT64, doc=_REPLY)
+    stream_id: str = wire(Str(), doc="the `open_stream`'s")
+    model: str = wire(Str(), doc="the model's name (the default model's for nil)")
+    mode: str = wire(Str(), doc="the stream's mode")
+    left_context_frames: int = wire(Int(0), doc="in effect (0 in exact mode)")
+    samples_per_frame: int = wire(Int(1), doc="`U`")
+    num_quantizers: int = wire(Int(1), doc="`Q`")
 
 
-@dataclass(frozen=True)
+@record("error", sender="server")
 class ErrorInfo:
-    code: ErrorCode
-    message: str
+    """A chunk's failure: its typed code and what happened."""
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"code": self.code.value, "message": self.message}
+    code: ErrorCode = wire(ErrorCodeField(), doc="what failed (section 7)")
+    message: str = wire(_TEXT, doc="for people")
+
+    _unknown_code = rule(_UNKNOWN_CODE)(_internal_for_unknown_code)
 
 
-@dataclass(frozen=True)
+@record("result", sender="server", order=("stream_id", "seq", "num_frames", "audio", "error", "audio_event"))
 class ChunkResult:
     """Outcome of one chunk: exactly one of ``audio`` (float32 ``[num_samples]``) and ``error``.
 
@@ -169,76 +68,86 @@ class ChunkResult:
     arrive before that event completes, so readers wait on it first.
     """
 
-    stream_id: str
-    seq: int
-    audio: TensorDesc | None
-    num_frames: int
-    error: ErrorInfo | None = None
-    audio_event: int | None = None
+    stream_id: str = wire(Str(), doc="echoes the chunk")
+    seq: int = wire(Int(0), doc="echoes the chunk")
+    audio: TensorDesc | None = wire(
+        Nullable(TensorField()), absent=None,
+        doc="`float32` `[num_frames * U]` samples at `sample_rate`, mono, range about [-1, 1]")
+    num_frames: int = wire(Int(0), absent=0, doc="frames that produced audio: `n - context_frames` (0 on error)")
+    error: ErrorInfo | None = wire(Nullable(ErrorInfo), default=None, doc="why the chunk failed")
+    audio_event: int | None = wire(
+        Nullable(Int(0, MAX_REGION_EVENTS - 1)), default=None, omit_default=True,
+        doc="the event of the audio's region the server recorded after writing it; wait on it before reading "
+            "(the result does not wait for it)")
 
-    def to_wire(self) -> dict[str, Any]:
-        wire = {
-            "stream_id": self.stream_id,
-            "seq": self.seq,
-            "num_frames": self.num_frames,
-            "audio": None if self.audio is None else self.audio.to_wire(),
-            "error": None if self.error is None else self.error.to_wire(),
-        }
-        if self.audio_event is not None:
-            wire["audio_event"] = self.audio_event
-        return wire
+    @rule("Exactly one of `audio` and `error` is non-nil.")
+    def _audio_or_error(self, path: str, limits: Any, frames: Any) -> None:
+        if (self.audio is None) == (self.error is None):
+            invalid(f"{path} must carry exactly one of 'audio' and 'error'")
+
+    @rule("`audio` is `float32` rank 1; inline, its frame holds exactly its bytes.")
+    def _audio(self, path: str, limits: Any, frames: Any) -> None:
+        audio = self.audio
+        if audio is None:
+            return
+        try:
+            if audio.dtype != "float32" or len(audio.shape) != 1:
+                invalid(f"audio must be float32 [num_samples], got {audio.dtype} {list(audio.shape)}")
+            if type(audio.loc) is InlineLoc:
+                inline_view(audio, frames)
+        except ProtocolError as exc:
+            raise ProtocolError(exc.code, f"{path}.audio: {exc.message}") from None
+
+    @rule("`audio_event` is required when `audio` is `cuda_ipc` (and ignored otherwise).")
+    def _audio_event(self, path: str, limits: Any, frames: Any) -> Any:
+        is_ipc = self.audio is not None and isinstance(self.audio.loc, CudaIpcLoc)
+        if is_ipc and self.audio_event is None:
+            invalid(f"{path} is missing required key 'audio_event'")
+        if not is_ipc and self.audio_event is not None:
+            return dataclasses.replace(self, audio_event=None)
+        return None
 
 
-@dataclass(frozen=True)
+@message("decode_result", sender="server")
 class DecodeResult:
     """Reply to ``Decode``: one result per chunk, in the chunks' order."""
 
-    TYPE: ClassVar[str] = "decode_result"
-    request_id: int
-    results: tuple[ChunkResult, ...]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "request_id": self.request_id,
-            "results": [result.to_wire() for result in self.results],
-        }
+    request_id: int = wire(UINT64, doc=_REPLY)
+    results: tuple[ChunkResult, ...] = wire(ArrayOf(ChunkResult, "max_chunks_per_message"),
+                                            doc="one per chunk, in the chunks' order")
 
 
-@dataclass(frozen=True)
-class Finished(FlatMessage):
-    TYPE: ClassVar[str] = "finished"
-    request_id: int
-    stream_id: str
+@message("finished", sender="server")
+class Finished:
+    """Reply to ``Finish``: the stream is closed."""
+
+    request_id: int = wire(UINT64, doc=_REPLY)
+    stream_id: str = wire(Str(), doc="the finished stream")
 
 
-@dataclass(frozen=True)
-class Aborted(FlatMessage):
-    TYPE: ClassVar[str] = "aborted"
-    request_id: int
-    stream_id: str
+@message("aborted", sender="server")
+class Aborted:
+    """Reply to ``Abort``: the stream is gone."""
+
+    request_id: int = wire(UINT64, doc=_REPLY)
+    stream_id: str = wire(Str(), doc="the aborted stream")
 
 
-@dataclass(frozen=True)
-class Pong(FlatMessage):
-    TYPE: ClassVar[str] = "pong"
-    request_id: int
-    boot_epoch: str
+@message("pong", sender="server")
+class Pong:
+    """Reply to ``Ping``."""
+
+    request_id: int = wire(UINT64, doc=_REPLY)
+    boot_epoch: str = wire(Str(), doc="the server's (section 6): another one than the handshake's means a restart")
 
 
-@dataclass(frozen=True)
+@message("error", sender="server")
 class Error:
     """Message-level error; ``request_id`` is None when the request's id could not be read."""
 
-    TYPE: ClassVar[str] = "error"
-    request_id: int | None
-    code: ErrorCode
-    message: str
+    request_id: int | None = wire(Nullable(UINT64), doc="the request's; nil only when it could not be read (bad "
+                                                        "framing, bad msgpack)")
+    code: ErrorCode = wire(ErrorCodeField(), doc="what failed (section 7)")
+    message: str = wire(_TEXT, doc="for people")
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "request_id": self.request_id,
-            "code": self.code.value,
-            "message": self.message,
-        }
+    _unknown_code = rule(_UNKNOWN_CODE)(_internal_for_unknown_code)

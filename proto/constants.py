@@ -1,0 +1,15 @@
+"""Constants of wire protocol v1 that the message declarations and their users share.
+
+Rules: sans-IO; stdlib only; imports nothing outside ``proto``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PROTOCOL_VERSION", "STREAM_MODES", "DEFAULT_LEFT_CONTEXT_FRAMES", "MAX_REGION_EVENTS"]
+
+PROTOCOL_VERSION = 1
+STREAM_MODES: tuple[str, ...] = ("exact", "window")
+DEFAULT_LEFT_CONTEXT_FRAMES = 25
+"""What clients send for ``window`` mode unless told otherwise (vLLM-Omni's default)."""
+MAX_REGION_EVENTS = 64
+"""Events a ``read`` region may register (``codes_event`` and ``audio_event`` index them)."""
