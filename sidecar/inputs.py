@@ -19,7 +19,7 @@ from .models import LoadedModel
 from .jobs import ChunkJob, IpcAudioOut, IpcInputs
 from .work import ChunkRejected
 
-_NP_DTYPES = {"int16": np.int16, "int32": np.int32, "int64": np.int64, "float32": np.float32}
+_NP_DTYPES = {d.name: np.dtype(d.name) for d in proto.WIRE_DTYPES if d.name != "bfloat16"}  # (numpy has none)
 
 
 def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: bytes, job: ChunkJob, chunk: proto.Chunk,
@@ -74,7 +74,7 @@ def _inline_inputs(model: LoadedModel, desc: proto.TensorDesc, frames: list) -> 
         bits = np.frombuffer(view, dtype="<u2").astype(np.uint32) << 16  # [C * n] (a copy)
         array = bits.view(np.float32).reshape(num_channels, num_frames)  # [C, n] float32 (latents only)
     else:
-        array = np.frombuffer(view, dtype=np.dtype(_NP_DTYPES[desc.dtype]).newbyteorder("<"))
+        array = np.frombuffer(view, dtype=_NP_DTYPES[desc.dtype].newbyteorder("<"))
         host = np.dtype(np.int64) if model.input.is_integer else np.dtype(np.float32)
         array = array.reshape(num_channels, num_frames).astype(host)  # [C, n] (copy: chunks are small)
     values = torch.from_numpy(array)

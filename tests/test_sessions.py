@@ -48,8 +48,8 @@ def _decode(stream_id: str, seq: int, codes: torch.Tensor, request_id: int = 9) 
 
 
 def test_the_message_table_handles_every_client_message(sessions):
-    client_types = set(typing.get_args(proto.ClientMessage))
-    assert client_types == set(sessions.handlers) | {proto.Hello}  # hello opens a session: handled before it
+    assert set(typing.get_args(proto.ClientMessage)) == set(proto.CLIENT_MESSAGES)
+    assert set(proto.CLIENT_MESSAGES) == set(sessions.handlers) | {proto.Hello}  # hello opens a session, before it
 
 
 def test_a_session_starts_with_hello_and_a_stream_takes_chunks_in_seq_order(sessions, tiny):

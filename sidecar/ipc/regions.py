@@ -29,8 +29,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["check_span", "Region", "DeviceOp", "RegionService", "TORCH_DTYPES"]
 
-TORCH_DTYPES = {"int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "float32": torch.float32,
-                "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {d.name: getattr(torch, d.name) for d in proto.WIRE_DTYPES}  # a wire dtype's name is torch's
 
 
 def check_span(region_nbytes: int, offset: int, nbytes: int, itemsize: int) -> str | None:

@@ -24,9 +24,13 @@ from typing import Any, Mapping, Protocol
 import torch
 from torch import Tensor, nn
 
+from code2wav.proto import FLOAT_DTYPES, WIRE_DTYPES
+
 INPUT_KINDS = ("codes", "latents")
-_INTEGER_WIRE_DTYPES = ("int16", "int32", "int64")
-_FLOAT_WIRE_DTYPES = ("float32", "bfloat16")  # staged in the model's dtype either way
+_INTEGER_WIRE_DTYPES = tuple(d.name for d in WIRE_DTYPES if d.is_integer)  # any integer wire dtype, staged as int64
+_FLOAT_WIRE_DTYPES = ("float32", "bfloat16")  # of proto.FLOAT_DTYPES, these (in this order: the welcome lists it);
+# staged in the model's dtype either way
+assert set(_FLOAT_WIRE_DTYPES) <= FLOAT_DTYPES
 
 
 class FamilyError(ValueError):
