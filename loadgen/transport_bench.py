@@ -77,7 +77,7 @@ class InProcessReference:
         t0 = time.perf_counter()
         host = self.codes.cpu()  # [Q, n]: the engine reads codes on the host (and checks them there)
         items = [DecodeItem(codes=host, slot=s, skip_frames=0, out_device=True) for s in self.slots[:batch]]
-        kept = [audio.clone() for audio in self.manager.run(self.buckets[batch], items)]  # [n * U] each, on device
+        kept = [audio.clone() for audio in self.manager.replay(self.buckets[batch], items)]  # [n * U] each, on device
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         del kept

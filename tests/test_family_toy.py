@@ -234,7 +234,7 @@ def test_toy_family_serves_exact_streams_end_to_end_on_cpu(toy_folder, tmp_path)
 @pytest.mark.cuda
 def test_toy_family_serves_exact_streams_with_cuda_graphs(toy_folder, tmp_path):
     server = _serve_streams(tmp_path, toy_folder, "cuda")  # the family's own buckets: b1, b2 x 1, 8 frames
-    summary = server.engine.graphs.manager.summary()
+    summary = server.engine.graphs.summary()
     assert all(s["status"] == "captured" for s in summary), summary
     replays = server.metrics.graph_replays.labels(component="exact", bucket="b1xt8")._value.get()
     assert replays >= 4, summary  # the 5-, 3-, 7-, 4- and 4-frame chunks replay b1 x t8

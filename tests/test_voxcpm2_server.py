@@ -153,7 +153,7 @@ def test_cuda_graphs_match_eager_fp32(tmp_path, cases):
                 results[label] = [_stream(client, f"{label}{row}", cases["latents"][row], {"sr_cond": hz})
                                   for row, hz in enumerate(cases["sr_cond"].tolist())]
             if label == "graphs":
-                summary = running.server.engine.graphs.manager.summary()
+                summary = running.server.engine.graphs.summary()
                 assert summary and all(s["status"] == "captured" for s in summary), summary
         finally:
             running.stop()
