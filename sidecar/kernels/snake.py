@@ -108,14 +108,12 @@ def tile_for(num_channels: int) -> tuple[int, int]:
 
 
 def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, lengths: Tensor | None,
-            log_params: bool, in_bias: Tensor | None = None, pairs: bool = False, channels_last: bool = False,
-            block_tile: tuple[int, int] | None = None, sine: int | None = None,
-            num_warps: int = 4) -> tuple[Tensor, Tensor]:
+            log_params: bool, in_bias: Tensor | None = None, pairs: bool = False,
+            channels_last: bool = False) -> tuple[Tensor, Tensor]:
     """The kernels' launcher: ``(cat [B, C, P + T], tail [B, C, P])`` (``cat`` channels-last with
     ``channels_last``), or with ``pairs``, ``(pairs [B, P + T - 1, 2 * C], tail)`` (``transposed.py``). Where
     ``x``'s columns are contiguous and ``cat`` is not channels-last, the one-channel-per-program kernel; otherwise
-    the tiled one, its tile from ``tile_for`` unless ``block_tile``, its sine from ``sine_for`` unless ``sine``.
-    ``block_tile``, ``sine`` and the tiled kernel's ``num_warps`` for probes that compare them."""
+    the tiled one, its tile from ``tile_for``; the sine from ``sine_for``."""
     batch, channels, num_cols_in = x.shape
     num_state_cols = 0 if state is None else state.shape[2]
     total = num_state_cols + num_cols_in
@@ -140,13 +138,12 @@ def _launch(x: Tensor, state: Tensor | None, alpha: Tensor, beta: Tensor, length
             channels, num_cols_in, num_state_cols,
             x.stride(0), x.stride(1), x.stride(2), src.stride(0), src.stride(1), src.stride(2))
     flags = dict(LOG_PARAMS=log_params, HAS_STATE=has_state, HAS_IN_BIAS=in_bias is not None,
-                 SINE=sine_for(x) if sine is None else sine)
+                 SINE=sine_for(x))
     if pairs or channels_last or x.stride(2) != 1:
-        block_c, block_t = block_tile or tile_for(channels)
+        block_c, block_t = tile_for(channels)
         grid = (triton.cdiv(num_cols_in, block_t) + has_state, triton.cdiv(channels, block_c), batch)  # + the state's
         _snake_cat_tile_kernel[grid](*args, *out_strides, **flags, PAIRS=pairs, BLOCK_C=block_c, BLOCK_T=block_t,
-                                     BLOCK_P=state_cols_for(num_state_cols),
-                                     num_warps=num_warps)
+                                     BLOCK_P=state_cols_for(num_state_cols), num_warps=4)
     else:
         grid = (triton.cdiv(total, BLOCK_COLS), channels, batch)
         _snake_cat_kernel[grid](*args, **flags, BLOCK=BLOCK_COLS, num_warps=4)
