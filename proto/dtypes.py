@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["WireDtype", "WIRE_DTYPES", "WIRE_DTYPE_ITEMSIZES", "INTEGER_DTYPES", "FLOAT_DTYPES", "DTYPE_KINDS"]
-
-DTYPE_KINDS: tuple[str, ...] = ("integer", "float")
+__all__ = ["WireDtype", "WIRE_DTYPES", "WIRE_DTYPE_ITEMSIZES", "INTEGER_DTYPES", "FLOAT_DTYPES"]
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,14 @@ class ConfigError(ValueError):
     pass
 
 
+REMOVED_KEYS = {
+    "graphs.cap_batch_to_buckets": "batches are always capped to the largest captured graph batch (a larger batch "
+                                   "ran eager, many times slower)",
+    "graphs.cudnn_benchmark": "the dense convs' forms are timed per shape at graph warm-up (ConvChoice) instead",
+}
+"""Keys earlier versions took, and why they went: a config that still sets one is told so by name."""
+
+
 def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
@@ -194,7 +202,9 @@ def _explain(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         loc = tuple(err["loc"])
         dotted = ".".join(str(p) for p in loc)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and dotted in REMOVED_KEYS:
+            lines.append(f"'{dotted}' was removed ({REMOVED_KEYS[dotted]}); delete it from the config")
+        elif err["type"] == "extra_forbidden":
             known = _known_keys(ServerConfig, loc)
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"

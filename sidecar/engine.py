@@ -34,11 +34,6 @@ class Engine:
         self.metrics = metrics
         self.planner = StepPlanner(graphs, max_forward_frames)
 
-    @property
-    def captures_on_demand(self) -> bool:
-        """Whether a plan may ask for a capture (graphs in ``lazy`` or ``startup_lazy`` mode)."""
-        return self.planner.captures_on_demand
-
     def plan(self, mode: StreamMode, row_frames: list[int], may_capture: bool = True) -> StepPlan:
         return self.planner.plan(mode, row_frames, may_capture)
 
@@ -55,8 +50,9 @@ class Engine:
             return self.graphs.replay(bucket, items)
         if self.graphs is not None and self.metrics is not None:
             self.metrics.graph_misses.labels(component=plan.mode.name, reason=plan.reason).inc()
-        slices = plan.slices or eager_slices(plan.frames, self.max_forward_frames)  # (a bucket whose capture failed)
-        return self._eager(plan.mode.stateful, items, plan.frames, slices)
+        frames = max(it.num_frames for it in items)  # (rows refused after planning shorten an eager step)
+        slices = plan.slices if plan.slices and frames == plan.frames else eager_slices(frames, self.max_forward_frames)
+        return self._eager(plan.mode.stateful, items, frames, slices)
 
     def decode(self, items: list[DecodeItem], may_capture: bool = True, mode: StreamMode | None = None) -> list[Tensor]:
         """Plan and execute one step (tests, offline decoding, in-process benches). ``mode``: the rows' stream mode
@@ -81,13 +77,3 @@ class Engine:
         if stateful:
             self.arena.scatter(slots, state, positions)  # commit: only after the forward succeeded
         return rows_audio(wav, items, model.samples_per_frame)
-
-    @torch.inference_mode()
-    def run(self, inputs: Tensor, num_frames: Tensor, state: dict[str, Tensor], positions: Tensor,
-            options: dict[str, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        """Forward ``inputs`` ``[B, C, T]`` outside the arena (benches): ``(wav [B, T * U], new state, new
-        positions)``, in time slices of at most ``max_forward_frames``. ``options``: name -> ``[B]`` (missing:
-        every row at the option's default)."""
-        options = {**self.model.zero_options(inputs.shape[0]), **(options or {})}
-        slices = eager_slices(inputs.shape[2], self.max_forward_frames)
-        return forward_in_slices(self.model, inputs, num_frames, state, positions, options, slices)

@@ -43,8 +43,6 @@ class StepPlan:
 class GraphState(Protocol):
     """What the planner reads of the graph mechanism (``graphs.manager.GraphManager``)."""
 
-    capture_mode: str  # startup | startup_lazy | lazy
-
     def known_buckets(self) -> tuple[BucketKey, ...]: ...
     def usable_buckets(self) -> tuple[BucketKey, ...]: ...
     def is_captured(self, key: BucketKey) -> bool: ...
@@ -61,11 +59,6 @@ class StepPlanner:
         self.graphs = graphs
         self.max_forward_frames = max_forward_frames
         self._tables: dict[tuple[str, tuple[BucketKey, ...]], PaddingTable] = {}
-
-    @property
-    def captures_on_demand(self) -> bool:
-        """Whether a plan may ask for a capture (graphs in a lazy capture mode)."""
-        return self.graphs is not None and self.graphs.capture_mode != "startup"
 
     def plan(self, mode: StreamMode, row_frames: list[int] | tuple[int, ...], may_capture: bool = True) -> StepPlan:
         """The plan for a batch whose rows decode ``row_frames`` frames. ``may_capture=False``: a bucket still to

@@ -97,10 +97,10 @@ class Stepper:
         io, chunks, streams = self.io, self.sessions.chunks, self.sessions.streams
         mode = batch[0].stream.mode
         series = self.metrics.mode_series(batch[0].stream.model, mode.name)
-        plan = self.engine.plan(mode, [job.decoded_frames for job in batch])
         now = time.monotonic()
         self.busy = True  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
         try:
+            plan = self.engine.plan(mode, [job.decoded_frames for job in batch])
             pending = incomplete_codes_events(batch)  # the step's one query per codes event
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)

@@ -88,6 +88,13 @@ def test_compile_settings_are_typed():
         load_config(overrides={"graphs": {"compiler": True}})
 
 
+def test_a_removed_key_is_named_with_why_it_went():
+    with pytest.raises(ConfigError, match=r"'graphs.cudnn_benchmark' was removed \(the dense convs' forms are timed"):
+        load_config(overrides={"graphs": {"cudnn_benchmark": True}})
+    with pytest.raises(ConfigError, match="'graphs.cap_batch_to_buckets' was removed .* delete it from the config"):
+        load_config(overrides={"graphs": {"cap_batch_to_buckets": False}})
+
+
 def test_compile_cache_dir_is_created_and_used(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     target = tmp_path / "cache" / "inductor"

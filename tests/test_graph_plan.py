@@ -187,3 +187,23 @@ def test_copy_in_stages_each_row_as_the_per_row_contract_says():
     routine.copy_in(1, 1, ragged[2:])  # one row: the frames of its bucket only
     assert torch.equal(routine.inputs[:1, :, :1], ragged[2].codes[None])
     assert routine.num_frames[:1].tolist() == [1] and routine.slots[:1].tolist() == [2]
+
+
+def test_an_eager_plan_runs_the_rows_it_is_given(tiny_model, golden_cases):
+    """Rows refused after planning (CUDA IPC inputs not ready) leave an eager step shorter than planned: it pads to
+    the rows it runs, and their audio and state are those of a step planned for them alone."""
+    from code2wav.sidecar.modes import MODES
+
+    codes = golden_cases["codes"]  # [2, Q, 40]
+    results = []
+    for planned in ([7, 30], [7]):  # the 30-frame row was planned, then dropped
+        arena = StateArena(tiny_model.module.state_layout(), 2, torch.float32, torch.device("cpu"))
+        engine = Engine(tiny_model, arena, max_forward_frames=16)
+        slot = arena.allocate()
+        plan = engine.plan(MODES["exact"], planned)
+        assert plan.bucket is None and plan.frames == max(planned)
+        audio = engine.execute(plan, [DecodeItem(codes[0, :, :7], slot, 0)])[0]
+        results.append((audio, {k: t[slot].clone() for k, t in arena.tensors.items()}))
+    (audio_a, state_a), (audio_b, state_b) = results
+    assert audio_a.shape == (7 * tiny_model.samples_per_frame,) and torch.equal(audio_a, audio_b)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
