@@ -30,6 +30,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_device_memory(request):
+    """After a CUDA test: its graphs, pools and tensors go back to the device. Each test builds its own models and
+    graph managers; left to the allocator's cache (and to reference cycles the next collection frees), the
+    memory of earlier tests added up, and on an 80 GB H100 a later test's captures ran out of memory (the kernel
+    tests, then every default bucket of tests/test_cuda_graphs.py)."""
+    yield
+    if "cuda" in request.keywords and torch.cuda.is_available():
+        import gc  # noqa: PLC0415
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def no_tf32():
     """TF32 off for the test (float32 tolerances against the goldens need it), restored after."""
