@@ -64,14 +64,11 @@ class StepPlanner:
         """The plan for a batch whose rows decode ``row_frames`` frames. ``may_capture=False``: a bucket still to
         be captured is not used (the step runs eager, ``capture_deferred``; a later step captures it)."""
         rows = tuple(row_frames)
-        eager = eager_slices(max(rows), self.max_forward_frames)
-        if self.graphs is None:
-            return StepPlan(mode, rows, reason="no_graphs", slices=eager)
-        key, reason, capture = self._bucket(mode.name, rows)
+        key, reason, capture = self._bucket(mode.name, rows) if self.graphs is not None else (None, "no_graphs", False)
         if key is not None and capture and not may_capture:
             key, reason, capture = None, "capture_deferred", False
-        if key is None:
-            return StepPlan(mode, rows, reason=reason, slices=eager)
+        if key is None:  # the eager forward's slices: computed for eager plans only (a replay runs its own)
+            return StepPlan(mode, rows, reason=reason, slices=eager_slices(max(rows), self.max_forward_frames))
         return StepPlan(mode, rows, key, reason, capture, *padding_of(key, rows))
 
     def _table(self, mode: str, buckets: tuple[BucketKey, ...]) -> PaddingTable:
@@ -84,7 +81,6 @@ class StepPlanner:
         """``(bucket, reason, capture first)``: the usable bucket that holds the batch; else an extra bucket to
         capture lazily (keeping the reason no configured bucket held it); else None and the reason."""
         graphs = self.graphs
-        assert graphs is not None
         choice = self._table(mode, graphs.usable_buckets()).lookup(len(rows), list(rows))
         if choice.key is not None:  # should its capture fail now: its capture failed (not_captured)
             captured = graphs.is_captured(choice.key)

@@ -26,6 +26,8 @@ from torch import Tensor, nn
 
 from code2wav.proto import FLOAT_DTYPES, WIRE_DTYPES
 
+from .streaming import zero_state
+
 INPUT_KINDS = ("codes", "latents")
 _INTEGER_WIRE_DTYPES = tuple(d.name for d in WIRE_DTYPES if d.is_integer)  # any integer wire dtype, staged as int64
 _FLOAT_WIRE_DTYPES = ("float32", "bfloat16")  # of proto.FLOAT_DTYPES, these (in this order: the welcome lists it);
@@ -248,12 +250,9 @@ class LoadedModel:
         """Per-row state shapes for the arena (which stores them in one dtype, checked at load)."""
         return {name: spec.shape for name, spec in self.contract.state.items()}
 
-    def state_dtype(self, name: str) -> torch.dtype:
-        return self.contract.state[name].dtype or self.dtype
-
     def zero_state(self, batch: int) -> dict[str, Tensor]:
-        return {name: torch.zeros((batch, *spec.shape), dtype=self.state_dtype(name), device=self.device)
-                for name, spec in self.contract.state.items()}
+        """A fresh stream's state for ``batch`` rows, in the model's dtype (the registry refuses any other)."""
+        return zero_state(self.state_layout(), batch, self.dtype, self.device)
 
     def zero_options(self, batch: int) -> dict[str, Tensor]:
         """Every option at its default for ``batch`` rows."""
