@@ -19,7 +19,7 @@ from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
 from .chunk_flow import ChunkFlow
-from .clients import ClientDirectory, ClientSession, WelcomeTerms
+from .clients import ClientDirectory, WelcomeTerms
 from .config import ServerConfig
 from .ipc.device import CudaIpcDevice
 from .ipc.regions import RegionService
@@ -34,8 +34,8 @@ from .welcome import model_entry
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes, ClientSession, Any, list], None]
-"""``(identity, session, message, frames)``: what a message of a session's client does."""
+Handler = Callable[[bytes, Any, list], None]
+"""``(identity, message, frames)``: what a message of a session's client does (its owner checked already)."""
 
 
 class Sessions:
@@ -60,15 +60,15 @@ class Sessions:
         self.chunks = ChunkFlow(model, self.streams, scheduler, self.regions, self.out, metrics,
                                 lim.max_pending_chunks_per_client, clock)
         self.handlers: dict[type, Handler] = {
-            proto.Ping: lambda identity, session, msg, frames: self.out.send(
+            proto.Ping: lambda identity, msg, frames: self.out.send(
                 identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.clients.boot_epoch)),
             proto.OpenStream: self._open,
-            proto.Decode: lambda identity, session, msg, frames: self.chunks.decode(identity, msg, frames),
-            proto.Finish: lambda identity, session, msg, frames: self.streams.finish(identity, msg),
-            proto.Abort: lambda identity, session, msg, frames: self.streams.abort(identity, msg),
-            proto.Bye: lambda identity, session, msg, frames: self.drop_client(identity, "bye"),
-            proto.RegisterRegion: lambda identity, session, msg, frames: self.regions.on_register(identity, msg),
-            proto.UnregisterRegion: lambda identity, session, msg, frames: self.regions.on_unregister(identity, msg),
+            proto.Decode: self.chunks.decode,  # (identity, msg, frames): called as it is, on the hot path
+            proto.Finish: lambda identity, msg, frames: self.streams.finish(identity, msg),
+            proto.Abort: lambda identity, msg, frames: self.streams.abort(identity, msg),
+            proto.Bye: lambda identity, msg, frames: self.drop_client(identity, "bye"),
+            proto.RegisterRegion: lambda identity, msg, frames: self.regions.on_register(identity, msg),
+            proto.UnregisterRegion: lambda identity, msg, frames: self.regions.on_unregister(identity, msg),
         }
 
     @property
@@ -93,9 +93,9 @@ class Sessions:
             return self.out.error(identity, msg.request_id, ErrorCode.INVALID_ARGUMENT,
                                   f"{msg.TYPE} before the handshake: send hello first")
         if self.clients.may_act(identity, session, msg.request_id, user_id):
-            self.handlers[type(msg)](identity, session, msg, frames)
+            self.handlers[type(msg)](identity, msg, frames)
 
-    def _open(self, identity: bytes, session: ClientSession, msg: proto.OpenStream, frames: list) -> None:
+    def _open(self, identity: bytes, msg: proto.OpenStream, frames: list) -> None:
         if self.draining:
             return self.out.error(identity, msg.request_id, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
         self.streams.open(identity, msg, self.cfg.limits.max_streams_per_client)
