@@ -1,4 +1,5 @@
-"""``code2wav-sidecar profile``: where the time of one exact step goes, kernel by kernel.
+"""``code2wav-sidecar profile``: where the time of one exact step goes, kernel by kernel (or with ``--by layer``, layer
+by layer as a roofline: ``roofline.py``).
 
 Loads ``--model`` (a folder, ``default``, ``voxcpm2-default``) on ``--device`` in ``--dtype``, stages a batch of
 ``--batch`` synthetic chunks of ``--frames`` frames and runs the step a CUDA graph would capture (the routine's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -29,6 +31,7 @@ import torch
 from code2wav.sidecar.cli import DTYPE_CHOICES, DefaultsHelpFormatter
 
 from .inputs import InputContract, synthetic_inputs
+from .roofline import format_layers, profile_layers
 from .timing import sync_device, time_calls
 
 NAME_WIDTH = 100  # characters of a kernel's name in the text table (the JSON keeps the whole name)
@@ -177,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="profiled steps, averaged")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--top", type=int, default=20, help="rows printed (the rest summed in one line); 0: all")
+    p.add_argument("--by", choices=("kernel", "layer"), default="kernel",
+                   help="rows: each kernel (or CPU operator), or each layer as a roofline (time, GFLOP, MB, "
+                        "achieved TFLOP/s and GB/s against the GPU's peaks, share, kernel names)")
+    p.add_argument("--conv-forms", default=None,
+                   help="comma-separated conv form families the dense convs may choose from (cuDNN always): "
+                        "cudnn_cl, polyphase, gemm, gemm_cl, im2col, cudnn_fe; default: all (a before/after view)")
     p.add_argument("--json", dest="json_path", help="write the whole profile here")
     return p
 
@@ -188,15 +197,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from code2wav.sidecar.kernels.choice_cache import ChoiceEvents
+    from code2wav.sidecar.kernels.conv_choice import attach_choices
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = resolve_device(args.device)
     if device.type == "cuda":
         configure_cuda()  # the server's math (TF32 off), as the bench's baselines
     model = load_model(args.model, device, args.dtype)
-    found = profile_step(model, args.batch, args.frames, args.steps, args.warmup)
-    found.model = args.model
-    print(format_table(found, args.top or None))
+    allowed = tuple(f.strip() for f in args.conv_forms.split(",") if f.strip()) if args.conv_forms else None
+    attach_choices(model.module, None, ChoiceEvents(), allowed)  # named for the log; measured here, not cached
+    if args.by == "layer":
+        found = profile_layers(model, args.batch, args.frames, args.steps, args.warmup)
+        found.model = args.model
+        print(format_layers(found))
+    else:
+        found = profile_step(model, args.batch, args.frames, args.steps, args.warmup)
+        found.model = args.model
+        print(format_table(found, args.top or None))
     if args.json_path:
         environment = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                        "torch": torch.__version__, "python": platform.python_version()}

@@ -24,6 +24,10 @@ from .graphs.plan import build_buckets
 from .graphs.routine import StreamRoutine
 from .ipc.cudart import CudaIpcError, host_id
 from .ipc.device import CudaIpcDevice
+from .kernel_metrics import KernelChoiceCollector
+from .kernels.choice_cache import ChoiceCache, ChoiceEvents
+from .kernels.choice_cache import identity as choice_identity
+from .kernels.conv_choice import attach_choices
 from .metrics import Metrics
 from .models import FAMILIES, DecoderFamily, LoadedModel, load_model
 from .modes import MODES
@@ -144,11 +148,22 @@ def build_engine_side(cfg: ServerConfig, device, metrics: Metrics,
                       families: Sequence[DecoderFamily] = FAMILIES) -> Parts:
     """Model, arena, graphs, engine, scheduler: the slow part of start-up (run it on the engine thread)."""
     model = load(cfg, device, families)
+    attach_kernel_choices(cfg, model, metrics)
     cfg = with_family_buckets(cfg, model)
     arena = build_arena(cfg, model, metrics)
     graphs = build_graphs(cfg, model, arena, metrics) if device.type == "cuda" and cfg.graphs.enabled else None
     engine = Engine(model, arena, cfg.engine.max_forward_frames, graphs=graphs, metrics=metrics)
     return Parts(model, arena, engine, build_scheduler(cfg, graphs))
+
+
+def attach_kernel_choices(cfg: ServerConfig, model: LoadedModel, metrics: Metrics) -> None:
+    """Name the model's conv choices, give them the on-disk cache of measured choices (CUDA, where configured) and
+    export their counts (``kernel_metrics.py``)."""
+    folder = cfg.engine.kernel_choice_cache_dir
+    cache = ChoiceCache(folder, choice_identity(model.device)) if folder and model.device.type == "cuda" else None
+    events = ChoiceEvents()
+    attach_choices(model.module, cache, events)
+    metrics.registry.register(KernelChoiceCollector(events))
 
 
 def open_ipc_device(cfg: ServerConfig, device) -> tuple[CudaIpcDevice | None, str]:

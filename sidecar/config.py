@@ -62,6 +62,10 @@ class EngineConfig(_Section):
                                 "dense conv as an implicit GEMM where it measures fastest) in eager steps and CUDA "
                                 "graphs; false = torch ops "
                                 "(ignored on CPU and under graphs.compile, where Inductor fuses the same ops)")
+    kernel_choice_cache_dir: str = Field("~/.cache/code2wav-sidecar", description="on CUDA, where the dense "
+                                         "convs' measured forms are kept per GPU model and library versions, so a "
+                                         "restart reads them instead of timing every form again; empty = measure "
+                                         "at every start")
 
 
 _Sizes = tuple[Annotated[int, Field(ge=1)], ...]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from code2wav.sidecar.kernels import conv_choice, conv_gemm, snake_math
+from code2wav.sidecar.kernels import conv_choice, conv_forms, conv_gemm, conv_gemm_cl, snake_math
 from code2wav.sidecar.kernels.conv_choice import ConvChoice
 from code2wav.sidecar.kernels.dilated import polyphase_conv
 
@@ -62,11 +62,16 @@ def test_the_gemm_kernel_is_a_form_only_with_the_kernels_on_and_autograd_off():
     conv = torch.nn.Conv1d(8, 8, 7, dilation=3).to(torch.bfloat16)
     x = torch.zeros(1, 8, 30, dtype=torch.bfloat16)
     choice = ConvChoice()
-    with torch.inference_mode():
-        assert choice.forms(x, conv) == ["cudnn", "cudnn_cl", "polyphase"]  # engine.fused_kernels off (the default)
+    with torch.inference_mode():  # engine.fused_kernels off (the default); the frontend is not installed on CPU
+        assert choice.offered(x, conv) == ["cudnn", "cudnn_cl", "polyphase", "im2col"]
         choice.kernels = True
-        assert "gemm0" in choice.forms(x, conv) and "gemm0" not in choice.forms(x.float(), conv.float())
-    assert choice.forms(x, conv) == ["cudnn", "polyphase"]  # autograd on: the kernel has no backward
+        assert "gemm0" in choice.offered(x, conv) and "gemm0" not in choice.offered(x.float(), conv.float())
+        assert "gemm_cl0" in choice.offered(x, conv)  # 8 input channels: 16-byte rows
+        assert "gemm_cl0" not in choice.offered(x[:, :6], torch.nn.Conv1d(6, 8, 7).to(torch.bfloat16))
+        choice.allowed = ("gemm_cl",)  # a diagnostic run's restriction: cuDNN always stays
+        assert choice.offered(x, conv) == ["cudnn"] + [f"gemm_cl{i}" for i in range(len(conv_gemm_cl.CONFIGS))]
+        choice.allowed = None
+    assert choice.offered(x, conv) == ["cudnn", "polyphase"]  # autograd on: no kernel (no backward), no copies
     model = load_model("default", torch.device("cpu"), "float32")
     choices = [m.choice for m in model.module.modules() if isinstance(getattr(m, "choice", None), ConvChoice)]
     assert len(choices) == 14  # pre_conv, the first decoder conv, the 12 residual units' dilated convs
@@ -201,9 +206,9 @@ def test_the_channels_last_form_is_offered_where_autograd_is_off_and_takes_eithe
     conv = torch.nn.Conv1d(8, 8, 7, dilation=3)
     x = torch.randn(2, 8, 40)
     choice = ConvChoice()
-    assert "cudnn_cl" not in choice.forms(x, conv)  # autograd on: its weight copy is detached
+    assert "cudnn_cl" not in choice.offered(x, conv)  # autograd on: its weight copy is detached
     with torch.inference_mode():
-        assert "cudnn_cl" in choice.forms(x, conv)
+        assert "cudnn_cl" in choice.offered(x, conv)
     assert not choice.wants_channels_last((2, 8, 40), x.dtype, x.device, False)  # nothing measured yet
     with torch.inference_mode():  # written channels-last by the caller, or copied so by the form itself
         for layout in (x.transpose(1, 2).contiguous().transpose(1, 2), x):
@@ -225,14 +230,16 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
         ref_act = snake_math.activate(ref, alpha, beta, True)
         layer = torch.nn.Conv1d(96, 80, 7, dilation=3).cuda().to(dtype)
         layer.load_state_dict(conv.state_dict())
-        assert "gemm0" not in choice.forms(x.to(dtype), layer)  # autograd on: no kernel without a backward
+        assert "gemm0" not in choice.offered(x.to(dtype), layer)  # autograd on: no kernel without a backward
         with torch.inference_mode():
-            assert ("gemm0" in choice.forms(x.to(dtype), layer)) == (dtype == torch.bfloat16)
-            forms = choice.forms(x.to(dtype), layer)
-            assert "cudnn_cl" in forms  # offered to every dense conv (copied to channels-last where it is not)
+            assert ("gemm0" in choice.offered(x.to(dtype), layer)) == (dtype == torch.bfloat16)
+            assert ("gemm_cl0" in choice.offered(x.to(dtype), layer)) == (dtype == torch.bfloat16)
+            forms = choice.offered(x.to(dtype), layer)
+            assert "cudnn_cl" in forms and "im2col" in forms  # offered to every dense conv
             inputs = [(form, x.to(dtype)) for form in forms]
-            # cudnn_cl also as a Snake kernel writes its input for it: channels-last
-            inputs.append(("cudnn_cl", x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)))
+            # the channels-last forms also as a Snake kernel writes their input for them: channels-last
+            inputs += [(form, x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)) for form in forms
+                       if conv_forms.reads_channels_last(form)]
             for form, x_in in inputs:
                 got = choice.run(form, x_in, layer, True, None)
                 assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item(), (dtype, form)
@@ -252,7 +259,9 @@ def test_the_choice_is_measured_once_per_shape_and_keeps_the_output(no_tf32):
             ref = conv(x).float()
             assert (got.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
     assert len(choice.decisions) == 2 and len(choice.timings_ms) == 2  # the repeated shape was not timed again
+    with torch.inference_mode():
+        offered = set(choice.offered(x, conv))
+    assert {"gemm0", "gemm_cl0", "im2col", "polyphase"} <= offered
     for timings in choice.timings_ms.values():
-        assert set(timings) == {"cudnn", "cudnn_cl", "polyphase",
-                                *(f"gemm{i}" for i in range(len(conv_gemm.CONFIGS)))}
+        assert set(timings) == offered  # every offered form timed (none failed)
         assert all(ms > 0 for ms in timings.values())

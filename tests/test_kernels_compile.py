@@ -48,7 +48,7 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
 def _variants():
     import triton
 
-    from code2wav.sidecar.kernels import (conv_gemm, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
+    from code2wav.sidecar.kernels import (conv_gemm, conv_gemm_cl, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
                                           snake_kernels, snake_math, state_cat, window_inputs)
 
     for dtype in ("bf16", "fp32"):
@@ -101,6 +101,13 @@ def _variants():
                         BLOCK_CO=config.block_co,
                         BLOCK_T=config.block_t, BLOCK_CI=config.block_ci),
                    dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    for i, config in enumerate(conv_gemm_cl.CONFIGS):  # bf16 only, as conv_gemm's
+        for has_bias, activate, even_ci in ((True, True, True), (False, False, False), (True, False, True)):
+            yield (f"conv_gemm_cl-config{i}-bias{has_bias:d}-act{activate:d}-even{even_ci:d}",
+                   conv_gemm_cl._conv_cl_kernel, "bf16",
+                   dict(HAS_BIAS=has_bias, ACTIVATE=activate, LOG_PARAMS=True, SINE=2, EVEN_CI=even_ci,
+                        BLOCK_T=config.block_t, BLOCK_CO=config.block_co, BLOCK_CI=config.block_ci),
+                   dict(num_warps=config.num_warps, num_stages=config.num_stages))
     for i, config in enumerate(matmul.CONFIGS):  # fp32 only: the 3xTF32 GEMM is offered for float32
         for has_bias, accumulate, even_k in ((True, False, True), (False, True, True), (False, False, False)):
             yield (f"mm_3xtf32-config{i}-bias{has_bias:d}-acc{accumulate:d}-even{even_k:d}", matmul._mm_kernel,
@@ -117,6 +124,42 @@ def test_the_kernel_compiles_for_sm90(name, kernel, dtype, constexprs, launch):
     compiled = _compile(kernel, dtype, constexprs, **launch)
     assert len(compiled.asm["cubin"]) > 0
     assert ".target sm_90" in compiled.asm["ptx"]
+
+
+ALIGNED_INTS = ("c_in", "c_out", "stride_xb", "stride_xt", "stride_wo", "stride_wk")
+"""The channels-last kernel's integer arguments a launch at the decoders' shapes passes as multiples of 16 (Triton
+specializes such arguments; every channel count of both families is one)."""
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_the_channels_last_conv_kernel_pipelines_its_loads_into_wgmma(index):
+    """What the channels-last form is for: at aligned shapes its sm_90 code issues asynchronous 16-byte copies
+    (``cp.async``, pipelined over ``num_stages``) feeding Hopper's ``wgmma``, where ``conv_gemm``'s column-shifted
+    loads are synchronous."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from code2wav.sidecar.kernels import conv_gemm_cl
+
+    kernel, config = conv_gemm_cl._conv_cl_kernel, conv_gemm_cl.CONFIGS[index]
+    signature, attrs = {}, {}
+    for i, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):
+            signature[param.name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+        else:
+            signature[param.name] = "i32"
+            if param.name in ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = dict(HAS_BIAS=True, ACTIVATE=True, LOG_PARAMS=True, SINE=2, EVEN_CI=True, BLOCK_T=config.block_t,
+                      BLOCK_CO=config.block_co, BLOCK_CI=config.block_ci)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx
 
 
 def _registers(compiled) -> tuple[int, int]:

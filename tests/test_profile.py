@@ -76,7 +76,8 @@ def test_the_profile_command_writes_what_it_prints(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["settings"] == {"model": str(TINY), "device": "cpu", "dtype": "float32", "batch": 2, "frames": 3,
-                                  "steps": 2, "warmup": 1, "top": 5}
+                                  "steps": 2, "warmup": 1, "top": 5, "by": "kernel",
+                                  "conv_forms": None}
     assert report["environment"]["gpu"] is None
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"{TINY}, float32, cpu: one exact step (no graph), batch 2 x 3 frames, mean of 2 "

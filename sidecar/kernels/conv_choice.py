@@ -1,32 +1,29 @@
-"""Which form each conv runs in, per input shape, measured once on the device (policy; the forms are mechanism).
+"""Which form each conv runs in, per input shape, measured once on the device (policy; ``conv_forms.py`` holds the
+forms: cuDNN as PyTorch calls it, cuDNN channels-last, the polyphase dilated conv, the two implicit-GEMM Triton
+kernels, cuBLAS over an im2col copy, cuDNN's frontend graph API).
 
-A dense stride-1 conv of the decoders can run four ways: cuDNN as PyTorch calls it, cuDNN on channels-last tensors
-(``"cudnn_cl"``: ``conv2d`` over ``[B, C, 1, L]`` with the channels contiguous in the input, the weight and the
-output, so cuDNN's NHWC kernels run without the layout conversions it wraps around an NCHW call: 30 of the 385
-kernels of a batch-1 step; where the caller writes its input channels-last at no cost, ``channels_last_ok``, it is
-timed on such an input, elsewhere on the input as it comes, its copy to channels-last included),
-``dilated.polyphase_conv`` (a dilated conv as one undilated conv over its input's phases) and ``conv_gemm``'s
-implicit-GEMM Triton kernel (bf16/fp16 only; several tile shapes, ``conv_gemm.CONFIGS``). Which is
-fastest depends on the shape, cuDNN's version and the GPU (on the H200, cuDNN picked a kernel without tensor cores
-for one dilated conv, and wraps the others in layout conversions), so nothing is written down: ``ConvChoice`` times
-every form once per input shape (CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one
-untimed, each queued behind a short GPU spin so that host overhead, which a captured graph does not have, stays out
-of the time) and keeps the fastest. Graph buckets are warmed up eagerly before capture, so their shapes are measured
-then and captured in the chosen form. CPU tensors, shapes first seen during a capture, ``torch.compile`` tracing,
-convs with padding or a stride, and shapes past ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes) use cuDNN.
-A new shape costs its first step the measurement: per conv and form one untimed call and three timed ones, each
-behind a 1 ms spin, so for a whole step of the 12 Hz codes decoder (14 dense convs, up to 7 forms) on the order of
-0.2-0.3 s, more at batch 64, plus Triton's compile the first time a kernel variant runs. Graph buckets pay it at
-start-up; an eager step of a new shape pays it once. A form that fails (a kernel that does not compile or launch on
-this GPU) is logged and left out.
+Which is fastest depends on the shape, cuDNN's version and the GPU (on the H200, PyTorch's cuDNN call picked sm80
+kernels and layout conversions for several convs), so nothing is written down: ``ConvChoice`` times every offered
+form once per input shape (CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed,
+each queued behind a short GPU spin so that host overhead, which a captured graph does not have, stays out of the
+time), keeps the fastest and logs the choice with every form's time. Graph buckets are warmed up eagerly before
+capture, so their shapes are measured then, at start-up, and captured in the chosen form. A server attaches a
+``ChoiceCache`` (``attach_choices``): a choice measured once on this GPU with these library versions is read back
+at the next start instead of measured again.
 
-The GEMM kernel is a candidate only where the family switched its kernels on (``kernels``, set by
-``switch_kernels`` from ``use_fused_kernels``; ``engine.fused_kernels: false`` keeps it out) and autograd is off (it
-has no backward); the decision key records both, so a choice made with the kernel is never reused without it.
+Where no measurement may happen the conv runs cuDNN, and that fallback is logged and counted (``ChoiceEvents``,
+exported as ``code2wav_sidecar_kernel_fallbacks_total``): a shape first seen inside a capture, shapes past
+``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes), a form that fails to compile or launch (left out). CPU
+tensors, ``torch.compile`` tracing and convs with padding or a stride use cuDNN without a choice to make. A new shape
+costs its first step the measurement: per conv and form one untimed call and three timed ones, each behind a 1 ms
+spin (up to 16 forms: some tens of milliseconds per conv, plus Triton's compile the first time a kernel variant
+runs).
 
-With ``act`` (a Snake's ``(alpha, beta, log_params)``), the call returns ``act(conv(x) + bias)``: the GEMM kernel
-applies it in its epilogue, the other forms run the conv without its bias and then ``code2wav::snake_cat`` with
-``in_bias`` (one pass); each form is timed with its Snake, so the comparison is of what the step would run.
+The Triton kernels are candidates only where the family switched its kernels on (``kernels``, set by
+``switch_kernels`` from ``use_fused_kernels``; ``engine.fused_kernels: false`` keeps them out) and autograd is off
+(they have no backward); the decision key records both, so a choice made with the kernels is never reused without.
+With ``act`` (a Snake's ``(alpha, beta, log_params)``), each form is timed with its Snake, so the comparison is of
+what the step would run.
 """
 
 from __future__ import annotations
@@ -34,12 +31,11 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import conv_gemm, snake  # noqa: F401  (snake registers torch.ops.code2wav.snake_cat)
-from .derived import DerivedTensor
-from .dilated import polyphase_conv
+from . import conv_gemm, snake
+from .choice_cache import ChoiceCache, ChoiceEvents
+from .conv_forms import Act, ConvForms, reads_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +47,6 @@ plan setup, Triton's launcher: tens of microseconds, none of it in a CUDA graph)
 there and the events time the device alone, as a captured graph runs it."""
 MAX_MEASURED_SHAPES = 32
 """Shapes measured per conv; later new shapes (eager steps only: graph buckets are measured at start-up) keep cuDNN."""
-
-Act = tuple[Tensor, Tensor, bool]
-"""A Snake applied after the conv: per-channel ``alpha``, ``beta`` and ``log_params`` (``snake.py``)."""
-
 
 def plain(conv: torch.nn.Conv1d) -> bool:
     """What the other forms compute: stride 1, no padding (the causal convs pad with their state instead)."""
@@ -92,18 +84,23 @@ class KernelChoice:
 
 
 class ConvChoice(KernelChoice):
-    """For one conv module: the form each input shape runs in, measured on first sight.
+    """For one conv module: the form each input shape runs in, measured on first sight (or read from the
+    ``ChoiceCache`` a server attaches, ``attach_choices``).
 
     ``decisions`` maps ``(batch, channels, length, dtype, device, with Snake, kernels allowed)`` to a form name
-    (``"cudnn"``, ``"cudnn_cl"``, ``"polyphase"``, ``"gemm<i>"`` for ``conv_gemm.CONFIGS[i]``); ``timings_ms``
-    keeps every form's measurement for logs and probes. A caller that can write the input either way asks
-    ``wants_channels_last`` first; the other forms take it contiguous."""
+    (``conv_forms.py``); ``timings_ms`` keeps every form's measurement for logs and the profile. A caller that can
+    write the input either way asks ``wants_channels_last`` first; the other forms take it contiguous. ``name`` (the
+    module's path), ``cache``, ``events`` and ``allowed`` (the form families, names less their tile index, a diagnostic
+    run restricts the choice to; None: all) are set by ``attach_choices``."""
 
     def __init__(self) -> None:
         self.decisions: dict[tuple, str] = {}
         self.timings_ms: dict[tuple, dict[str, float]] = {}
-        self._gemm_weight: DerivedTensor[Tensor] = DerivedTensor()  # the tap-major copy of the weight
-        self._cl_weight: DerivedTensor[Tensor] = DerivedTensor()  # [C_out, C_in, 1, K] channels-last
+        self.forms = ConvForms()
+        self.name = "conv"
+        self.cache: ChoiceCache | None = None
+        self.events: ChoiceEvents = ChoiceEvents()
+        self.allowed: tuple[str, ...] | None = None
 
     def key(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, with_act: bool) -> tuple:
         return (*shape, dtype, device, with_act, self.kernels_allowed())
@@ -111,96 +108,81 @@ class ConvChoice(KernelChoice):
     def wants_channels_last(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                             with_act: bool) -> bool:
         """Whether the form chosen for an input of ``shape`` reads it channels-last (False until measured)."""
-        return self.decisions.get(self.key(shape, dtype, device, with_act)) == "cudnn_cl"
+        form = self.decisions.get(self.key(shape, dtype, device, with_act))
+        return form is not None and reads_channels_last(form)
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None,
                  channels_last_ok: bool = False) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
         or with ``act``, ``act(conv(x) + bias)``. ``channels_last_ok``: the caller writes ``x`` channels-last for
-        free when ``wants_channels_last`` says so (then ``"cudnn_cl"`` is timed on such an input; else on ``x`` as
-        it comes, the copy included)."""
+        free when ``wants_channels_last`` says so (then the channels-last forms are timed on such an input; else on
+        ``x`` as it comes, the copy included)."""
         if not x.is_cuda or torch.compiler.is_compiling() or not plain(conv):
-            return self.run("cudnn", x, conv, with_bias, act)
+            return self.forms.run("cudnn", x, conv, with_bias, act)
         key = self.key(tuple(x.shape), x.dtype, x.device, act is not None)
         form = self.decisions.get(key)
         if form is None:
-            forms = self.forms(x, conv)
-            if len(forms) == 1 or torch.cuda.is_current_stream_capturing() or \
-                    len(self.decisions) >= MAX_MEASURED_SHAPES:
-                form = "cudnn"  # nothing to choose, not timed inside a capture, nor past the cap
-            else:
-                form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok)
-        return self.run(form, x, conv, with_bias, act)
-
-    def forms(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
-        """The forms that can run ``conv`` on ``x``."""
-        # cudnn_cl keeps a detached channels-last copy of the weight: where autograd is on it is not offered. A
-        # caller that cannot write x channels-last gets it too, with the copy to channels-last in its time
-        names = ["cudnn", "cudnn_cl"] if not torch.is_grad_enabled() else ["cudnn"]
-        if conv.dilation[0] > 1:
-            names.append("polyphase")
-        if conv.groups == 1 and self.kernels_allowed() and x.dtype in (torch.bfloat16, torch.float16):
-            names += [f"gemm{i}" for i in range(len(conv_gemm.CONFIGS))]
-        return names
+            form = self.decide(key, x, conv, with_bias, act, channels_last_ok)
+        return self.forms.run(form, x, conv, with_bias, act)
 
     def run(self, form: str, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None) -> Tensor:
-        """``form``'s output for ``x`` (see ``__call__``)."""
-        d = conv.dilation[0]
-        if form.startswith("gemm"):
-            alpha, beta, log_params = act if act is not None else (None, None, False)
-            config = list(conv_gemm.CONFIGS[int(form[4:])])
-            bias = conv.bias if with_bias or act is not None else None
-            return torch.ops.code2wav.conv_snake(x, self.gemm_weight(conv), bias, d, alpha, beta, log_params,
-                                                 config)  # [B, C_out, T]
-        bias = conv.bias if with_bias and act is None else None
-        if form == "polyphase":
-            y = polyphase_conv(x, conv.weight, bias, d, conv.groups)  # [B, C_out, T]
-        elif form == "cudnn_cl":
-            x4 = x.unsqueeze(2)  # [B, C_in, 1, L]: channels-last when x is
-            if not x4.is_contiguous(memory_format=torch.channels_last):
-                x4 = x4.contiguous(memory_format=torch.channels_last)
-            weight = self._cl_weight.get((conv.weight,), lambda: conv.weight.detach().unsqueeze(2).contiguous(
-                memory_format=torch.channels_last))  # [C_out, C_in, 1, K]
-            y = F.conv2d(x4, weight, bias, dilation=(1, d), groups=conv.groups)[:, :, 0]  # [B, C_out, T], channels-last
-        else:
-            y = conv._conv_forward(x, conv.weight, bias)  # [B, C_out, T] (the module's own call)
-        if act is None:
-            return y
-        alpha, beta, log_params = act
-        # no state: no lengths; a channels-last conv output stays channels-last (no transpose in the Snake kernel;
-        # the caller, a residual unit's baddbmm, reads either layout)
-        y, _ = torch.ops.code2wav.snake_cat(y, None, alpha, beta, None, log_params, conv.bias,
-                                            form == "cudnn_cl")  # [B, C_out, T]
-        return y
+        """``form``'s output (``ConvForms.run``), whatever was decided."""
+        return self.forms.run(form, x, conv, with_bias, act)
 
-    def gemm_weight(self, conv: torch.nn.Conv1d) -> Tensor:
-        """The conv's weight laid out tap-major for the GEMM kernel (``conv_gemm.kernel_weight``), kept as
-        ``kernels/derived.py`` says. Dropped again after a measurement if no decision uses the kernel."""
-        return self._gemm_weight.get((conv.weight,), lambda: conv_gemm.kernel_weight(conv.weight))
+    def offered(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
+        """The forms that can run ``conv`` on ``x``, less those ``allowed`` leaves out (cuDNN always stays)."""
+        names = self.forms.offered(x, conv, self.kernels_allowed())
+        if self.allowed is not None:
+            names = [n for n in names if n == "cudnn" or n.rstrip("0123456789") in self.allowed]
+        return names
+
+    def decide(self, key: tuple, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None,
+               channels_last_ok: bool) -> str:
+        """The form for a shape seen the first time: cached, measured, or cuDNN where neither may happen (counted)."""
+        forms = self.offered(x, conv)
+        cached = self.cache.lookup(self.name, key) if self.cache is not None else None
+        if cached is not None and cached[0] in forms:
+            self.decisions[key], self.timings_ms[key] = cached
+            self.events.decided(cached[0], "cache")
+            return cached[0]
+        if len(forms) == 1:
+            return "cudnn"  # nothing to choose
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or len(self.decisions) >= MAX_MEASURED_SHAPES:
+            reason = "in_capture" if capturing else "past_shape_cap"
+            log.warning("conv %s %s: cuDNN without measuring (%s)", self.name, tuple(x.shape), reason)
+            self.events.fell_back(reason)
+            return "cudnn"
+        form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok)
+        if self.cache is not None:
+            self.cache.store(self.name, key, form, self.timings_ms[key])
+        return form
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
                 act: Act | None, channels_last_ok: bool = False) -> str:
         timings: dict[str, float] = {}
-        # as it would come: channels-last where the caller writes it so (else cudnn_cl's time has the copy in it)
-        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if "cudnn_cl" in forms and channels_last_ok else x
+        # as it would come: channels-last where the caller writes it so (else a channels-last form's time has the
+        # copy in it)
+        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_last_ok else x
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
             for form in forms:
                 try:
-                    timings[form] = min_device_ms(lambda t, f=form: self.run(f, t, conv, with_bias, act),
-                                            x_cl if form == "cudnn_cl" else x)
+                    timings[form] = min_device_ms(lambda t, f=form: self.forms.run(f, t, conv, with_bias, act),
+                                                  x_cl if reads_channels_last(form) else x)
                 except Exception as exc:  # noqa: BLE001  (cuDNN, the first form, has no fallback: re-raised)
                     if form == "cudnn":
                         raise
-                    log.warning("conv %s: form %s failed (%s: %s); left out", tuple(x.shape), form,
-                                type(exc).__name__, exc)
+                    log.warning("conv %s %s: form %s failed (%s: %s); left out", self.name, tuple(x.shape), form,
+                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                    self.events.fell_back(f"{form.rstrip('0123456789')}_failed")
         best = min(timings, key=timings.get)
         self.timings_ms[key] = timings
         self.decisions[key] = best
-        if not any(f.startswith("gemm") for f in self.decisions.values()):
-            self._gemm_weight.clear()  # measured, not used: no second copy of the weight
-        if "cudnn_cl" not in self.decisions.values():
-            self._cl_weight.clear()
-        log.debug("conv %s: %s -> %s", tuple(x.shape), {f: round(ms, 3) for f, ms in timings.items()}, best)
+        self.forms.drop_unused(set(self.decisions.values()))  # measured, not used: no second copy of the weight
+        self.events.decided(best, "measured")
+        ranked = sorted(timings.items(), key=lambda kv: kv[1])
+        log.info("conv %s %s %s: %s (%s)", self.name, tuple(x.shape), str(x.dtype).replace("torch.", ""), best,
+                 ", ".join(f"{f} {ms * 1e3:.0f} us" for f, ms in ranked))
         return best
 
 
@@ -226,3 +208,17 @@ def switch_kernels(module: torch.nn.Module, activation: type, enabled: bool) -> 
         if hasattr(sub, "kernels_on"):
             sub.kernels_on = fused
     return fused
+
+
+def attach_choices(module: torch.nn.Module, cache: ChoiceCache | None, events: ChoiceEvents,
+                   allowed: tuple[str, ...] | None = None) -> int:
+    """Name every ``ConvChoice`` under ``module`` by its module's path and give it ``cache`` (None: measure at every
+    start), ``events`` (the fallback and decision counts a server exports) and ``allowed`` (form families, e.g.
+    ``("cudnn_cl", "gemm")``, a diagnostic run restricts the choice to: the profile's before/after). Returns how many it reached."""
+    count = 0
+    for where, sub in module.named_modules():
+        for choice in held_choices(sub):
+            if isinstance(choice, ConvChoice):
+                choice.name, choice.cache, choice.events, choice.allowed = where or "conv", cache, events, allowed
+                count += 1
+    return count

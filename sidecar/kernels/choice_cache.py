@@ -1,0 +1,130 @@
+"""Measured kernel choices kept between starts, and the counts of what the choices did.
+
+Rules:
+- ``ChoiceCache``: one JSON file per (GPU, compute capability, torch, CUDA, cuDNN, Triton, this package's version,
+  the forms' tile tables) under a folder (``engine.kernel_choice_cache_dir``); the file name carries a hash of that
+  identity and the file repeats it in plain words. An entry maps a conv (its module path) and input shape key to the
+  chosen form and every form's time. A changed GPU, library or tile table gives another file, never a stale choice.
+- The file is JSON only, written atomically (a temporary file renamed over it); an unreadable or foreign file is
+  logged and ignored (measured again), never trusted in part.
+- ``ChoiceEvents``: thread-safe counts of decisions (by form and source: measured or cache) and fallbacks (by
+  reason), read by the metrics endpoint's thread while the engine's thread adds to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+"""The file layout's version (in the identity)."""
+
+
+def identity(device: torch.device) -> dict:
+    """What a measured choice depends on, for ``device`` (a CUDA device)."""
+    from importlib import metadata
+
+    from . import conv_gemm, conv_gemm_cl, conv_im2col
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    props = torch.cuda.get_device_properties(device)
+    return {"format": FORMAT, "gpu": props.name, "capability": f"{props.major}.{props.minor}",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "triton": version("triton"), "cudnn_frontend": version("nvidia-cudnn-frontend"),
+            "code2wav": version("code2wav-sidecar"),
+            "tiles": [list(map(list, conv_gemm.CONFIGS)), list(map(list, conv_gemm_cl.CONFIGS)),
+                      conv_im2col.MAX_COPY_NBYTES]}
+
+
+def shape_key(name: str, key: tuple) -> str:
+    """A decision key (``ConvChoice.key``: shape, dtype, device, with Snake, kernels) as a file key, less the
+    device index (one file per GPU model)."""
+    *shape, dtype, _device, with_act, kernels = key
+    return f"{name}|{'x'.join(map(str, shape))}|{str(dtype).replace('torch.', '')}|act{int(with_act)}|k{int(kernels)}"
+
+
+class ChoiceCache:
+    """The measured choices of one GPU model and library set, read at start and written as they are made."""
+
+    def __init__(self, folder: str | os.PathLike, ident: dict) -> None:
+        """``ident``: what the choices depend on (``identity(device)`` for a CUDA device)."""
+        self.identity = ident
+        digest = hashlib.sha1(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(folder).expanduser() / f"conv-choices-{digest}.json"
+        self.entries: dict[str, dict] = self._read()
+        self.hits = 0
+        log.info("kernel choices: %s (%d cached)", self.path, len(self.entries))
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("kernel choice cache %s unreadable (%s); measuring again", self.path, exc)
+            return {}
+        if not isinstance(data, dict) or data.get("identity") != self.identity or \
+                not isinstance(data.get("entries"), dict):
+            log.warning("kernel choice cache %s is not this GPU's and versions'; measuring again", self.path)
+            return {}
+        return {k: v for k, v in data["entries"].items()
+                if isinstance(v, dict) and isinstance(v.get("form"), str) and isinstance(v.get("timings_ms"), dict)}
+
+    def lookup(self, name: str, key: tuple) -> tuple[str, dict[str, float]] | None:
+        """``(form, timings_ms)`` cached for conv ``name`` at ``key``, or None."""
+        entry = self.entries.get(shape_key(name, key))
+        if entry is None:
+            return None
+        self.hits += 1
+        return entry["form"], {str(f): float(ms) for f, ms in entry["timings_ms"].items()}
+
+    def store(self, name: str, key: tuple, form: str, timings_ms: dict[str, float]) -> None:
+        """Keep a measured choice and rewrite the file (atomically; a failure to write is logged, not raised)."""
+        self.entries[shape_key(name, key)] = {"form": form, "timings_ms": {f: round(ms, 6) for f, ms in
+                                                                            timings_ms.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".conv-choices-", suffix=".tmp",
+                                             delete=False) as f:
+                json.dump({"identity": self.identity, "entries": self.entries}, f, indent=1, sort_keys=True)
+            os.replace(f.name, self.path)
+        except OSError as exc:
+            log.warning("kernel choice cache %s not written (%s); choices are measured again at the next start",
+                        self.path, exc)
+
+
+class ChoiceEvents:
+    """Counts of the kernel choices' decisions and fallbacks (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decisions: Counter[tuple[str, str]] = Counter()
+        self._fallbacks: Counter[str] = Counter()
+
+    def decided(self, form: str, source: str) -> None:
+        with self._lock:
+            self._decisions[(form, source)] += 1
+
+    def fell_back(self, reason: str) -> None:
+        with self._lock:
+            self._fallbacks[reason] += 1
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        """``(decisions by (form, source), fallbacks by reason)``, copies."""
+        with self._lock:
+            return dict(self._decisions), dict(self._fallbacks)
