@@ -66,19 +66,33 @@ class LayerProfile:
     total_us: float
     unattributed_us: float  # kernels launched outside every layer (the routine's state gather and scatter)
     layers: list[LayerRow]
+    not_called: list[str] = field(default_factory=list)  # layers whose work ran inside a neighbour's kernels
     choices: list[dict] = field(default_factory=list)  # each conv/GEMM form chosen, with every form's time (GPU)
 
 
-def layers(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """The layers of ``module`` (the module docstring), in call order of definition, with their paths."""
+def layers(module: nn.Module, prefix: str = "", groups: list | None = None) -> list[tuple[str, nn.Module]]:
+    """The layers of ``module`` (the module docstring), in order of definition, with their paths. ``groups``, when
+    given, collects the non-container modules the walk descended through (a block that may run its layers' work
+    itself, without calling them: then it is the layer, ``profile_layers`` decides from what ran)."""
     found = []
     for name, child in module.named_children():
         path = f"{prefix}.{name}" if prefix else name
-        if type(child).__name__ in CONTAINERS or any(type(c).__name__ in CONTAINERS for c in child.children()):
-            found += layers(child, path)
+        container = type(child).__name__ in CONTAINERS
+        if container or any(type(c).__name__ in CONTAINERS for c in child.children()):
+            if not container and groups is not None:
+                groups.append((path, child))
+            found += layers(child, path, groups)
         else:
             found.append((path, child))
     return found
+
+
+def _position(root: nn.Module, path: str) -> int:
+    """Where ``path`` comes in ``root``'s module order (a group before its layers)."""
+    for i, (name, _) in enumerate(root.named_modules()):
+        if name == path:
+            return i
+    return -1
 
 
 def _nbytes(value) -> int:
@@ -152,6 +166,8 @@ def _attributed(prof, gpu: bool) -> tuple[dict[str, dict[str, list[float]]], flo
         stack = [event]
         while stack:
             e = stack.pop()
+            if e is not event and e.name.startswith("layer:"):
+                continue  # a layer inside a group: counted as its own
             if gpu:
                 for k in e.kernels:
                     per_layer[layer][k.name].append(k.duration)
@@ -174,8 +190,9 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
 
     check_sizes(batch, num_frames, steps, warmup)
     gpu = model.device.type == "cuda"
-    named = layers(model.module)
-    with torch.inference_mode(), _LayerHooks(named, model.device) as hooks:
+    groups: list[tuple[str, nn.Module]] = []
+    leaves = layers(model.module, groups=groups)
+    with torch.inference_mode(), _LayerHooks(leaves + groups, model.device) as hooks:
         step = staged_step(model, batch, num_frames)
         for _ in range(warmup):
             step()  # first-call work (each conv's form measured on its first call) stays out
@@ -197,8 +214,17 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
                 step()
             sync_device(model.device)
         hooks.ranges = False
+    fired = set(hooks.nbytes)  # every layer called in the counted step (its weights and inputs are counted then)
+    # a group is a row where it ran its layers' work without calling them; a layer never called is left out (its work
+    # is fused into a neighbour's kernel, e.g. a Snake into the next conv's input)
+    named = [(n, m) for n, m in leaves if n in fired] + \
+        [(n, m) for n, m in groups if n in fired and not any(f.startswith(n + ".") for f in fired if f != n)]
+    order = {n: i for i, (n, _) in enumerate(sorted(leaves + groups, key=lambda nm: _position(model.module, nm[0])))}
+    named.sort(key=lambda nm: order[nm[0]])
     per_layer, inside = _attributed(prof, gpu)
-    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA] if gpu else []
+    # device events less the GPU-side copies of the layer ranges (Kineto's user annotations on the GPU timeline)
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+                     and not e.name.startswith("layer:")] if gpu else []
     total_us = (sum(e.device_time for e in device_events) if gpu else inside) / steps
     gpu_name = torch.cuda.get_device_name(model.device) if gpu else None
     dtype = str(model.dtype).replace("torch.", "")
@@ -222,11 +248,12 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
             share=kernel_us / total_us if total_us else 0.0, calls=sum(len(v) for v in kernels.values()) / steps,
             kernels=[k for k, _ in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))]))
     attributed_us = sum(r.kernel_us for r in rows)
+    not_called = [n for n, _ in leaves if n not in fired]
     return LayerProfile(
         model=model.name, device=str(model.device), gpu=gpu_name, dtype=dtype, batch=batch, num_frames=num_frames,
         steps=steps, unit="kernel" if gpu else "operator",
         peak_tflops=peak_flop_s / 1e12 if peak_flop_s else None, peak_gbps=peak_byte_s / 1e9 if peak_byte_s else None,
-        total_us=total_us, unattributed_us=max(total_us - attributed_us, 0.0), layers=rows,
+        total_us=total_us, unattributed_us=max(total_us - attributed_us, 0.0), layers=rows, not_called=not_called,
         choices=_choices(model.module) if gpu else [])
 
 
@@ -254,6 +281,8 @@ def format_layers(p: LayerProfile, kernel_width: int = 60) -> str:
     lines.append(f"{attributed:10.1f} {'':>9} {'':>6} {flop:8.2f} {'':>8} {achieved:8.1f}   step: {flop:.2f} GFLOP "
                  f"over {p.total_us:.1f} us = {achieved:.1f} TFLOP/s"
                  + (f" ({100 * achieved / p.peak_tflops:.1f} % of peak)" if p.peak_tflops else ""))
+    if p.not_called:
+        lines.append(f"  not called (fused into a neighbour's kernels): {', '.join(p.not_called)}")
     for c in p.choices:
         forms = " ".join(f"{form} {us:g}" for form, us in c["timings_us"].items())
         lines.append(f"  {c['kind']} {c['module']}: {c['chosen']} (us: {forms})")

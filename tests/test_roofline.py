@@ -46,11 +46,13 @@ def test_the_layer_flops_add_up_to_the_step(model_path):
             step()
     assert sum(r.gflop for r in p.layers) * 1e9 == pytest.approx(counter.get_total_flops(), rel=1e-9)
     assert p.unit == "operator" and p.peak_tflops is None and p.total_us > 0
-    assert math.isclose(sum(r.share for r in p.layers), 1.0, rel_tol=1e-6)  # on the CPU every operator is a layer's
+    # on the CPU every operator is a layer's, or a group's own (a transformer's rotary set-up): outside the layers
+    assert math.isclose(sum(r.share for r in p.layers) + p.unattributed_us / p.total_us, 1.0, rel_tol=1e-6)
+    assert p.unattributed_us < 0.1 * p.total_us
     convs = [r for r in p.layers if r.kind in ("CausalConv", "DenseResidualUnit", "ResidualUnit")]
     assert convs and all(r.gflop > 0 and r.mbytes > 0 and r.kernels for r in convs)
     text = format_layers(p).splitlines()
-    assert len(text) == 2 + len(p.layers) + 1 and all(r.name in line for r, line in zip(p.layers, text[2:]))
+    assert len(text) >= 2 + len(p.layers) + 1 and all(r.name in line for r, line in zip(p.layers, text[2:]))
 
 
 def test_the_profile_command_writes_the_layer_table_it_prints(tmp_path):
