@@ -118,7 +118,8 @@ def test_codes_model_refusals_say_codes(codes_sidecar):
         with pytest.raises(cerr.InvalidArgument, match=r"codes must be an integer tensor, got torch.float32 \(this "
                                                         r"model decodes integer codes \[Q, n\]; float latents"):
             stream.decode(torch.zeros(4, 3))
-        with pytest.raises(cerr.InvalidArgument, match=r"codes have 3 quantizers; stream 'c' needs 4 \(codes \[4, n\]\)"):
+        with pytest.raises(cerr.InvalidArgument,
+                           match=r"codes have 3 quantizers; stream 'c' needs 4 \(codes \[4, n\]\)"):
             stream.decode(torch.zeros(3, 2, dtype=torch.long))
         assert stream.decode(torch.zeros(4, 2, dtype=torch.long)).numel() == 2 * 48  # the stream is still fine
 

@@ -35,7 +35,8 @@ INDEX = RESULTS_DIR / "INDEX.md"
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "deploy" / "k8s" / "SCALING.md"])
 ALL_MARKDOWN = sorted({*DOCS, ROOT / "proto" / "README.md", ROOT / "tests" / "data" / "README.md", INDEX})
 SUBCOMMANDS = ("serve", "decode", "keygen", "demo", "bench", "fidelity", "profile")
-SERVE_COMMAND = "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu -e . && code2wav-sidecar serve --model default"
+SERVE_COMMAND = ("pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu -e . && "
+                 "code2wav-sidecar serve --model default")
 TEST_COMMAND = ("pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu -e '.[test,bench]' && "
                 "bash .ci/install-deploy-tools && python -m pytest -q")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

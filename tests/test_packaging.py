@@ -88,7 +88,8 @@ def test_public_packages_export_exactly_their_all_and_a_version():
     stray = {}
     for name in PUBLIC_PACKAGES:
         module = importlib.import_module(name)
-        public = {n for n in dir(module) if not n.startswith("_") and not isinstance(getattr(module, n), types.ModuleType)}
+        public = {n for n in dir(module)
+                  if not n.startswith("_") and not isinstance(getattr(module, n), types.ModuleType)}
         missing = [n for n in module.__all__ if not hasattr(module, n)]
         assert missing == [], (name, missing)
         if public - set(module.__all__):
