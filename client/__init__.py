@@ -10,8 +10,6 @@
         wav = await asyncio.wrap_future(s.submit(codes))   # from asyncio
 """
 
-from __future__ import annotations
-
 from .client import DEFAULT_ADDRESS, BatchItem, SidecarClient
 from .errors import (
     AlreadyExists,

@@ -41,7 +41,7 @@ from code2wav.proto import (
     encode,
 )
 
-from code2wav.proto.address import default_address
+from code2wav.proto.address import address_problem, default_address
 
 from ._io import Connection
 from .cuda_ipc.link import IpcLink
@@ -84,8 +84,18 @@ class SidecarClient:
 
         ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
         are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
-        ``ipc_audio_nbytes`` for audio views alive at once; 64 MiB holds about 350 s of 24 kHz audio)."""
+        ``ipc_audio_nbytes`` for audio views alive at once; 64 MiB holds about 350 s of 24 kHz audio).
+
+        Refused at once, before any wait: an address of another form than ``ipc://PATH`` or ``tcp://HOST:PORT``
+        (``InvalidArgument``, saying which forms), an ``ipc://`` socket file that does not exist
+        (``SidecarNotRunning``: no sidecar listens there); otherwise a handshake not answered within
+        ``connect_timeout_s`` is ``SidecarNotRunning``."""
         self.address = address or default_address(os.environ, os.getuid())
+        problem = address_problem(self.address)
+        if problem is not None:
+            raise InvalidArgument(problem)
+        if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
+            raise not_running(self.address, connect_timeout_s, socket_exists=False)
         self.timeout_s = float(timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         capabilities = {"cuda_ipc": bool(cuda_ipc), "gpu_uuid": None, "host_id": host_id()}

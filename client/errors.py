@@ -85,18 +85,20 @@ class SidecarNotRunning(Unavailable):
 
 
 def not_running(address: str, connect_timeout_s: float, socket_exists: bool | None = None) -> SidecarNotRunning:
-    """The error for a handshake that got no answer. ``socket_exists``: for ipc:// addresses, whether the socket
-    file is there (None: not an ipc:// address)."""
+    """The error for a sidecar that is not there. ``socket_exists``: for ipc:// addresses, whether the socket
+    file is there (None: not an ipc:// address); False is known before any wait, so it names no timeout."""
     if socket_exists is False:
-        why = f"the socket file {address[len('ipc://'):]} does not exist"
+        what = (f"no code2wav sidecar is listening at {address}: the socket file {address[len('ipc://'):]} "
+                "does not exist")
     elif socket_exists:
-        why = "its socket file exists but no server answered (a crashed or stopped sidecar, or one still starting)"
+        what = (f"no code2wav sidecar answered at {address} within {connect_timeout_s:g}s: its socket file exists "
+                "but no server answered (a crashed or stopped sidecar, or one still starting)")
     else:
-        why = "nothing answered (not started, still starting, or a firewall or CurveZMQ key mismatch)"
+        what = (f"no code2wav sidecar answered at {address} within {connect_timeout_s:g}s: nothing answered (not "
+                "started, still starting, or a firewall or CurveZMQ key mismatch)")
     return SidecarNotRunning(
-        f"no code2wav sidecar answered at {address} within {connect_timeout_s:g}s: {why}. Start one with "
-        f"`code2wav-sidecar serve --address {address}` (with no --address both sides use the same default), "
-        "or pass the address a running one printed in its ready line")
+        f"{what}. Start one with `code2wav-sidecar serve --address {address}` (with no --address both sides use "
+        "the same default), or pass the address a running one printed in its ready line")
 
 
 class Internal(SidecarError):

@@ -146,11 +146,11 @@ class Stream:
             array: Any = cuda_wire_codes(codes, latents, self.input_dtypes)
         else:
             array = as_wire_codes(codes, latents, self.input_dtypes)
-        num_quantizers, num_frames = (int(d) for d in array.shape)
-        if num_quantizers != self.num_quantizers:
-            raise InvalidArgument(
-                f"codes have {num_quantizers} quantizers; stream {self.stream_id!r} needs {self.num_quantizers}"
-            )
+        num_channels, num_frames = (int(d) for d in array.shape)
+        if num_channels != self.num_quantizers:
+            what = "latent channels" if latents else "quantizers"
+            raise InvalidArgument(f"{self.input_kind} have {num_channels} {what}; stream {self.stream_id!r} needs "
+                                  f"{self.num_quantizers} ({self.input_kind} [{self.num_quantizers}, n])")
         if num_frames > limits.max_chunk_frames:
             raise LimitExceeded(f"chunk has {num_frames} frames; the limit is {limits.max_chunk_frames} "
                                 "(max_chunk_frames)", "max_chunk_frames")

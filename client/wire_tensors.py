@@ -84,14 +84,15 @@ def as_wire_codes(codes: CodesLike, latents: bool = False,
         if tensor.device.type != "cpu":  # device codes going inline (no CUDA IPC): one copy to the host
             tensor = tensor.cpu()
         if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-            raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}")
+            raise InvalidArgument(f"codes must be an integer tensor, got {tensor.dtype}{_codes_hint(tensor.dtype)}")
         if tensor.dtype not in _TORCH_WIRE_INTS:
             tensor = tensor.to(torch.int64)
         array = tensor.contiguous().numpy()
     else:
         array = np.asarray(codes)
         if array.dtype.kind not in "iu":
-            raise InvalidArgument(f"codes must be an integer array, got dtype {array.dtype}")
+            raise InvalidArgument(f"codes must be an integer array, got dtype {array.dtype}"
+                                  f"{_codes_hint(array.dtype)}")
         if array.dtype.name not in INTEGER_DTYPES:
             array = array.astype(np.int64)
         array = np.ascontiguousarray(array)
@@ -107,17 +108,27 @@ def _wire_latents(latents: CodesLike, accepted: Sequence[str]) -> np.ndarray | H
     if isinstance(latents, torch.Tensor):
         tensor = latents.detach().cpu()  # (no copy on the host; CUDA latents going inline: one copy)
         if not tensor.is_floating_point():
-            raise InvalidArgument(f"latents must be a floating-point tensor, got {tensor.dtype}")
+            raise InvalidArgument(f"latents must be a floating-point tensor, got {tensor.dtype}{_LATENTS_HINT}")
         _check_latents_rank(tensor.shape)
         wire = latents_wire_dtype(str(tensor.dtype).removeprefix("torch."), accepted)
         tensor = tensor.to(_LATENT_DTYPES[wire]).contiguous()  # [D, n]
         return HostBfloat16.of(tensor) if wire == "bfloat16" else tensor.numpy()
     array = np.asarray(latents)
     if array.dtype.kind != "f":
-        raise InvalidArgument(f"latents must be a float array, got dtype {array.dtype}")
+        raise InvalidArgument(f"latents must be a float array, got dtype {array.dtype}{_LATENTS_HINT}")
     _check_latents_rank(array.shape)
     wire = latents_wire_dtype(array.dtype.name, accepted)  # (numpy has no bfloat16)
     return np.ascontiguousarray(array, dtype="<f2" if wire == "float16" else "<f4")  # [D, n]
+
+
+_LATENTS_HINT = " (this model decodes float latents [D, n]; integer codes are for a codes model such as Qwen3-TTS)"
+
+
+def _codes_hint(dtype: Any) -> str:
+    """A float dtype sent to a codes model: the words that say latents belong to another kind of model."""
+    floating = dtype.is_floating_point if isinstance(dtype, torch.dtype) else np.dtype(dtype).kind == "f"
+    return " (this model decodes integer codes [Q, n]; float latents are for a latents model such as VoxCPM2)" \
+        if floating else ""
 
 
 def _check_latents_rank(shape: Sequence[int]) -> None:
@@ -132,13 +143,13 @@ def cuda_wire_codes(codes: torch.Tensor, latents: bool = False,
     wire dtype (``latents_wire_dtype``: bfloat16 stays bfloat16 when the model takes it)."""
     if latents:
         if not codes.is_floating_point():
-            raise InvalidArgument(f"latents must be a floating-point tensor, got {codes.dtype}")
+            raise InvalidArgument(f"latents must be a floating-point tensor, got {codes.dtype}{_LATENTS_HINT}")
         _check_latents_rank(codes.shape)
         wire = latents_wire_dtype(str(codes.dtype).removeprefix("torch."), latent_dtypes)
         return codes.detach().to(_LATENT_DTYPES[wire]).contiguous()
     if codes.dtype not in _TORCH_WIRE_INTS:
         if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
-            raise InvalidArgument(f"codes must be an integer tensor, got {codes.dtype}")
+            raise InvalidArgument(f"codes must be an integer tensor, got {codes.dtype}{_codes_hint(codes.dtype)}")
         codes = codes.to(torch.int64)
     if codes.dim() != 2:
         raise InvalidArgument(f"codes must have shape [num_quantizers, num_frames], got {list(codes.shape)}")

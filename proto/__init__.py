@@ -7,8 +7,6 @@ documented in ``proto/README.md``; each message is declared once (``declare.py``
 and the README's field table come from that declaration.
 """
 
-from __future__ import annotations
-
 from .audio import audio_num_frames, audio_num_samples
 from .codec import Buffer, decode_client_message, decode_server_message, encode, read_header
 from .errors import ErrorCode, ProtocolError

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["ADDRESS_ENV", "SOCKET_RELATIVE_PATH", "default_address"]
+__all__ = ["ADDRESS_ENV", "SOCKET_RELATIVE_PATH", "ADDRESS_FORMS", "default_address", "address_problem"]
 
 ADDRESS_ENV = "CODE2WAV_SIDECAR_ADDRESS"
 SOCKET_RELATIVE_PATH = "code2wav/sidecar.sock"
+ADDRESS_FORMS = "ipc:///path/to/sidecar.sock or tcp://host:port"
 
 
 def default_address(env: Mapping[str, str], uid: int) -> str:
@@ -30,3 +31,20 @@ def default_address(env: Mapping[str, str], uid: int) -> str:
     runtime_dir = (env.get("XDG_RUNTIME_DIR") or "").rstrip("/")
     base = runtime_dir if runtime_dir else f"/tmp/code2wav-sidecar-{uid}"
     return f"ipc://{base}/{SOCKET_RELATIVE_PATH}"
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with a sidecar address, in one line that says what to write instead; None when it has one
+    of the two forms the sidecar speaks (``ipc://PATH``, ``tcp://HOST:PORT``)."""
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        return f"address {address!r} has no scheme: use {ADDRESS_FORMS}"
+    if scheme not in ("ipc", "tcp"):
+        return f"address {address!r}: the sidecar listens on ipc:// or tcp:// only; use {ADDRESS_FORMS}"
+    if scheme == "ipc" and not rest:
+        return f"address {address!r} names no socket file: use {ADDRESS_FORMS}"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"address {address!r} needs a host and a port 1-65535: use {ADDRESS_FORMS}"
+    return None

@@ -15,7 +15,7 @@ from .dtypes import WIRE_DTYPES
 from .limits import DEFAULT_LIMITS, Limits
 from ._check import INT64_MAX
 from .wire_containers import AnyMap, ArrayOf, IntPair, Nullable
-from .wire_types import UINT64, Int, PositiveFloat, Str
+from .wire_types import UINT64, CountOrNone, Int, PositiveFloat, Str
 
 __all__ = ["StreamOptionInfo", "ModelInfo", "Welcome"]
 
@@ -36,13 +36,20 @@ class StreamOptionInfo:
 
 @record("model", sender="server")
 class ModelInfo:
-    """A served model and its input contract (proto/README.md, "welcome"). ``num_quantizers`` is the inputs'
-    first dimension (Q codes or D latent channels, same as ``input_channels``); ``codebook_size`` is 0 for
-    latents. The contract fields default to a codes model's values for servers that do not send them."""
+    """A served model and its input contract (proto/README.md, "welcome"), for either input kind:
+
+    - ``input_kind``: ``codes`` (integers ``[Q, n]``, e.g. Qwen3-TTS) or ``latents`` (floats ``[D, n]``, e.g.
+      VoxCPM2's AudioVAE); ``channels``: ``Q`` or ``D`` (``num_quantizers`` is the same number, for either kind);
+    - ``input_dtypes``: the dtypes a chunk may travel in; ``valid_range``: ``[low, high)`` of codes, None for
+      latents; ``codebook_size``: the codes' codebook size, None for latents (0 on the wire);
+    - ``frame_rate_hz`` (input frames per second), ``samples_per_frame`` (``U``) and ``sample_rate`` (audio Hz).
+
+    The contract fields default to a codes model's values for servers that do not send them."""
 
     name: str = wire(Str(), doc="what `open_stream.model` names")
     num_quantizers: int = wire(Int(1), doc="`Q`: the inputs' first dimension, also for latents")
-    codebook_size: int = wire(Int(0), doc="codes take values in `[0, codebook_size)`; 0 for latents")
+    codebook_size: int | None = wire(CountOrNone(), doc="codes take values in `[0, codebook_size)`; 0 for latents "
+                                                        "(no codebook: the Python client reads `None`)")
     samples_per_frame: int = wire(Int(1), doc="`U`, e.g. 1920 for 12.5 Hz codes at 24 kHz")
     sample_rate: int = wire(Int(1), doc="of the audio, in Hz")
     modes: tuple[str, ...] = wire(ArrayOf(Str(), MAX_MODEL_LIST), doc="the stream modes it offers (section 5)")
@@ -65,7 +72,21 @@ class ModelInfo:
 
     @property
     def channels(self) -> int:
+        """A chunk's first dimension: ``Q`` codebooks of codes or ``D`` latent channels."""
         return self.input_channels or self.num_quantizers
+
+    @property
+    def frame_rate_hz(self) -> float:
+        """Input frames per second (12.5 for Qwen3-TTS codes, 25 for VoxCPM2 latents)."""
+        return self.sample_rate / self.samples_per_frame
+
+    @property
+    def inputs_text(self) -> str:
+        """The inputs in the family's own words, for messages: e.g. ``codes [16, n] (int16/int32/int64, values in
+        [0, 2048))`` or ``latents [64, n] (float32/bfloat16, finite)``."""
+        valid_range = self.valid_range
+        values = "finite" if valid_range is None else f"values in [{valid_range[0]}, {valid_range[1]})"
+        return f"{self.input_kind} [{self.channels}, n] ({'/'.join(self.input_dtypes)}, {values})"
 
     @property
     def valid_range(self) -> tuple[int, int] | None:

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 from ._check import INT64_MAX, UINT64_MAX, check_int, check_str, invalid, type_name
 from .errors import ErrorCode, ProtocolError
 
-__all__ = ["WireType", "Int", "UINT64", "Version", "Str", "Bool", "PositiveFloat", "Choice", "ErrorCodeField",
-           "UnknownErrorCode", "field_name", "bound_doc"]
+__all__ = ["WireType", "Int", "CountOrNone", "UINT64", "Version", "Str", "Bool", "PositiveFloat", "Choice",
+           "ErrorCodeField", "UnknownErrorCode", "field_name", "bound_doc"]
 
 Parse = Callable[[Any, str, str, Any, Sequence[Any]], Any]
 
@@ -78,6 +78,23 @@ class Int(WireType):
 
 UINT64 = Int(0, UINT64_MAX)
 """``request_id``: 0..2^64-1."""
+
+
+class CountOrNone(Int):
+    """A count that may be "none": an integer >= 0 on the wire, where 0 is read as None and None is sent as 0, so
+    a peer that predates the None reading sees the 0 it always saw (``model.codebook_size`` of a latents model)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        read_int = self.parse
+
+        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> int | None:
+            return read_int(value, path, key, limits, frames) or None
+        self.parse = parse
+
+    @staticmethod
+    def encode(value: int | None) -> int:
+        return 0 if value is None else value
 
 
 class Version(Int):

@@ -7,7 +7,9 @@ Every labelled series that the shipped Grafana dashboard and alert rules query e
 value 0 (``Metrics.start_series``, called once the model is loaded), on a CPU server too: a ``rate()`` panel of
 a counter that has never moved shows 0 instead of nothing, and an ``absent()`` alert does not fire on a healthy
 server. The label values below are the bounded sets the server uses (tests/test_metrics_first_scrape.py scrapes
-a fresh server for each of them).
+a fresh server for each of them). From the first scrape too: ``code2wav_sidecar_build_info`` (value 1; what runs:
+package version, torch, CUDA, GPU, model, dtype) and the process metrics (``process_*``: CPU seconds, resident
+memory, open file descriptors, start time; Linux) and ``python_info``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import torch
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
+from code2wav import __version__
 from code2wav.proto import REGION_ACCESS, STREAM_MODES, ErrorCode
 
 log = logging.getLogger(__name__)
@@ -35,6 +48,19 @@ GRAPH_MISS_REASONS = ("no_buckets", "batch_too_large", "frames_too_long", "not_c
 IPC_DIRECTIONS = ("codes_in", "audio_out")
 IPC_REGISTER_FAILURE_REASONS = ("unsupported", "different_gpu", "open_failed")
 """Why a CUDA IPC region registration was refused (ipc/regions.py)."""
+BUILD_INFO_LABELS = ("version", "torch", "cuda", "gpu", "model", "dtype")
+UNKNOWN = "unknown"
+"""A build_info label whose value the caller did not give (``start_series`` without ``dtype``/``device``)."""
+
+
+def gpu_name(device: str) -> str:
+    """The GPU a server on ``device`` (``cpu``, ``cuda``, ``cuda:N``) runs on: the device's name, ``none`` on CPU."""
+    if device == UNKNOWN:
+        return UNKNOWN
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        return "none"
+    return torch.cuda.get_device_name(parsed)
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,11 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         p = "code2wav_sidecar_"
+        ProcessCollector(registry=r)  # process_*: reads /proc, so Linux only (elsewhere it exports nothing)
+        PlatformCollector(registry=r)  # python_info
+        self.build_info = Gauge(p + "build_info", "1, labelled with what runs: package version, torch, CUDA "
+                                "(none: a CPU build of torch), GPU (none: served on CPU), model, dtype",
+                                list(BUILD_INFO_LABELS), registry=r)
         self.auth_refused = Counter(p + "auth_refused", "Clients refused: a CURVE key not in the allow-list "
                                     "(unknown_key) or a session owned by another client (session_owner)",
                                     ["reason"], registry=r)
@@ -117,11 +148,14 @@ class Metrics:
             self._mode_series[(model, mode)] = series
         return series
 
-    def start_series(self, model: str, graph_buckets: tuple[tuple[str, str], ...] = ()) -> None:
+    def start_series(self, model: str, graph_buckets: tuple[tuple[str, str], ...] = (), *, dtype: str = UNKNOWN,
+                     device: str = UNKNOWN) -> None:
         """Create every labelled series the dashboard and the alerts query, at 0: per-mode counters and
         histograms of ``model``, errors for every protocol code, stream closes by reason, the CUDA IPC series and,
         for each configured ``(component, bucket)`` graph bucket, its replays and captures (graph misses per
-        component and reason). A child created here is the one later ``.labels(...)`` calls return."""
+        component and reason); and ``build_info`` for ``model`` served in ``dtype`` (e.g. ``float32``) on
+        ``device`` (e.g. ``cuda:0``). A child created here is the one later ``.labels(...)`` calls return."""
+        self.set_build_info(model, dtype, device)
         for mode in STREAM_MODES:
             for counter in (self.chunks, self.frames, self.audio_seconds):
                 counter.labels(model=model, mode=mode)
@@ -143,6 +177,12 @@ class Metrics:
             for per_bucket in (self.graph_replays, self.graph_captures, self.graph_capture_failures,
                                self.graph_capture_seconds, self.graph_bytes):
                 per_bucket.labels(component=component, bucket=bucket)
+
+    def set_build_info(self, model: str, dtype: str = UNKNOWN, device: str = UNKNOWN) -> None:
+        """``build_info`` = 1 with this process's labels (one series: a previous one is removed)."""
+        self.build_info.clear()
+        self.build_info.labels(version=__version__, torch=torch.__version__, cuda=torch.version.cuda or "none",
+                               gpu=gpu_name(device), model=model, dtype=dtype).set(1)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,8 +35,10 @@ INDEX = RESULTS_DIR / "INDEX.md"
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "deploy" / "k8s" / "SCALING.md"])
 ALL_MARKDOWN = sorted({*DOCS, ROOT / "proto" / "README.md", ROOT / "tests" / "data" / "README.md", INDEX})
 SUBCOMMANDS = ("serve", "decode", "keygen", "demo", "bench", "fidelity", "profile")
-SERVE_COMMAND = "pip install torch==2.13.0 -e . && code2wav-sidecar serve --model default"
-TEST_COMMAND = "pip install torch==2.13.0 -e '.[test,bench]' && bash .ci/install-deploy-tools && python -m pytest -q"
+SERVE_COMMAND = ("pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu -e . && "
+                 "code2wav-sidecar serve --model default")
+TEST_COMMAND = ("pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu -e '.[test,bench]' && "
+                "bash .ci/install-deploy-tools && python -m pytest -q")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
@@ -357,8 +359,10 @@ def test_readme_fits_a_screen_and_keeps_the_two_commands():
     head = readme.split("\n## ", 1)[0]  # the two commands come first
     assert SERVE_COMMAND in head.splitlines() and TEST_COMMAND in head.splitlines()
     assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text().splitlines()
-    (example,) = [body for lang, body in _fenced(readme) if lang == "python"]
-    assert len(example.strip().splitlines()) <= 10 and "from code2wav.client import SidecarClient" in example
+    examples = [body for lang, body in _fenced(readme) if lang == "python"]
+    assert len(examples) == 2  # codes (Qwen3-TTS) and latents (VoxCPM2): tests/test_client_families.py runs them
+    for example in examples:
+        assert len(example.strip().splitlines()) <= 10 and "from code2wav.client import SidecarClient" in example
 
 
 def test_config_examples_load_with_the_servers_loader(tmp_path):

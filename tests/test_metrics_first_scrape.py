@@ -238,3 +238,40 @@ def test_the_cached_children_are_the_series_start_series_made():
     text = generate_latest(metrics.registry).decode()
     assert 'code2wav_sidecar_chunks_total{mode="exact",model="m"} 3.0' in text
     assert 'code2wav_sidecar_ipc_chunks_total{direction="codes_in"} 2.0' in text
+
+
+def test_build_info_and_process_metrics_are_in_the_first_scrape(first_scrape):
+    """What runs, from the first scrape (a real server over HTTP): ``build_info`` = 1 with the package version,
+    torch, CUDA, model labels; and the process collector's series (Linux: read from /proc)."""
+    import platform
+
+    import torch
+
+    import code2wav
+
+    ((labels, value),) = first_scrape[PREFIX + "build_info"]
+    assert value == 1.0 and set(labels) == {"version", "torch", "cuda", "gpu", "model", "dtype"}
+    assert labels["version"] == code2wav.__version__ and labels["torch"] == torch.__version__
+    assert labels["cuda"] == (torch.version.cuda or "none") and labels["model"] == "qwen3-tts-12hz"  # the tiny model
+    assert first_scrape["python_info"][0][0]["version"] == platform.python_version()
+    if platform.system() == "Linux":
+        for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
+                     "process_start_time_seconds", "process_open_fds", "process_max_fds"):
+            ((labels, value),) = first_scrape[name]
+            assert labels == {} and value > 0, name
+        assert first_scrape["process_resident_memory_bytes"][0][1] > 50 * 2**20  # torch alone is larger
+
+
+def test_build_info_names_the_models_dtype_and_gpu():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from code2wav.sidecar.metrics import Metrics, gpu_name
+
+    metrics = Metrics(CollectorRegistry())
+    metrics.start_series("m", dtype="bfloat16", device="cpu")
+    metrics.start_series("m", dtype="float32", device="cpu")  # a second call replaces the series
+    rows = [s for f in parse(metrics.exposition().decode()) for s in f.samples if s.name == PREFIX + "build_info"]
+    assert [(r.labels["model"], r.labels["dtype"], r.labels["gpu"], r.value) for r in rows] == [
+        ("m", "float32", "none", 1.0)]
+    assert gpu_name("unknown") == "unknown" and gpu_name("cpu") == "none"

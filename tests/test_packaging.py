@@ -57,9 +57,9 @@ def test_every_package_folder_is_listed_in_pyproject():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(cfg["packages"])
     mapped = cfg["package-dir"]
-    assert mapped == {f"code2wav.{name}": name for name in TOP_FOLDERS}
+    assert mapped == {"code2wav": "code2wav", **{f"code2wav.{name}": name for name in TOP_FOLDERS}}
     on_disk = {"code2wav." + ".".join(init.parent.relative_to(ROOT).parts)
-               for name in TOP_FOLDERS for init in (ROOT / name).rglob("__init__.py")}
+               for name in TOP_FOLDERS for init in (ROOT / name).rglob("__init__.py")} | {"code2wav"}
     assert on_disk - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(on_disk - listed)}"
     assert listed - on_disk == set(), f"listed but not on disk: {sorted(listed - on_disk)}"
 
@@ -71,3 +71,45 @@ def test_no_bare_imports_of_our_folders():
     offenders = [str(p.relative_to(ROOT)) for folder in (*TOP_FOLDERS, "tests") for p in (ROOT / folder).rglob("*.py")
                  if p.name != "test_packaging.py" and bare.search(p.read_text())]
     assert offenders == []
+
+
+PUBLIC_PACKAGES = ("code2wav", "code2wav.client", "code2wav.proto", "code2wav.client.vllm_omni",
+                   "code2wav.client.vllm_omni_voxcpm2", "code2wav.client.cuda_ipc")
+
+
+def test_public_packages_export_exactly_their_all_and_a_version():
+    """``dir()`` of a public package shows its ``__all__`` and its submodules, nothing else (no ``annotations`` left
+    by ``from __future__ import annotations``, no helper imports); ``code2wav.__version__`` is the installed one."""
+    import importlib
+    import types
+
+    import code2wav
+
+    stray = {}
+    for name in PUBLIC_PACKAGES:
+        module = importlib.import_module(name)
+        public = {n for n in dir(module)
+                  if not n.startswith("_") and not isinstance(getattr(module, n), types.ModuleType)}
+        missing = [n for n in module.__all__ if not hasattr(module, n)]
+        assert missing == [], (name, missing)
+        if public - set(module.__all__):
+            stray[name] = sorted(public - set(module.__all__))
+    assert stray == {}
+    assert code2wav.__all__ == ["__version__"] and code2wav.__version__ == md.version("code2wav-sidecar")
+
+
+def test_version_falls_back_to_the_source_trees_pyproject(tmp_path):
+    """Not installed (only the folder on ``sys.path``): the version is pyproject's; without one, ``0+unknown``."""
+    import re
+    import shutil
+
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "code2wav", tree / "code2wav")
+    probe = [sys.executable, "-S", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import code2wav; "
+             "print(code2wav.__version__)", str(tree)]  # -S: no site-packages, so no installed distribution
+    (tree / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "9.8.7"\n')
+    assert subprocess.run(probe, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip() == "9.8.7"
+    (tree / "pyproject.toml").unlink()
+    assert subprocess.run(probe, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip() == "0+unknown"
+    ours = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert md.version("code2wav-sidecar") == ours

@@ -8,7 +8,7 @@ import pytest
 from code2wav.proto import (Limits, ModelInfo, OpenStream, ProtocolError, StreamOptionInfo, Welcome,
                             decode_client_message, decode_server_message, encode)
 
-LATENTS = ModelInfo("voxcpm2-audiovae", 64, 0, 1920, 48000, ("exact", "window"), "bfloat16", "cuda:0",
+LATENTS = ModelInfo("voxcpm2-audiovae", 64, None, 1920, 48000, ("exact", "window"), "bfloat16", "cuda:0",
                     family="voxcpm2_audiovae", input_kind="latents", input_dtypes=("float32",), input_channels=64,
                     input_range=None, stream_options=(StreamOptionInfo("sr_cond", 0, 3, 3),))
 CODES = ModelInfo("qwen3-tts-12hz", 16, 2048, 1920, 24000, ("exact",), "float32", "cpu", family="qwen3_tts",

@@ -21,7 +21,7 @@ def instances() -> dict[str, Any]:
     inline = TensorDesc("int64", (16, 25), InlineLoc(1))
     ipc = TensorDesc("int16", (8, 3), CudaIpcLoc(3, 4096, 48))
     audio_out = TensorDesc("float32", (5760,), CudaIpcLoc(4, 256, 23040))
-    latents = ModelInfo("voxcpm2-audiovae", 64, 0, 1920, 48000, ("exact", "window"), "bfloat16", "cuda:0",
+    latents = ModelInfo("voxcpm2-audiovae", 64, None, 1920, 48000, ("exact", "window"), "bfloat16", "cuda:0",
                         family="voxcpm2_audiovae", input_kind="latents", input_dtypes=("float32", "bfloat16"),
                         input_channels=64, input_range=None, stream_options=(StreamOptionInfo("sr_cond", 0, 3, 3),))
     codes = ModelInfo("qwen3-tts-12hz", 16, 2048, 1920, 24000, ("exact",), "float32", "cpu")

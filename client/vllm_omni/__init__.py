@@ -5,23 +5,26 @@ calls it in every process (API server, engine cores, workers); it adds ``Qwen3TT
 ``OmniModelRegistry`` (stages resolve architectures there, not in ``vllm.ModelRegistry``) as a lazy
 ``module:Class`` reference, so no CUDA or vLLM model code is imported at plugin time. It is idempotent and
 leaves ``Qwen3TTSCode2Wav`` alone: a deploy file opts in with ``model_arch: Qwen3TTSCode2WavSidecar`` on the
-Code2Wav stage (``deploy/vllm-omni/qwen3_tts_sidecar.yaml``).
+Code2Wav stage (``deploy/vllm-omni/qwen3_tts_sidecar.yaml``; the wheel carries the same file, ``DEPLOY_CONFIG`` is
+its installed path and ``python -m code2wav.client.vllm_omni`` prints it).
 
 Nothing here needs vLLM to import: ``delegate`` and ``step`` are plain client code, ``model`` imports vLLM-Omni's
 ``OmniOutput`` only when it builds one.
 """
 
-from __future__ import annotations
-
-import logging
+import logging as _logging
+from pathlib import Path as _Path
 
 from .model import ARCH_NAME
 
-__all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register", "register_arch"]
+__all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "DEPLOY_CONFIG", "register", "register_arch"]
 
-log = logging.getLogger(__name__)
+_log = _logging.getLogger(__name__)
 
 MODEL_CLASS_REF = "code2wav.client.vllm_omni.model:Qwen3TTSCode2WavSidecar"
+DEPLOY_CONFIG = _Path(__file__).with_name("qwen3_tts_sidecar.yaml")
+"""The deploy overlay for ``vllm serve --omni --deploy-config`` (package data; the same bytes as the repository's
+``deploy/vllm-omni/qwen3_tts_sidecar.yaml``)."""
 
 
 def register() -> None:
@@ -35,10 +38,10 @@ def register_arch(arch_name: str, class_ref: str) -> None:
     try:
         from vllm_omni.model_executor.models.registry import OmniModelRegistry
     except ImportError as exc:  # the plugin is installed with the client, vLLM-Omni may not be
-        log.debug("code2wav-sidecar: vLLM-Omni not importable (%s); nothing to register", exc)
+        _log.debug("code2wav-sidecar: vLLM-Omni not importable (%s); nothing to register", exc)
         return
     existing = OmniModelRegistry.models.get(arch_name)
     if existing is not None and getattr(existing, "module_name", None) == class_ref.split(":")[0]:
         return
     OmniModelRegistry.register_model(arch_name, class_ref)
-    log.debug("code2wav-sidecar: registered %s -> %s in OmniModelRegistry", arch_name, class_ref)
+    _log.debug("code2wav-sidecar: registered %s -> %s in OmniModelRegistry", arch_name, class_ref)

@@ -10,9 +10,7 @@ file opts in with ``model_arch: VoxCPM2TalkerSidecar`` on stage 0 (docs/voxcpm2.
 ``OmniModelRegistry`` as a lazy ``module:Class`` reference (no vLLM model code is imported at plugin time).
 """
 
-from __future__ import annotations
-
-from ..vllm_omni import register_arch
+from ..vllm_omni import register_arch as _register_arch
 
 __all__ = ["ARCH_NAME", "MODEL_CLASS_REF", "register"]
 
@@ -22,4 +20,4 @@ MODEL_CLASS_REF = "code2wav.client.vllm_omni_voxcpm2.model:VoxCPM2TalkerSidecar"
 
 def register() -> None:
     """Add ``ARCH_NAME`` to vLLM-Omni's ``OmniModelRegistry``; a no-op when it is there or vLLM-Omni is absent."""
-    register_arch(ARCH_NAME, MODEL_CLASS_REF)
+    _register_arch(ARCH_NAME, MODEL_CLASS_REF)
