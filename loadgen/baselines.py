@@ -10,9 +10,6 @@ also a ratio against them:
   off (``engine.fused_kernels: false``), so the kernels' gain is a ratio in one run.
 - ``exact-graph-cublas-bN`` (CUDA, float32, a family whose GEMMs can run ``kernels/matmul.py``'s 3xTF32 kernel): the
   same graph with the other kernels on and every GEMM on cuBLAS, so that kernel's own gain is a ratio in one run.
-- ``exact-compiled-bN-tF`` (CUDA only, the bench's ``--baseline-compile BxF,...``): the step compiled
-  (``graphs.compile``'s ``CompiledRoutine``, one static compile per shape) and captured, as the sidecar runs it
-  with ``graphs.compile: true``.
 
 ``frames`` (the bench's ``--baseline-frames``) adds the exact rows at other chunk sizes; a row at F frames other
 than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the default names stay as above.
@@ -55,15 +52,12 @@ def _suffix(frames: int, new_frames: int) -> str:
 
 def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames: int = 25, iters: int = 20,
                   warmup: int = 3, batch_sizes: tuple[int, ...] = (1,),
-                  frames: tuple[int, ...] | None = None,
-                  compiled: tuple[tuple[int, int], ...] = ()) -> list[BaselineResult]:
-    """``frames``: chunk sizes of the exact rows (None: ``new_frames`` only). ``compiled``: ``(batch, frames)``
-    shapes of the compiled rows (CUDA only; tens of seconds of compile each)."""
+                  frames: tuple[int, ...] | None = None) -> list[BaselineResult]:
+    """``frames``: chunk sizes of the exact rows (None: ``new_frames`` only)."""
     frames = tuple(dict.fromkeys(frames or (new_frames,)))
-    slots_needed = max([*batch_sizes, *(b for b, _ in compiled)])  # the compiled rows hold their slots too
-    arena = StateArena(model.module.state_layout(), slots_needed, model.dtype, model.device)
+    arena = StateArena(model.module.state_layout(), max(batch_sizes), model.dtype, model.device)
     engine = Engine(model, arena, max_forward_frames=max(256, new_frames + left_context_frames, *frames))
-    total_frames = max(new_frames + left_context_frames, *frames, *(f for _, f in compiled))
+    total_frames = max(new_frames + left_context_frames, *frames)
     codes = synthetic_inputs(InputContract.of(model), total_frames, seed=1)  # [C, T]
     results = []
 
@@ -89,8 +83,6 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
                 arena.release(s)
     if model.device.type == "cuda":
         results += _graph_baselines(model, arena, codes, new_frames, iters, warmup, batch_sizes, frames)
-        if compiled:
-            results += _compiled_baselines(model, arena, codes, iters, warmup, compiled)
     return results
 
 
@@ -102,15 +94,15 @@ def _graph_baselines(model: LoadedModel, arena: StateArena, codes, new_frames: i
     def name(batch: int, num_frames: int, kernels: str = "") -> str:
         return f"exact-graph{kernels}-b{batch}" + ("-t1" if num_frames == 1 else _suffix(num_frames, new_frames))
 
-    rows = _captured_rows(model, arena, codes, iters, warmup, buckets, name, compile_=False)
+    rows = _captured_rows(model, arena, codes, iters, warmup, buckets, name)
     if model.fused_kernels:  # the same graphs with torch ops instead of the family's Triton kernels, same run
         with _torch_ops(model):
             rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
-                                   lambda b, f: name(b, f, "-torchops"), compile_=False)
+                                   lambda b, f: name(b, f, "-torchops"))
     if model.fused_kernels and model.dtype == torch.float32 and matmul_choices(model.module):
         with cublas_gemms(model.module):  # ... and with only the GEMM kernel off
             rows += _captured_rows(model, arena, codes, iters, warmup, buckets,
-                                   lambda b, f: name(b, f, "-cublas"), compile_=False)
+                                   lambda b, f: name(b, f, "-cublas"))
     return rows
 
 
@@ -139,20 +131,11 @@ def _torch_ops(model: LoadedModel):
         model.family.use_fused_kernels(model.module, True)
 
 
-def _compiled_baselines(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
-                        shapes: tuple[tuple[int, int], ...]) -> list[BaselineResult]:
-    return _captured_rows(model, arena, codes, iters, warmup, tuple(sorted(set(shapes), reverse=True)),
-                          lambda batch, num_frames: f"exact-compiled-b{batch}-t{num_frames}", compile_=True)
-
-
 def _captured_rows(model: LoadedModel, arena: StateArena, codes, iters: int, warmup: int,
-                   shapes: tuple[tuple[int, int], ...], name, compile_: bool) -> list[BaselineResult]:
-    """One row per ``(batch, frames)`` shape captured in a CUDA graph by the sidecar's own ``GraphManager``; with
-    ``compile_``, of the compiled step (``CompiledRoutine``, one static compile per shape; a shape whose compile
-    fell back is left out, said why)."""
+                   shapes: tuple[tuple[int, int], ...], name) -> list[BaselineResult]:
+    """One row per ``(batch, frames)`` shape captured in a CUDA graph by the sidecar's own ``GraphManager``."""
     from prometheus_client import CollectorRegistry
 
-    from code2wav.sidecar.graphs.compiled import CompiledRoutine
     from code2wav.sidecar.graphs.manager import GraphManager
     from code2wav.sidecar.graphs.plan import BucketKey
     from code2wav.sidecar.graphs.routine import StreamRoutine
@@ -160,16 +143,12 @@ def _captured_rows(model: LoadedModel, arena: StateArena, codes, iters: int, war
 
     buckets = tuple(BucketKey("exact", b, f) for b, f in shapes)
     routine = StreamRoutine(model, arena, max(k.batch for k in buckets), max(k.frames for k in buckets))
-    compiled = {"exact": CompiledRoutine(routine, "exact", len(buckets))} if compile_ else None
     manager = GraphManager({"exact": routine}, buckets, model.device, Metrics(CollectorRegistry()),
-                           max_graph_memory_bytes=None, compiled=compiled)  # every shape asked for
-    manager.capture_startup()  # (compiles each shape first, logged)
+                           max_graph_memory_bytes=None)  # every shape asked for
+    manager.capture_startup()
     results = []
     for key in buckets:
-        if not manager.is_captured(key) or key in manager.compile_fallbacks:
-            if compile_:
-                print(f"{name(key.batch, key.frames)}: not compiled "
-                      f"({manager.compile_fallbacks.get(key, 'not captured')})")
+        if not manager.is_captured(key):
             continue
         slots = [arena.allocate() for _ in range(key.batch)]
         items = [DecodeItem(codes=codes[:, :key.frames], slot=s, skip_frames=0) for s in slots]

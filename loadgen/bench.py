@@ -64,9 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-frames", default="",
                    help="comma-separated chunk sizes (frames) of the exact baselines (default: --chunk-frames); "
                         "rows at other sizes than --chunk-frames are named -tN")
-    p.add_argument("--baseline-compile", default="", metavar="BxF,...",
-                   help="CUDA: also time the compiled step (graphs.compile) at these shapes, e.g. 1x4,64x25 "
-                        "(rows exact-compiled-bB-tF; tens of seconds of compile per shape)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak TFLOP/s for this dtype, for the compute-ceiling fraction (default: "
                         "known for H100/H200, see loadgen/flops.py)")

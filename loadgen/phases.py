@@ -113,20 +113,6 @@ def run_phases(phases: list[Phase], report: BenchReport, progress: Progress) -> 
             raise
 
 
-def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
-    """``"1x4,64x25"`` -> ``((1, 4), (64, 25))`` (batch x frames); a clear error naming the flag otherwise."""
-    shapes = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        try:
-            batch, frames = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"--baseline-compile {item!r}: give BATCHxFRAMES, e.g. 64x25") from None
-        if batch < 1 or frames < 1:
-            raise ValueError(f"--baseline-compile {item!r}: batch and frames must be >= 1")
-        shapes.append((batch, frames))
-    return tuple(shapes)
-
-
 class BaselinesPhase(Phase):
     """In-process baselines on the same device, model and dtype as the sidecar (baselines.py)."""
 
@@ -136,16 +122,13 @@ class BaselinesPhase(Phase):
         self.args, self.device = args, device
         self.batches = tuple(int(x) for x in args.baseline_batch.split(",") if x)
         self.frames = tuple(int(x) for x in (args.baseline_frames or str(args.chunk_frames)).split(",") if x)
-        self.compiled = parse_shapes(getattr(args, "baseline_compile", ""))
         self.model = None
 
     def plan(self) -> list[Step]:
         frames = "" if self.frames == (self.args.chunk_frames,) else f" x {','.join(map(str, self.frames))} frames"
         steps = [Step("load model, count its FLOPs", weight=0),  # no rate for the time-left estimate
                  Step(f"baselines (window b1, exact b{','.join(map(str, self.batches))}{frames}, "
-                      f"{self.args.baseline_iters} iterations each"
-                      + (f"; compiled {','.join(f'{b}x{f}' for b, f in self.compiled)}" if self.compiled else "")
-                      + ")", weight=2 + len(self.batches) * len(self.frames) + 4 * len(self.compiled))]
+                      f"{self.args.baseline_iters} iterations each)", weight=2 + len(self.batches) * len(self.frames))]
         steps.append(Step("vllm-omni-stock: vLLM-Omni 0.30's own Code2Wav (same weights, codes, dtype, device)",
                           weight=2))
         steps.append(Step("voxcpm2-upstream: VoxCPM2's own AudioVAE V2 (latents models; same weights, dtype, "
@@ -171,7 +154,7 @@ class BaselinesPhase(Phase):
             from .baselines import run_baselines
 
             found = run_baselines(self.model, new_frames=args.chunk_frames, iters=args.baseline_iters,
-                                  batch_sizes=self.batches, frames=self.frames, compiled=self.compiled)
+                                  batch_sizes=self.batches, frames=self.frames)
             report.baselines = [_rounded_baseline(asdict(b)) for b in found]
             return ", ".join(f"{b['name']} p50 {b['latency_ms_p50']:.2f} ms" for b in report.baselines[:3])
         if index == 2:

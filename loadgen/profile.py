@@ -30,8 +30,8 @@ import torch
 
 from code2wav.sidecar.cli import DTYPE_CHOICES, DefaultsHelpFormatter
 
-from .inputs import InputContract, synthetic_inputs
 from .roofline import format_layers, profile_layers
+from .step_stage import check_sizes, chosen_forms, staged_step
 from .timing import sync_device, time_calls
 
 NAME_WIDTH = 100  # characters of a kernel's name in the text table (the JSON keeps the whole name)
@@ -63,22 +63,6 @@ class StepProfile:
     choices: list[dict] = field(default_factory=list)  # each measured conv/GEMM form (GPU)
 
 
-def staged_step(model, batch: int, num_frames: int):
-    """The graph-free exact step of ``model`` at ``batch`` x ``num_frames``, its inputs staged: a callable that runs
-    the routine's forward (what a CUDA graph captures), each call one more chunk of every row's stream."""
-    from code2wav.sidecar.engine import DecodeItem
-    from code2wav.sidecar.graphs.routine import StreamRoutine
-    from code2wav.sidecar.state_store import StateArena
-
-    arena = StateArena(model.module.state_layout(), batch, model.dtype, model.device)
-    routine = StreamRoutine(model, arena, batch, num_frames)
-    contract = InputContract.of(model)
-    items = [DecodeItem(codes=synthetic_inputs(contract, num_frames, seed=2 + b), slot=arena.allocate(),  # [C, T]
-                        skip_frames=0) for b in range(batch)]
-    routine.copy_in(batch, num_frames, items)
-    return lambda: routine.forward(batch, num_frames)  # [B, T * U]
-
-
 def profile_step(model, batch: int, num_frames: int, steps: int = 3, warmup: int = 2) -> StepProfile:
     """Profile the graph-free exact step of ``model`` (a loaded sidecar model) at ``batch`` x ``num_frames``."""
     check_sizes(batch, num_frames, steps, warmup)
@@ -95,13 +79,7 @@ def profile_step(model, batch: int, num_frames: int, steps: int = 3, warmup: int
         model=model.name, device=str(model.device), dtype=str(model.dtype).replace("torch.", ""),
         batch=batch, num_frames=num_frames, steps=steps, unit="kernel" if gpu else "operator",
         total_us=total_us, calls=sum(r.calls for r in rows), step_ms_p50=statistics.median(step_s) * 1e3,
-        profiled_step_ms=profiled_ms, kernels=rows, choices=_choices(model.module) if gpu else [])
-
-
-def check_sizes(batch: int, num_frames: int, steps: int, warmup: int) -> None:
-    if batch < 1 or num_frames < 1 or steps < 1 or warmup < 0:
-        raise ValueError(f"--batch, --frames and --steps must be >= 1 and --warmup >= 0 (got {batch}, {num_frames}, "
-                         f"{steps}, {warmup})")
+        profiled_step_ms=profiled_ms, kernels=rows, choices=chosen_forms(model.module) if gpu else [])
 
 
 def _profiled_events(step, device: torch.device, steps: int) -> list[tuple[str, float]]:
@@ -132,21 +110,6 @@ def _rows(events: list[tuple[str, float]], steps: int) -> list[KernelRow]:
                       mean_us=time_us[name] / calls[name], share=time_us[name] / total)
             for name in time_us]
     return sorted(rows, key=lambda r: (-r.total_us, r.name))
-
-
-def _choices(module: torch.nn.Module) -> list[dict]:
-    """The form each conv and GEMM of the step chose (their ``KernelChoice``), with every form's time."""
-    from code2wav.sidecar.kernels.conv_choice import held_choices
-
-    found = []
-    for where, sub in module.named_modules():
-        for choice in held_choices(sub):
-            for key, chosen in getattr(choice, "decisions", {}).items():
-                timings = getattr(choice, "timings_ms", {}).get(key, {})
-                found.append({"module": where, "kind": type(choice).__name__, "shape": repr(key), "chosen": chosen,
-                              "timings_us": {f: round(ms * 1e3, 1) for f, ms in sorted(timings.items(),
-                                                                                     key=lambda kv: kv[1])}})
-    return found
 
 
 def format_table(p: StepProfile, top: int | None = 20) -> str:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .flops import peak_flops
+from .step_stage import check_sizes, chosen_forms, staged_step
 
 PEAK_BYTES_PER_S: dict[str, float] = {"H200": 4.8e12, "H100": 3.35e12}
 """(substring of the GPU's name) -> HBM bandwidth, bytes/s (NVIDIA's datasheets, SXM parts)."""
@@ -185,7 +186,6 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .profile import _choices, check_sizes, staged_step
     from .timing import sync_device
 
     check_sizes(batch, num_frames, steps, warmup)
@@ -254,7 +254,7 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
         steps=steps, unit="kernel" if gpu else "operator",
         peak_tflops=peak_flop_s / 1e12 if peak_flop_s else None, peak_gbps=peak_byte_s / 1e9 if peak_byte_s else None,
         total_us=total_us, unattributed_us=max(total_us - attributed_us, 0.0), layers=rows, not_called=not_called,
-        choices=_choices(model.module) if gpu else [])
+        choices=chosen_forms(model.module) if gpu else [])
 
 
 def format_layers(p: LayerProfile, kernel_width: int = 60) -> str:

@@ -228,17 +228,13 @@ def run_upstream(model, iters: int, compile_oneshot: bool = False, say=print) ->
 
 
 def _ours(rows: list[dict], batch: int, new_frames: int) -> list[dict]:
-    """Our exact rows at (batch, frames) to compare: the compiled one if measured, and the graph one, else the
-    eager one."""
-    picked = []
-    for prefixes in (("exact-compiled-",), ("exact-graph-", "exact-eager-")):
-        for prefix in prefixes:
-            found = [r for r in rows if r["name"].startswith(prefix) and r["batch"] == batch
-                     and r["new_frames"] == new_frames]
-            if found:
-                picked.append(found[0])
-                break
-    return picked
+    """Our exact row at (batch, frames) to compare: the graph one, else the eager one."""
+    for prefix in ("exact-graph-", "exact-eager-"):
+        found = [r for r in rows if r["name"].startswith(prefix) and r["batch"] == batch
+                 and r["new_frames"] == new_frames]
+        if found:
+            return found[:1]
+    return []
 
 
 def ratios(ours_rows: list[dict], upstream_rows: list[dict]) -> dict:

@@ -18,7 +18,6 @@ import zmq
 from .arena_sizing import UNCAPPED_GRAPH_RESERVE_BYTES, ArenaPlan, plan_arena
 from .config import ServerConfig, state_memory_bytes
 from .engine import Engine
-from .graphs.compiled import compile_routines
 from .graphs.manager import GraphManager
 from .graphs.plan import build_buckets
 from .graphs.routine import StreamRoutine
@@ -122,11 +121,9 @@ def build_graphs(cfg: ServerConfig, model: LoadedModel, arena: StateArena, metri
     buckets, routines = configured_buckets(gcfg), {}
     for name, (max_batch, max_routine_frames) in routine_shapes(gcfg, max_frames).items():
         routines[name] = StreamRoutine(model, arena if MODES[name].stateful else None, max_batch, max_routine_frames)
-    compiled = (compile_routines(routines, [k.mode for k in buckets], gcfg.compile_cache_dir,
-                                 gcfg.max_lazy_captures) if gcfg.compile else None)
     manager = GraphManager(routines, buckets, model.device, metrics, mode=gcfg.mode,
                            max_lazy_captures=gcfg.max_lazy_captures,
-                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes, compiled=compiled)
+                           max_graph_memory_bytes=gcfg.max_graph_memory_bytes)
     manager.capture_startup()
     return manager
 
@@ -159,8 +156,13 @@ def build_engine_side(cfg: ServerConfig, device, metrics: Metrics,
 def attach_kernel_choices(cfg: ServerConfig, model: LoadedModel, metrics: Metrics) -> None:
     """Name the model's conv choices, give them the on-disk cache of measured choices (CUDA, where configured) and
     export their counts (``kernel_metrics.py``)."""
-    folder = cfg.engine.kernel_choice_cache_dir
-    cache = ChoiceCache(folder, choice_identity(model.device)) if folder and model.device.type == "cuda" else None
+    folder, cache = cfg.engine.kernel_choice_cache_dir, None
+    if folder and model.device.type == "cuda":
+        try:
+            cache = ChoiceCache(folder, choice_identity(model.device))
+        except (OSError, RuntimeError) as exc:  # e.g. "~" for a user without a home directory
+            log.warning("kernel choice cache %s not used (%s): conv forms are measured at every start; set "
+                        "engine.kernel_choice_cache_dir to a writable folder", folder, exc)
     events = ChoiceEvents()
     attach_choices(model.module, cache, events)
     metrics.registry.register(KernelChoiceCollector(events))

@@ -61,7 +61,7 @@ class EngineConfig(_Section):
                                 "previous conv's bias, with the last one-channel conv and with depthwise convs; a "
                                 "dense conv as an implicit GEMM where it measures fastest) in eager steps and CUDA "
                                 "graphs; false = torch ops "
-                                "(ignored on CPU and under graphs.compile, where Inductor fuses the same ops)")
+                                "(ignored on CPU)")
     kernel_choice_cache_dir: str = Field("~/.cache/code2wav-sidecar", description="on CUDA, where the dense "
                                          "convs' measured forms are kept per GPU model and library versions, so a "
                                          "restart reads them instead of timing every form again; empty = measure "
@@ -85,12 +85,6 @@ class GraphsConfig(_Section):
                                                "captured as exact-streaming time slices (the same audio, a smaller "
                                                "peak), else skipped and run eager; null = no cap")
     allow_tf32: bool = Field(False, description="TF32 matmul/conv: faster, but not exact to 1e-4")
-    compile: bool = Field(False, description="capture the torch.compile'd step per bucket (plain step if it fails; "
-                          "ignored on CPU). Off by default: on the H200 it makes a step 1.7-1.8x faster (b16 16.9 vs "
-                          "30.8 ms bf16) but compiles ~30 s per bucket cold (~4 s with the on-disk cache), so the "
-                          "default 14 buckets take minutes to start; enable it with a compile_cache_dir volume")
-    compile_cache_dir: str | None = Field(None, description="torch's on-disk compile cache (TORCHINDUCTOR_CACHE_DIR); "
-                                          "keep it on a volume for fast restarts; null = torch's default")
 
     def for_family(self, defaults: GraphBuckets) -> "GraphsConfig":
         """This section with every unset bucket list taken from the model family's defaults."""
@@ -188,6 +182,9 @@ REMOVED_KEYS = {
     "graphs.cap_batch_to_buckets": "batches are always capped to the largest captured graph batch (a larger batch "
                                    "ran eager, many times slower)",
     "graphs.cudnn_benchmark": "the dense convs' forms are timed per shape at graph warm-up (ConvChoice) instead",
+    "graphs.compile": "the torch.compile'd step lost to the captured step with the measured kernel forms (H100, "
+                      "bf16, same run: 1,808 vs 4,267 audio-s/s at 64 x 25, 3.48 vs 1.21 ms at 1 x 25)",
+    "graphs.compile_cache_dir": "graphs.compile went (the captured step with the measured kernel forms is faster)",
 }
 """Keys earlier versions took, and why they went: a config that still sets one is told so by name."""
 

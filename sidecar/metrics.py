@@ -119,8 +119,6 @@ class Metrics:
         self.graph_capture_failures = Counter(p + "graph_capture_failures", "Captures that failed (bucket eager)",
                                               graph, registry=r)
         self.graph_capture_seconds = Gauge(p + "graph_capture_seconds", "Capture time per bucket", graph, registry=r)
-        self.graph_compile_fallbacks = Counter(p + "graph_compile_fallbacks", "Buckets whose compiled step failed "
-                                               "(captured plain instead)", graph, registry=r)
         self.graph_bytes = Gauge(p + "graph_bytes", "Graph pool bytes added by each bucket", graph, registry=r)
         self.graph_pool_bytes = Gauge(p + "graph_pool_bytes", "Bytes held by the shared graph pool", registry=r)
         self.ipc_regions = Gauge(p + "ipc_regions", "Client CUDA IPC regions open now", ["access"], registry=r)

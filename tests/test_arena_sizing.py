@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ import torch
 from code2wav.sidecar.config import state_memory_bytes
 from code2wav.sidecar.arena_sizing import (CPU_STATE_MEMORY_BYTES, MAX_SLOTS, ArenaSizingError, plan_arena)
 from code2wav.sidecar.config import ConfigError, load_config
-from code2wav.sidecar.graphs.compiled import configure_compile_cache
 from code2wav.sidecar.models.qwen3_tts import SHIPPED, random_model
 from code2wav.sidecar.state_store import slot_nbytes
 
@@ -80,26 +78,10 @@ def test_describe_names_the_source():
     assert "4096 slots" in text and "free_device_memory" in text
 
 
-def test_compile_settings_are_typed():
-    cfg = load_config(overrides={"graphs": {"compile": True, "compile_cache_dir": "/var/cache/x"}})
-    assert cfg.graphs.compile is True and cfg.graphs.compile_cache_dir == "/var/cache/x"
-    assert load_config().graphs.compile is False  # opt-in until a cold start of the default buckets is short
-    with pytest.raises(ConfigError, match="did you mean 'compile'"):
-        load_config(overrides={"graphs": {"compiler": True}})
-
-
 def test_a_removed_key_is_named_with_why_it_went():
     with pytest.raises(ConfigError, match=r"'graphs.cudnn_benchmark' was removed \(the dense convs' forms are timed"):
         load_config(overrides={"graphs": {"cudnn_benchmark": True}})
     with pytest.raises(ConfigError, match="'graphs.cap_batch_to_buckets' was removed .* delete it from the config"):
         load_config(overrides={"graphs": {"cap_batch_to_buckets": False}})
-
-
-def test_compile_cache_dir_is_created_and_used(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    target = tmp_path / "cache" / "inductor"
-    used = configure_compile_cache(str(target))
-    assert target.is_dir() and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(target) == used
-    (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="compile_cache_dir"):
-        configure_compile_cache(str(tmp_path / "file" / "sub"))
+    with pytest.raises(ConfigError, match=r"'graphs.compile' was removed \(the torch.compile'd step lost"):
+        load_config(overrides={"graphs": {"compile": True}})

@@ -97,7 +97,7 @@ def test_every_config_key_has_its_row_with_the_models_type_and_default():
     assert sorted(set(rows) - set(expected)) == [], "rows for keys the config does not have"
     assert list(rows) == list(expected), "the rows in the model's order"
     assert [key for key, cells in rows.items() if len(cells[2]) < 10] == [], "every key needs its meaning"
-    assert len(keys) >= 44
+    assert len(keys) >= 43  # the walk reaches every section (43 keys once graphs.compile and its cache dir went)
 
 
 def test_the_type_and_default_renderings():

@@ -73,10 +73,10 @@ def no_cuda_runtime(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
-def _manager(buckets, device: FakeDevice, compiled: dict | None = None) -> tuple[GraphManager, object]:
+def _manager(buckets, device: FakeDevice) -> tuple[GraphManager, object]:
     plain = object()
     manager = GraphManager({"exact": plain}, tuple(buckets), torch.device("cpu"), Metrics(),
-                           max_graph_memory_bytes=BUDGET, compiled=compiled)
+                           max_graph_memory_bytes=BUDGET)
     device.install(manager)
     return manager, plain
 
@@ -93,19 +93,6 @@ def test_a_bucket_over_the_budget_waits_for_those_that_fit_and_takes_what_they_l
     assert b64.profile_bytes <= b16.profile_bytes and b64.pool_bytes == 0  # it reuses b16's blocks
     assert manager.pool_bytes == device.pool_reserved == b16.profile_bytes <= BUDGET
     assert device.profiles.count((B64, 1)) == 1  # its whole profile is measured once, not again when sized
-
-
-def test_a_compile_failure_keeps_the_bucket_waiting_for_the_others(no_cuda_runtime):
-    """The compiled step of the bucket over the budget fails: its plain step is profiled and still waits, so
-    the buckets that fit whole are not starved by it."""
-    device = FakeDevice()
-    compiled_routine = object()
-    manager, plain = _manager((B64, B16), device, compiled={"exact": compiled_routine})
-    device.fail.add((compiled_routine, B64, 1))
-    manager.capture_startup()
-    assert B64 in manager.compile_fallbacks and B16 not in manager.compile_fallbacks
-    assert [k for k, _ in device.captured] == [B16, B64]
-    assert manager.buckets[B16].num_slices == 1 and manager.buckets[B64].num_slices == 5
 
 
 def test_a_failed_capture_leaves_the_bucket_eager_with_its_whole_size(no_cuda_runtime):

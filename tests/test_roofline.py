@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from code2wav.loadgen.profile import staged_step
+from code2wav.loadgen.step_stage import staged_step
 from code2wav.loadgen.roofline import format_layers, layers, profile_layers
 from code2wav.sidecar.models import load_model
 from conftest import ROOT, TINY, VOXCPM2_TINY

@@ -12,10 +12,6 @@
   another stream capture is active on the device.
 - ``replay`` copies inputs in, replays, and copies outputs out of graph-owned memory before returning, so the
   next replay cannot overwrite them. An error after replay started propagates: no silent eager retry.
-- ``compiled`` (optional, per mode): a compiled implementation of the routine (``compiled.py``), captured
-  instead of the plain one; if compiling or capturing it fails, that bucket falls back to the plain routine
-  (logged, counted in ``graph_compile_fallbacks`` with the reason), and the plain capture may still fall back
-  to eager as above.
 - Capture modes: ``startup`` (all configured buckets at start), ``startup_lazy`` (plus up to ``max_lazy_captures``
   extra buckets on demand), ``lazy`` (configured buckets on first use, extras as above). Which bucket a step uses,
   and whether it is captured first, is the step plan's (``step_plan.py``).
@@ -58,8 +54,7 @@ class BucketState:
 class GraphManager:
     def __init__(self, routines: dict[str, Routine], buckets: tuple[BucketKey, ...], device: torch.device,
                  metrics: Any, mode: str = "startup", max_lazy_captures: int = 8,
-                 max_graph_memory_bytes: int | None = None, warmup_iters: int = 2,
-                 compiled: dict[str, Routine] | None = None) -> None:
+                 max_graph_memory_bytes: int | None = None, warmup_iters: int = 2) -> None:
         if mode not in CAPTURE_MODES:
             raise ValueError(f"graphs.mode must be one of {CAPTURE_MODES}, got {mode!r}")
         self.routines = routines
@@ -73,8 +68,6 @@ class GraphManager:
         self.pool = torch.cuda.graph_pool_handle()
         self.steps = StepCapture(device, warmup_iters, os.environ)
         self.pool_bytes = 0
-        self.compiled = dict(compiled or {})
-        self.compile_fallbacks: dict[BucketKey, str] = {}  # bucket -> why it runs the plain routine
 
     # ------------------------------------------------------------------ capture
     def capture_startup(self) -> None:
@@ -123,9 +116,9 @@ class GraphManager:
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: not captured: %s", key.mode, key.label, state.reason)
             return True
-        routine = self._routine_for(key)
+        routine = self.routines[key.mode]
         t0 = time.perf_counter()
-        state.num_slices, state.profile_bytes = 1, 0  # sized afresh (after a compile fallback: the plain routine)
+        state.num_slices, state.profile_bytes = 1, 0
         budget = self.max_graph_memory_bytes
         try:
             with torch.inference_mode():
@@ -146,9 +139,6 @@ class GraphManager:
         except Exception as exc:  # capture failure: this bucket stays eager
             self.steps.sync()
             state.num_slices, state.profile_bytes = 1, whole_bytes or 0
-            if routine is not self.routines[key.mode]:  # the compiled routine failed: capture the plain one
-                self._compile_fallback(key, f"{type(exc).__name__}: {exc}")
-                return self._capture(state, may_defer)
             state.status, state.reason = "eager", f"{type(exc).__name__}: {exc}"
             self.metrics.graph_capture_failures.labels(**labels).inc()
             log.warning("graph %s %s: capture failed, bucket stays eager: %s", key.mode, key.label, state.reason)
@@ -175,22 +165,11 @@ class GraphManager:
         self.metrics.graph_capture_seconds.labels(**labels).set(state.capture_s)
         self.metrics.graph_bytes.labels(**labels).set(state.pool_bytes)
         self.metrics.graph_pool_bytes.set(self.pool_bytes)
-        log.info("graph %-6s %-10s captured in %.2fs%s%s: live peak %.1f MiB, profile %.1f MiB, pool +%.1f MiB "
+        log.info("graph %-6s %-10s captured in %.2fs%s: live peak %.1f MiB, profile %.1f MiB, pool +%.1f MiB "
                  "(total %.1f MiB)", key.mode, key.label, state.capture_s,
-                 " (compiled)" if routine is not self.routines[key.mode] else "",
                  f" in {state.num_slices} time slices" if state.num_slices > 1 else "", state.live_peak[1] / 2**20,
                  state.profile_bytes / 2**20, state.pool_bytes / 2**20, self.pool_bytes / 2**20)
         return True
-
-    def _routine_for(self, key: BucketKey) -> Routine:
-        compiled = self.compiled.get(key.mode)
-        return compiled if compiled is not None and key not in self.compile_fallbacks else self.routines[key.mode]
-
-    def _compile_fallback(self, key: BucketKey, reason: str) -> None:
-        self.compile_fallbacks[key] = reason
-        self.metrics.graph_compile_fallbacks.labels(component=key.mode, bucket=key.label).inc()
-        log.warning("graph %s %s: compiled step failed, capturing the plain step: %s", key.mode, key.label,
-                    reason[:500])
 
     def _skip(self, state: BucketState, reason: str) -> None:
         state.status, state.reason, state.num_slices = "skipped", reason, 1
@@ -283,7 +262,6 @@ class GraphManager:
 
     def summary(self) -> list[dict]:
         return [{"mode": s.key.mode, "bucket": s.key.label, "status": s.status, "reason": s.reason,
-                 "compiled": s.key.mode in self.compiled and s.key not in self.compile_fallbacks,
                  "capture_s": round(s.capture_s, 3), "profile_bytes": s.profile_bytes, "pool_bytes": s.pool_bytes,
                  "num_slices": s.num_slices}
                 for s in sorted(self.buckets.values(), key=lambda s: (s.key.mode, -s.key.cost))]
