@@ -62,7 +62,7 @@ def test_the_gemm_kernel_is_a_form_only_with_the_kernels_on_and_autograd_off():
     conv = torch.nn.Conv1d(8, 8, 7, dilation=3).to(torch.bfloat16)
     x = torch.zeros(1, 8, 30, dtype=torch.bfloat16)
     choice = ConvChoice()
-    with torch.inference_mode():  # engine.fused_kernels off (the default); the frontend is not installed on CPU
+    with torch.inference_mode():  # engine.fused_kernels off (the default)
         assert choice.offered(x, conv) == ["cudnn", "cudnn_cl", "polyphase", "im2col"]
         choice.kernels = True
         assert "gemm0" in choice.offered(x, conv) and "gemm0" not in choice.offered(x.float(), conv.float())

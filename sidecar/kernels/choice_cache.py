@@ -45,7 +45,7 @@ def identity(device: torch.device) -> dict:
     props = torch.cuda.get_device_properties(device)
     return {"format": FORMAT, "gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "triton": version("triton"), "cudnn_frontend": version("nvidia-cudnn-frontend"),
+            "triton": version("triton"),
             "code2wav": version("code2wav-sidecar"),
             "tiles": [list(map(list, conv_gemm.CONFIGS)), list(map(list, conv_gemm_cl.CONFIGS)),
                       conv_im2col.MAX_COPY_NBYTES]}

@@ -1,6 +1,6 @@
 """Which form each conv runs in, per input shape, measured once on the device (policy; ``conv_forms.py`` holds the
 forms: cuDNN as PyTorch calls it, cuDNN channels-last, the polyphase dilated conv, the two implicit-GEMM Triton
-kernels, cuBLAS over an im2col copy, cuDNN's frontend graph API).
+kernels, cuBLAS over an im2col copy; cuDNN's frontend graph API was measured and left out: docs/design-notes.md).
 
 Which is fastest depends on the shape, cuDNN's version and the GPU (on the H200, PyTorch's cuDNN call picked sm80
 kernels and layout conversions for several convs), so nothing is written down: ``ConvChoice`` times every offered
@@ -16,7 +16,7 @@ exported as ``code2wav_sidecar_kernel_fallbacks_total``): a shape first seen ins
 ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes), a form that fails to compile or launch (left out). CPU
 tensors, ``torch.compile`` tracing and convs with padding or a stride use cuDNN without a choice to make. A new shape
 costs its first step the measurement: per conv and form one untimed call and three timed ones, each behind a 1 ms
-spin (up to 16 forms: some tens of milliseconds per conv, plus Triton's compile the first time a kernel variant
+spin (up to 15 forms: some tens of milliseconds per conv, plus Triton's compile the first time a kernel variant
 runs).
 
 The Triton kernels are candidates only where the family switched its kernels on (``kernels``, set by

@@ -7,7 +7,6 @@
 - ``"gemm<i>"``: ``conv_gemm.py``'s implicit-GEMM Triton kernel over a channels-first input, tile ``CONFIGS[i]``.
 - ``"gemm_cl<i>"``: ``conv_gemm_cl.py``'s implicit GEMM over a channels-last input (pipelined loads, Hopper tiles).
 - ``"im2col"``: one cuBLAS GEMM over an im2col copy (``conv_im2col.py``), where the copy is small.
-- ``"cudnn_fe"``: cuDNN's frontend graph API, one built graph per shape (``conv_cudnn_fe.py``), where installed.
 
 Rules: each form returns ``conv(x)`` ``[B, C_out, T]`` (without its bias when asked: a caller that adds it later),
 or with ``act`` a Snake's ``(alpha, beta, log_params)``, ``act(conv(x) + bias)``: the GEMM kernels apply it in their
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import conv_cudnn_fe, conv_gemm, conv_gemm_cl, conv_im2col, snake
+from . import conv_gemm, conv_gemm_cl, conv_im2col, snake
 from .derived import DerivedTensor
 from .dilated import polyphase_conv
 
@@ -36,14 +35,14 @@ Act = tuple[Tensor, Tensor, bool]
 
 def reads_channels_last(form: str) -> bool:
     """Whether ``form`` reads its input channels-last (the caller writes it so when the choice asks)."""
-    return form in ("cudnn_cl", "im2col", "cudnn_fe") or form.startswith("gemm_cl")
+    return form in ("cudnn_cl", "im2col") or form.startswith("gemm_cl")
 
 
 def weight_family(form: str) -> str:
     """Which derived weight ``form`` reads (``ConvForms.derived``), or ``""`` for the module's own."""
     if form.startswith("gemm"):
         return "tap_major"
-    return {"cudnn_cl": "cl4d", "cudnn_fe": "cl4d", "im2col": "im2col"}.get(form, "")
+    return {"cudnn_cl": "cl4d", "im2col": "im2col"}.get(form, "")
 
 
 class ConvForms:
@@ -51,7 +50,6 @@ class ConvForms:
 
     def __init__(self) -> None:
         self.derived = {"tap_major": DerivedTensor(), "cl4d": DerivedTensor(), "im2col": DerivedTensor()}
-        self.frontend = conv_cudnn_fe.FrontendConvs()
 
     def offered(self, x: Tensor, conv: torch.nn.Conv1d, kernels_allowed: bool) -> list[str]:
         """The forms that can run ``conv`` on ``x`` (a CUDA tensor; ``kernels_allowed``: the Triton kernels may)."""
@@ -68,13 +66,12 @@ class ConvForms:
         if not grad and conv.groups == 1 and conv_im2col.copy_nbytes(
                 tuple(x.shape), conv.kernel_size[0], conv.dilation[0], x.element_size()) <= conv_im2col.MAX_COPY_NBYTES:
             names.append("im2col")
-        if not grad and conv.groups == 1 and half and conv_cudnn_fe.available():
-            names.append("cudnn_fe")
         return names
 
     def weight(self, family: str, conv: torch.nn.Conv1d) -> Tensor:
         make = {"tap_major": lambda: conv_gemm.kernel_weight(conv.weight),  # [C_out, C_in, K] view, tap-major
-                "cl4d": lambda: conv_cudnn_fe.weight_4d(conv.weight),  # [C_out, C_in, 1, K] channels-last
+                "cl4d": lambda: conv.weight.detach().unsqueeze(2).contiguous(
+                    memory_format=torch.channels_last),  # [C_out, C_in, 1, K] channels-last
                 "im2col": lambda: conv_im2col.gemm_weight(conv.weight)}[family]  # [K C_in, C_out]
         return self.derived[family].get((conv.weight,), make)
 
@@ -84,8 +81,6 @@ class ConvForms:
         for family, derived in self.derived.items():
             if family not in used:
                 derived.clear()
-        if "cudnn_fe" not in chosen:
-            self.frontend.graphs.clear()
 
     def run(self, form: str, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None) -> Tensor:
         """``form``'s output for ``x`` (the module docstring)."""
@@ -112,10 +107,6 @@ class ConvForms:
         elif form == "im2col":
             y = conv_im2col.im2col_conv(x, self.weight("im2col", conv), bias, conv.kernel_size[0],
                                         d)  # [B, C_out, T], channels-last
-        elif form == "cudnn_fe":
-            y = self.frontend.run(x, self.weight("cl4d", conv), d)  # [B, C_out, T]
-            if bias is not None:
-                y = y + bias[:, None]  # [B, C_out, T]
         else:
             y = conv._conv_forward(x, conv.weight, bias)  # [B, C_out, T] (the module's own call)
         if act is None:
