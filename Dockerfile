@@ -29,10 +29,13 @@ ARG APP_GID=10001
 FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY LICENSE ./
+COPY code2wav ./code2wav
 COPY proto ./proto
 COPY sidecar ./sidecar
 COPY client ./client
 COPY loadgen ./loadgen
+COPY cudart ./cudart
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ def build_arena(cfg: ServerConfig, model: LoadedModel, metrics: Metrics) -> Stat
     metrics.state_bytes_per_stream.labels(model=model.name).set(arena.bytes_per_stream)
     metrics.arena_slots.labels(model=model.name, kind="total").set(num_slots)
     metrics.arena_slots.labels(model=model.name, kind="used").set(0)
-    metrics.start_series(model.name, tuple((k.mode, k.label) for k in configured_buckets(cfg.graphs)))
+    metrics.start_series(model.name, tuple((k.mode, k.label) for k in configured_buckets(cfg.graphs)),
+                         dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
     return arena
 
 

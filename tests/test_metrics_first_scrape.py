@@ -253,6 +253,7 @@ def test_build_info_and_process_metrics_are_in_the_first_scrape(first_scrape):
     assert value == 1.0 and set(labels) == {"version", "torch", "cuda", "gpu", "model", "dtype"}
     assert labels["version"] == code2wav.__version__ and labels["torch"] == torch.__version__
     assert labels["cuda"] == (torch.version.cuda or "none") and labels["model"] == "qwen3-tts-12hz"  # the tiny model
+    assert labels["dtype"] == "float32" and labels["gpu"] == "none"  # the CPU server's, as bootstrap passes them
     assert first_scrape["python_info"][0][0]["version"] == platform.python_version()
     if platform.system() == "Linux":
         for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
