@@ -67,7 +67,6 @@ class ChoiceCache:
         digest = hashlib.sha1(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         self.path = Path(folder).expanduser() / f"conv-choices-{digest}.json"
         self.entries: dict[str, dict] = self._read()
-        self.hits = 0
         log.info("kernel choices: %s (%d cached)", self.path, len(self.entries))
 
     def _read(self) -> dict[str, dict]:
@@ -90,7 +89,6 @@ class ChoiceCache:
         entry = self.entries.get(shape_key(name, key))
         if entry is None:
             return None
-        self.hits += 1
         return entry["form"], {str(f): float(ms) for f, ms in entry["timings_ms"].items()}
 
     def store(self, name: str, key: tuple, form: str, timings_ms: dict[str, float]) -> None:
