@@ -132,6 +132,20 @@ def format_table(p: StepProfile, top: int | None = 20) -> str:
     return "\n".join(lines)
 
 
+def conv_form_families(text: str | None) -> tuple[str, ...] | None:
+    """``--conv-forms``'s families, or None (all); an unknown name is an error naming the known ones."""
+    if not text:
+        return None
+    from code2wav.sidecar.kernels.conv_forms import FAMILIES
+
+    names = tuple(f.strip() for f in text.split(",") if f.strip())
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"--conv-forms: unknown form {', '.join(unknown)} (known: {', '.join(FAMILIES)}; "
+                         "cuDNN is always offered)")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="code2wav-sidecar profile", description=__doc__,
                                 formatter_class=DefaultsHelpFormatter)
@@ -157,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_sizes(args.batch, args.frames, args.steps, args.warmup)
+        allowed = conv_form_families(args.conv_forms)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -169,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         configure_cuda()  # the server's math (TF32 off), as the bench's baselines
     model = load_model(args.model, device, args.dtype)
-    allowed = tuple(f.strip() for f in args.conv_forms.split(",") if f.strip()) if args.conv_forms else None
     attach_choices(model.module, None, ChoiceEvents(), allowed)  # named for the log; measured here, not cached
     if args.by == "layer":
         found = profile_layers(model, args.batch, args.frames, args.steps, args.warmup)

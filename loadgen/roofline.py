@@ -156,6 +156,28 @@ class _LayerHooks:
             torch.ops.profiler._record_function_exit._RecordFunction(rng)
 
 
+def _own_work(named: list[tuple[str, nn.Module]], group_names: set[str],
+              hooks: _LayerHooks) -> tuple[dict[str, float], dict[str, float]]:
+    """Per row, its own FLOPs and compulsory bytes: a layer's all; a group's less those of the rows inside it (its
+    bytes: the weights no row inside it holds, as its inputs and outputs are its layers')."""
+    names = [n for n, _ in named]
+
+    def inner(group: str) -> list[str]:  # the rows directly inside ``group`` (not inside a group inside it)
+        return [n for n in names if n.startswith(group + ".") and not any(
+            g != group and g.startswith(group + ".") and n.startswith(g + ".") for g in names if g in group_names)]
+
+    flops, nbytes = {}, {}
+    for name, module in named:
+        if name not in group_names:
+            flops[name], nbytes[name] = hooks.flops.get(name, 0.0), hooks.nbytes.get(name, 0.0)
+            continue
+        below = inner(name)
+        flops[name] = max(hooks.flops.get(name, 0.0) - sum(hooks.flops.get(n, 0.0) for n in below), 0.0)
+        held = {id(p) for n, m in named if n.startswith(name + ".") for p in m.parameters()}
+        nbytes[name] = float(sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in held))
+    return flops, nbytes
+
+
 def _attributed(prof, gpu: bool) -> tuple[dict[str, dict[str, list[float]]], float]:
     """Per layer, ``{kernel or operator name: [us, ...]}`` of the profiled steps, and the time outside every layer."""
     per_layer: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -215,12 +237,12 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
             sync_device(model.device)
         hooks.ranges = False
     fired = set(hooks.nbytes)  # every layer called in the counted step (its weights and inputs are counted then)
-    # a group is a row where it ran its layers' work without calling them; a layer never called is left out (its work
-    # is fused into a neighbour's kernel, e.g. a Snake into the next conv's input)
-    named = [(n, m) for n, m in leaves if n in fired] + \
-        [(n, m) for n, m in groups if n in fired and not any(f.startswith(n + ".") for f in fired if f != n)]
-    order = {n: i for i, (n, _) in enumerate(sorted(leaves + groups, key=lambda nm: _position(model.module, nm[0])))}
-    named.sort(key=lambda nm: order[nm[0]])
+    # a layer never called is left out (its work is fused into a neighbour's kernel, e.g. a Snake into the next
+    # conv's input); a group is a row of its own work (what it ran between and instead of its layers' calls: a
+    # residual unit's 1x1 GEMM, a transformer's layers run by the block itself), where it has any
+    named = sorted([(n, m) for n, m in leaves + groups if n in fired], key=lambda nm: _position(model.module, nm[0]))
+    group_names = {n for n, _ in groups}
+    own_flops, own_nbytes = _own_work(named, group_names, hooks)
     per_layer, inside = _attributed(prof, gpu)
     # device events less the GPU-side copies of the layer ranges (Kineto's user annotations on the GPU timeline)
     device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA
@@ -234,14 +256,17 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
     for name, module in named:
         kernels = per_layer.get(name, {})
         kernel_us = sum(sum(v) for v in kernels.values()) / steps
-        spans = hooks.spans.get(name, [])
+        flop, nbytes = own_flops[name], own_nbytes[name]
+        if name in group_names and not (kernel_us or flop):
+            continue  # a group that only called its layers
+        spans = hooks.spans.get(name, []) if name not in group_names else []
         span_us = sum(s.elapsed_time(e) for s, e in spans) * 1e3 / steps if spans else kernel_us
-        flop, nbytes = hooks.flops.get(name, 0.0), hooks.nbytes.get(name, 0.0)
         seconds = kernel_us * 1e-6
         tflops = flop / seconds / 1e12 if seconds else 0.0
         gbps = nbytes / seconds / 1e9 if seconds else 0.0
         rows.append(LayerRow(
-            name=name, kind=type(module).__name__, kernel_us=kernel_us, span_us=span_us, gflop=flop / 1e9,
+            name=name, kind=type(module).__name__ + (", own work" if name in group_names else ""),
+            kernel_us=kernel_us, span_us=span_us, gflop=flop / 1e9,
             mbytes=nbytes / 1e6, tflops=tflops, gbps=gbps,
             compute_frac=tflops * 1e12 / peak_flop_s if peak_flop_s else None,
             memory_frac=gbps * 1e9 / peak_byte_s if peak_byte_s else None,

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from code2wav.sidecar.kernel_metrics import KernelChoiceCollector
 from code2wav.sidecar.kernels import conv_forms, conv_gemm_cl, conv_im2col, snake_math
-from code2wav.sidecar.kernels.choice_cache import ChoiceCache, ChoiceEvents, shape_key
+from code2wav.sidecar.kernels.choice_cache import ChoiceCache, ChoiceEvents, geometry, shape_key
 from code2wav.sidecar.kernels.conv_choice import MAX_MEASURED_SHAPES, ConvChoice
 
 HAS_TRITON = conv_gemm_cl.triton is not None
@@ -102,29 +102,56 @@ def test_the_channels_last_gemm_cpu_op_is_the_reference():
 
 
 KEY = (4, 64, 454, torch.bfloat16, torch.device("cuda", 0), True, True)
+GEO = geometry(torch.nn.Conv1d(64, 64, 7, dilation=3))
 
 
-def test_the_choice_cache_round_trips_and_keeps_gpus_and_versions_apart(tmp_path):
+def test_the_choice_cache_round_trips_and_keeps_gpus_versions_and_convs_apart(tmp_path):
     cache = ChoiceCache(tmp_path, IDENTITY)
-    assert cache.lookup("decoder.0", KEY) is None
-    cache.store("decoder.0", KEY, "gemm_cl2", {"cudnn": 0.4, "gemm_cl2": 0.25})
+    assert cache.lookup("decoder.0", GEO, KEY) is None
+    cache.store("decoder.0", GEO, KEY, "gemm_cl2", {"cudnn": 0.4, "gemm_cl2": 0.25})
     again = ChoiceCache(tmp_path, IDENTITY)
-    assert again.lookup("decoder.0", KEY) == ("gemm_cl2", {"cudnn": 0.4, "gemm_cl2": 0.25})
-    assert again.lookup("decoder.1", KEY) is None and again.lookup("decoder.0", (*KEY[:2], 455, *KEY[3:])) is None
+    assert again.lookup("decoder.0", GEO, KEY) == ("gemm_cl2", {"cudnn": 0.4, "gemm_cl2": 0.25})
+    assert again.lookup("decoder.1", GEO, KEY) is None
+    assert again.lookup("decoder.0", GEO, (*KEY[:2], 455, *KEY[3:])) is None
+    other_conv = geometry(torch.nn.Conv1d(64, 32, 3, dilation=2))  # another conv at the same path: not its choice
+    assert again.lookup("decoder.0", other_conv, KEY) is None
     other = ChoiceCache(tmp_path, {**IDENTITY, "gpu": "another GPU"})
-    assert other.path != cache.path and other.lookup("decoder.0", KEY) is None
+    assert other.path != cache.path and other.lookup("decoder.0", GEO, KEY) is None
     data = json.loads(cache.path.read_text())  # JSON, the identity in plain words
-    assert data["identity"] == IDENTITY and shape_key("decoder.0", KEY) == "decoder.0|4x64x454|bfloat16|act1|k1"
+    assert data["identity"] == IDENTITY and oct(cache.path.stat().st_mode & 0o777) == "0o644"
+    assert shape_key("decoder.0", GEO, KEY) == "decoder.0|64x64k7d3g1b1|4x64x454|bfloat16|act1|k1"
+
+
+def test_two_processes_writing_one_cache_keep_each_others_choices(tmp_path):
+    first, second = ChoiceCache(tmp_path, IDENTITY), ChoiceCache(tmp_path, IDENTITY)  # both read an empty file
+    first.store("decoder.0", GEO, KEY, "cudnn", {"cudnn": 0.4})
+    second.store("decoder.1", GEO, KEY, "im2col", {"im2col": 0.2})
+    again = ChoiceCache(tmp_path, IDENTITY)
+    assert again.lookup("decoder.0", GEO, KEY)[0] == "cudnn" and again.lookup("decoder.1", GEO, KEY)[0] == "im2col"
+
+
+def test_an_unwritable_cache_folder_is_said_once(tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    cache = ChoiceCache(tmp_path / "file" / "sub", IDENTITY)  # a folder under a file: never writable
+    for i in range(3):
+        cache.store("decoder.0", GEO, (*KEY[:2], 400 + i, *KEY[3:]), "cudnn", {"cudnn": 0.4})
+    assert caplog.text.count("not written") == 1 and not cache.writable
+    assert cache.lookup("decoder.0", GEO, (*KEY[:2], 402, *KEY[3:]))[0] == "cudnn"  # still kept in memory
 
 
 def test_a_damaged_or_foreign_cache_file_is_measured_again_not_trusted(tmp_path, caplog):
     cache = ChoiceCache(tmp_path, IDENTITY)
-    cache.store("decoder.0", KEY, "cudnn", {"cudnn": 0.4})
+    cache.store("decoder.0", GEO, KEY, "cudnn", {"cudnn": 0.4})
     cache.path.write_text(cache.path.read_text()[:40])  # truncated
     assert ChoiceCache(tmp_path, IDENTITY).entries == {}
     cache.path.write_text(json.dumps({"identity": {**IDENTITY, "gpu": "forged"}, "entries": {
-        shape_key("decoder.0", KEY): {"form": "gemm_cl0", "timings_ms": {}}}}))
+        shape_key("decoder.0", GEO, KEY): {"form": "gemm_cl0", "timings_ms": {}}}}))
     assert ChoiceCache(tmp_path, IDENTITY).entries == {}
+    good = {"form": "cudnn", "timings_ms": {"cudnn": 0.4}}
+    cache.path.write_text(json.dumps({"identity": IDENTITY, "entries": {  # entries of the wrong types are dropped
+        "a": good, "b": {"form": "cudnn", "timings_ms": {"cudnn": None}}, "c": {"form": 3, "timings_ms": {}},
+        "d": ["cudnn"]}}))
+    assert ChoiceCache(tmp_path, IDENTITY).entries == {"a": good}
     assert "unreadable" in caplog.text and "not this GPU's" in caplog.text
 
 
@@ -134,14 +161,16 @@ def test_a_cached_choice_is_used_unmeasured_and_fallbacks_are_counted_and_export
     choice, events = ConvChoice(), ChoiceEvents()
     choice.name, choice.events, choice.cache = "decoder.0", events, ChoiceCache(tmp_path, IDENTITY)
     key = choice.key(tuple(x.shape), x.dtype, x.device, False)
-    choice.cache.store("decoder.0", key, "polyphase", {"cudnn": 0.3, "polyphase": 0.2})
+    choice.cache.store("decoder.0", geometry(conv), key, "polyphase", {"cudnn": 0.3, "polyphase": 0.2})
     with torch.inference_mode():
         assert choice.decide(key, x, conv, True, None, False) == "polyphase"  # no CUDA needed: nothing timed
         assert choice.decisions[key] == "polyphase" and choice.timings_ms[key]["polyphase"] == 0.2
         choice.cache = None
         for i in range(MAX_MEASURED_SHAPES):  # past the cap: cuDNN, unmeasured, counted
             choice.decisions[("filler", i)] = "cudnn"
-        assert choice.decide(choice.key((2, 8, 41), x.dtype, x.device, False), x, conv, True, None, False) == "cudnn"
+        past = choice.key((2, 8, 41), x.dtype, x.device, False)
+        assert choice.decide(past, x, conv, True, None, False) == "cudnn"
+        assert choice.decisions[past] == "cudnn"  # remembered: the next step of that shape is not counted again
     assert events.snapshot() == ({("polyphase", "cache"): 1}, {"past_shape_cap": 1})
     registry = CollectorRegistry()
     registry.register(KernelChoiceCollector(events))
@@ -191,7 +220,7 @@ def test_a_second_start_reads_the_measured_choices(tmp_path, no_tf32):
 
     conv = torch.nn.Conv1d(192, 192, 7, dilation=3).cuda().to(torch.bfloat16)
     x = torch.randn(4, 192, 18 + 100, device="cuda", dtype=torch.bfloat16)
-    outputs = []
+    outputs, chosen = [], []
     for start in range(2):
         choice, events = ConvChoice(), ChoiceEvents()
         choice.kernels, choice.name, choice.events = True, "decoder.1", events
@@ -201,4 +230,6 @@ def test_a_second_start_reads_the_measured_choices(tmp_path, no_tf32):
             key = choice.key(tuple(x.shape), x.dtype, x.device, False)  # kernels allowed: autograd off
         source = "measured" if start == 0 else "cache"
         assert events.snapshot()[0] == {(choice.decisions[key], source): 1}
-    assert torch.equal(outputs[0], outputs[1])
+        chosen.append((choice.decisions[key], choice.timings_ms[key]))
+    assert chosen[1][0] == chosen[0][0] and chosen[1][1] == pytest.approx(chosen[0][1], abs=1e-6)  # read back
+    assert torch.equal(outputs[0], outputs[1])  # the same form: the same kernels

@@ -48,7 +48,8 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4, num_stage
 def _variants():
     import triton
 
-    from code2wav.sidecar.kernels import (conv_gemm, conv_gemm_cl, depthwise, layer_glue, matmul, rope_cache, snake, snake_conv,
+    from code2wav.sidecar.kernels import (conv_gemm, conv_gemm_cl, depthwise, layer_glue, matmul, rope_cache, snake,
+                                          snake_conv,
                                           snake_kernels, snake_math, state_cat, window_inputs)
 
     for dtype in ("bf16", "fp32"):

@@ -259,8 +259,8 @@ def test_cuda_eager_and_graph_match_cpu_golden(cases):
 
 @pytest.mark.parametrize("dilation", [1, 3, 9])
 def test_depthwise_taps_equal_the_depthwise_conv(dilation):
-    """The formulation the compiled step uses for depthwise convs (``depthwise.shifted_taps``) is the same
-    convolution (float64, so only the summation order differs)."""
+    """The formulation a depthwise conv takes under ``torch.compile`` (``depthwise.shifted_taps``, which Inductor
+    fuses) is the same convolution (float64, so only the summation order differs)."""
     from code2wav.sidecar.kernels.depthwise import shifted_taps
 
     gen = torch.Generator().manual_seed(dilation)

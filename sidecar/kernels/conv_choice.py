@@ -16,7 +16,7 @@ exported as ``code2wav_sidecar_kernel_fallbacks_total``): a shape first seen ins
 ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes), a form that fails to compile or launch (left out). CPU
 tensors, ``torch.compile`` tracing and convs with padding or a stride use cuDNN without a choice to make. A new shape
 costs its first step the measurement: per conv and form one untimed call and three timed ones, each behind a 1 ms
-spin (up to 15 forms: some tens of milliseconds per conv, plus Triton's compile the first time a kernel variant
+spin (up to 14 forms: some tens of milliseconds per conv, plus Triton's compile the first time a kernel variant
 runs).
 
 The Triton kernels are candidates only where the family switched its kernels on (``kernels``, set by
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import conv_gemm, snake
-from .choice_cache import ChoiceCache, ChoiceEvents
+from .choice_cache import ChoiceCache, ChoiceEvents, geometry
 from .conv_forms import Act, ConvForms, reads_channels_last
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class ConvChoice(KernelChoice):
                channels_last_ok: bool) -> str:
         """The form for a shape seen the first time: cached, measured, or cuDNN where neither may happen (counted)."""
         forms = self.offered(x, conv)
-        cached = self.cache.lookup(self.name, key) if self.cache is not None else None
+        cached = self.cache.lookup(self.name, geometry(conv), key) if self.cache is not None else None
         if cached is not None and cached[0] in forms:
             self.decisions[key], self.timings_ms[key] = cached
             self.events.decided(cached[0], "cache")
@@ -152,10 +152,12 @@ class ConvChoice(KernelChoice):
             reason = "in_capture" if capturing else "past_shape_cap"
             log.warning("conv %s %s: cuDNN without measuring (%s)", self.name, tuple(x.shape), reason)
             self.events.fell_back(reason)
+            if not capturing:
+                self.decisions[key] = "cudnn"  # past the cap: said and counted once per shape
             return "cudnn"
         form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok)
         if self.cache is not None:
-            self.cache.store(self.name, key, form, self.timings_ms[key])
+            self.cache.store(self.name, geometry(conv), key, form, self.timings_ms[key])
         return form
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
@@ -163,7 +165,7 @@ class ConvChoice(KernelChoice):
         timings: dict[str, float] = {}
         # as it would come: channels-last where the caller writes it so (else a channels-last form's time has the
         # copy in it)
-        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_last_ok else x
+        x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_last_ok else x  # [B, C_in, L]
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
             for form in forms:
                 try:
@@ -214,7 +216,8 @@ def attach_choices(module: torch.nn.Module, cache: ChoiceCache | None, events: C
                    allowed: tuple[str, ...] | None = None) -> int:
     """Name every ``ConvChoice`` under ``module`` by its module's path and give it ``cache`` (None: measure at every
     start), ``events`` (the fallback and decision counts a server exports) and ``allowed`` (form families, e.g.
-    ``("cudnn_cl", "gemm")``, a diagnostic run restricts the choice to: the profile's before/after). Returns how many it reached."""
+    ``("cudnn_cl", "gemm")``, a diagnostic run restricts the choice to: the profile's before/after). Returns how
+    many it reached."""
     count = 0
     for where, sub in module.named_modules():
         for choice in held_choices(sub):

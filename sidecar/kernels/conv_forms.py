@@ -29,6 +29,9 @@ from .dilated import polyphase_conv
 CALLED_OPS = (snake.snake_cat, conv_gemm.conv_snake, conv_gemm_cl.conv_snake_cl)
 """The kernel ops the forms call as ``torch.ops.code2wav.*`` (importing their modules registers them)."""
 
+FAMILIES = ("cudnn", "cudnn_cl", "polyphase", "gemm", "gemm_cl", "im2col")
+"""The form families (a form's name less its tile index); cuDNN is always offered."""
+
 Act = tuple[Tensor, Tensor, bool]
 """A Snake applied after the conv: per-channel ``alpha``, ``beta`` and ``log_params`` (``snake.py``)."""
 

@@ -13,7 +13,9 @@ for free) and the output tile is ``[columns, C_out block]``: a tap's input tile 
 of whole rows shifted by ``k * d`` rows, each row 16-byte aligned when ``C_in`` is a multiple of 8, so every load is
 a pipelined ``cp.async`` feeding ``wgmma`` (an implicit GEMM: no im2col copy, the state columns read where the Snake
 kernel wrote them in front of the chunk). ``M`` = columns, ``N`` = output channels, ``K`` = taps x input channels.
-Bias and Snake run in the epilogue; the output is written ``[B, C_out, T]`` contiguous, as the other forms.
+Bias and Snake run in the epilogue; the output is written ``[B, C_out, T]`` contiguous (as ``conv_gemm``'s; the
+channels-last cuDNN and im2col forms return channels-last). Offsets within one row of the batch are 32-bit: a row's
+input must hold fewer than 2**31 elements (``_launch`` says so otherwise; the form then fails and is left out).
 
 ``CONFIGS`` are the tile shapes ``ConvChoice`` measures (``conv_choice.py``); ``EVEN_CI`` drops the channel mask
 where the block divides ``C_in``. Float32 is not offered (IEEE float32 on tensor cores is the 3xTF32 work of
@@ -121,6 +123,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha
     y = torch.empty((batch, c_out, num_cols_out), dtype=x.dtype, device=x.device)  # [B, C_out, T]
     if y.numel() == 0:
         return y
+    if num_in * c_in >= 2**31:
+        raise ValueError(f"conv_snake_cl: a row of {num_in} x {c_in} elements is past the kernel's 32-bit offsets")
     if not channels_last(x):
         x = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C_in, L], channels contiguous
     if weight.stride(1) != 1:
