@@ -235,8 +235,7 @@ class SidecarPhase(Phase):
             self.spawned = spawn_sidecar("--model", a.model, "--device", str(self.device), "--dtype", a.dtype,
                                          *a.serve_arg)
             address, self.metrics_url = self.spawned.address, self.spawned.metrics_url
-            print(self.spawned.ready_line, flush=True)
-            print(f"sidecar log: {self.spawned.log_path}", flush=True)
+            print(self.spawned.banner(), flush=True)
         self.clients = [SidecarClient(address, timeout_s=120, curve_server_key=a.server_key)
                         for _ in range(max(1, a.clients))]
         if hasattr(asyncio, "Runner"):  # Python 3.11+; 3.10 runs each level in its own asyncio.run
@@ -270,7 +269,4 @@ class SidecarPhase(Phase):
         for client in self.clients:
             client.close()
         if self.spawned is not None:
-            self.spawned.stop()
-            if self.args.sidecar_log:
-                with open(self.args.sidecar_log, "w") as f:
-                    f.write(self.spawned.log())
+            self.spawned.stop(log_copy=self.args.sidecar_log)
