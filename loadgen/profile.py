@@ -26,12 +26,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from code2wav.sidecar.cli import DTYPE_CHOICES, DefaultsHelpFormatter
+from code2wav.sidecar.cli_checks import DEVICE_HELP, OneLineParser, UsageError, device_arg, int_at_least, output_file
+from code2wav.sidecar.cli_help import DTYPE_CHOICES, DefaultsHelpFormatter, command_epilog
 
 from .inputs import InputContract, synthetic_inputs
 from .timing import sync_device, time_calls
 
 NAME_WIDTH = 100  # characters of a kernel's name in the text table (the JSON keeps the whole name)
+DESCRIPTION = ("Time one decode step of a model, kernel by kernel on a GPU (device time) or operator by operator on "
+               "the CPU (self time): a batch of --batch synthetic chunks of --frames frames, run --steps times "
+               "under torch.profiler after --warmup untimed steps. Prints the top rows and the step's wall time; "
+               "--json writes everything.")
+EXAMPLE = "code2wav-sidecar profile --device cpu --batch 1 --frames 25"
 
 
 @dataclass(frozen=True)
@@ -167,17 +173,19 @@ def format_table(p: StepProfile, top: int | None = 20) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar profile", description=__doc__,
-                                formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default="default", help="folder, 'default' or 'voxcpm2-default'")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p = OneLineParser(prog="code2wav-sidecar profile", description=DESCRIPTION, formatter_class=DefaultsHelpFormatter,
+                      epilog=command_epilog(EXAMPLE))
+    p.add_argument("--model", default="default", help="a model folder, or 'default' / 'voxcpm2-default' (random "
+                   "weights)")
+    p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
-    p.add_argument("--batch", type=int, default=1, help="rows in the step")
-    p.add_argument("--frames", type=int, default=25, help="new frames per row")
-    p.add_argument("--steps", type=int, default=3, help="profiled steps, averaged")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--top", type=int, default=20, help="rows printed (the rest summed in one line); 0: all")
-    p.add_argument("--json", dest="json_path", help="write the whole profile here")
+    p.add_argument("--batch", type=int_at_least(1), default=1, help="rows in the step")
+    p.add_argument("--frames", type=int_at_least(1), default=25, help="new frames per row")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="profiled steps, averaged")
+    p.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed steps first")
+    p.add_argument("--top", type=int_at_least(0, " (0: all)"), default=20, help="rows printed (the rest summed in "
+                   "one line); 0: all")
+    p.add_argument("--json", dest="json_path", type=output_file(), help="write the whole profile here")
     return p
 
 
@@ -188,9 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from code2wav.sidecar.cli_serve import check_device
+    from code2wav.sidecar.cpu_dtype import cpu_dtype_warning
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
+    from code2wav.sidecar.models.registry import check_model_spec
 
+    problem = check_device(args.device) or check_model_spec(args.model)
+    if problem is not None:
+        raise UsageError(problem)
     device = resolve_device(args.device)
+    warning = cpu_dtype_warning(device.type, args.dtype)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if device.type == "cuda":
         configure_cuda()  # the server's math (TF32 off), as the bench's baselines
     model = load_model(args.model, device, args.dtype)

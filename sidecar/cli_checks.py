@@ -7,6 +7,7 @@ Nothing here imports torch: a bad flag is answered in the time Python starts."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -57,16 +58,17 @@ def int_at_least(low: int, meaning: str = "") -> Callable[[str], int]:
     return parse
 
 
-def float_above(low: float) -> Callable[[str], float]:
-    """argparse type: a finite number ``> low``."""
+def float_above(low: float, inclusive: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number ``> low`` (``>= low`` when ``inclusive``)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = None
-        if value is None or not value > low or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a number > {low:g}, got {text!r}")
+        finite = value is not None and math.isfinite(value)
+        if not finite or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"expected a number {'>=' if inclusive else '>'} {low:g}, got {text!r}")
         return value
 
     return parse
