@@ -25,8 +25,8 @@ CLIENT_SIDE_HELP = {
     "fidelity": "compare each streaming path's audio with one decode of all frames",
     "profile": "time one decode step operator by operator (or kernel by kernel on a GPU)",
 }
-DESCRIPTION = ("code2wav-sidecar: the codec/vocoder stage of TTS serving (Qwen3-TTS codes, VoxCPM2 latents) as a "
-               "server that vLLM-Omni and other clients stream chunks to. `code2wav-sidecar COMMAND --help` lists "
+DESCRIPTION = ("code2wav-sidecar: the codec/vocoder stage of TTS serving (a talker's codes or latents in, audio "
+               "out) as a server that vLLM-Omni and other clients stream chunks to. `code2wav-sidecar COMMAND --help` lists "
                "a command's options.")
 EXAMPLES = ("code2wav-sidecar serve --model default", "code2wav-sidecar demo --device cpu")
 KEYGEN_DESCRIPTION = ("Write a CurveZMQ certificate pair into a folder: server.key (public, for clients: "

@@ -14,11 +14,12 @@ from .cli_checks import DEVICE_HELP, device_arg, fail, int_at_least
 from .cli_help import DTYPE_CHOICES, DTYPE_HELP, DefaultsHelpFormatter, command_epilog
 from .cpu_dtype import cpu_dtype_warning
 
-DECODE_DESCRIPTION = ("Decode codes (Qwen3-TTS) or latents (VoxCPM2) from a .npy file into audio, offline in this "
-                      "process, through the same stream modes as the server. exact (default): the state is carried, "
-                      "the audio equals one decode of all frames; window: vLLM-Omni's chunked decode, each chunk "
-                      "after its left context. Chunk sizes default to the model family's (Qwen3-TTS 25 frames with "
-                      "25 of left context; VoxCPM2 4-frame patches with 20).")
+DECODE_DESCRIPTION = ("Decode codes or latents from a .npy file into audio, offline in this process, through the same "
+                      "stream modes as the server. exact (default): the state is carried, the audio equals one "
+                      "decode of all frames; window: vLLM-Omni's chunked decode, each chunk after its left context. "
+                      "Window sizes default to the model family's (the chunks its talker sends through vLLM-Omni: "
+                      "25 new frames after 25 for the 12 Hz codes model, 4-frame latent patches after 20 for the "
+                      "AudioVAE).")
 DECODE_EXAMPLE = "code2wav-sidecar decode --model default --input codes.npy --output out.wav"
 
 
@@ -28,8 +29,8 @@ def add_decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode a codes/latents .npy offline (no server)",
                        formatter_class=DefaultsHelpFormatter, description=DECODE_DESCRIPTION,
                        epilog=command_epilog(DECODE_EXAMPLE))
-    p.add_argument("--model", default="default", help="a decoder model folder (a TTS checkpoint's "
-                   "speech_tokenizer/, or a VoxCPM2 model folder), or 'default' / 'voxcpm2-default' (random weights)")
+    p.add_argument("--model", default="default", help="a decoder model folder (a TTS checkpoint's decoder folder, "
+                   "e.g. its speech_tokenizer/), or a random-weights name: 'default', or a family's NAME-default")
     p.add_argument("--input", required=True, help="a .npy file: integer codes [B, Q, T] or [Q, T] (Q = the model's "
                    "quantizers, values in [0, codebook size)), or float32 latents [B, D, T] or [D, T] for a latents "
                    "model (float16 is refused, as by the client)")
@@ -37,14 +38,14 @@ def add_decode_parser(sub) -> None:
     p.add_argument("--mode", choices=list(STREAM_MODES), default="exact",
                    help="exact: the state is carried (one decode of all frames); window: vLLM-Omni's chunked decode")
     p.add_argument("--chunk-frames", type=int_at_least(1), help="window mode: new frames per chunk, a whole number "
-                   "of the family's patches (default: the family's: 25 Qwen3-TTS, 4 VoxCPM2)")
+                   "of the family's patches (default: the family's)")
     p.add_argument("--left-context-frames", type=int_at_least(0), help="window mode: frames of left context per "
-                   "chunk (default: the family's: 25 Qwen3-TTS, 20 VoxCPM2)")
+                   "chunk (default: the family's)")
     p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
     p.add_argument("--time", action="store_true", help="print the decode time")
-    p.add_argument("--sr-cond", type=int_at_least(1), help="stream option sr_cond: sample-rate condition in Hz, for "
-                   "models that take it (VoxCPM2; default: the model's)")
+    p.add_argument("--sr-cond", type=int, help="stream option sr_cond: sample-rate condition in Hz, for "
+                   "models that take it (default: the model's)")
 
 
 def _window_sizes(args: argparse.Namespace, family_name: str) -> tuple[int, int] | str:

@@ -7,9 +7,8 @@ import argparse
 import copy
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-DTYPE_HELP = ("float32 (exact to the golden vectors; the default on every device, and the one to use on a CPU "
-              "without native bfloat16), bfloat16 (about 2-3x the throughput on a GPU, half the state memory) or "
-              "float16")
+DTYPE_HELP = ("float32 (exact to the golden vectors), bfloat16 (about 2-3x the throughput on a GPU, half the state "
+              "memory; on a CPU without native bfloat16 many times slower: a warning says so at start) or float16")
 EXIT_CODES = "Exit codes: 0 done, 1 internal failure (a log file is named), 2 a bad option or input, 130 interrupted."
 
 

@@ -42,9 +42,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--address", type=address_arg, help=f"ZeroMQ address to bind, ipc:///path or tcp://host:port "
                    f"(default: {default_address()}: $CODE2WAV_SIDECAR_ADDRESS, else a 0700 folder under "
                    "$XDG_RUNTIME_DIR or /tmp; clients use the same default)")
-    p.add_argument("--model", help="a decoder model folder (a TTS checkpoint's speech_tokenizer/, or a VoxCPM2 "
-                   "model folder), or 'default' / 'voxcpm2-default' (shipped architecture, random weights; "
-                   f"{cfg_default('model')})")
+    p.add_argument("--model", help="a decoder model folder (a TTS checkpoint's decoder folder, e.g. its "
+                   "speech_tokenizer/), or a random-weights name: 'default', or a family's NAME-default (shipped "
+                   f"architecture, random weights; {cfg_default('model')})")
     p.add_argument("--device", type=device_arg, help=f"{DEVICE_HELP} ({cfg_default('device')})")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} ({cfg_default('dtype')})")
     p.add_argument("--metrics-host", help=f"host for /metrics, /healthz, /readyz ({cfg_default('metrics_host')})")

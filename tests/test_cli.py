@@ -84,8 +84,9 @@ def test_bench_smoke_writes_json_and_plot(tmp_path):
     rows = {r["concurrency"]: r for r in report["results"]}
     assert set(rows) == {1, 4}
     for r in rows.values():
-        # closed loop: at least --min-streams (16 by default) streams per level, in turn per slot; 1 + 25 frames each
-        assert r["errors"] == 0 and r["streams"] == 16 and r["chunks"] == 16 * 2
+        # closed loop: at least --min-streams (4 by default on the CPU) streams per level, in turn per slot; 1 + 25
+        # frames each
+        assert r["errors"] == 0 and r["streams"] == 4 and r["chunks"] == 4 * 2
         assert r["chunk_latency_ms_p50"] > 0 and r["audio_s_per_s"] > 0 and r["mean_batch_size"] >= 1
     assert plot_path.stat().st_size > 10_000
     assert "through the sidecar" in proc.stdout and "sidecar log: " in proc.stdout
@@ -128,8 +129,8 @@ def test_decode_input_and_output_errors_are_one_line_each(tmp_path, codes_npy):
     np.save(floats, np.zeros((1, 4, 3), dtype=np.float32))
     assert "dtype float32; expected integer codes [B, Q, T]" in decode(floats, out)
     flat = tmp_path / "flat.npy"
-    np.save(flat, np.zeros((4, 3), dtype=np.int64))
-    assert "shape [4, 3]; expected integer codes [B, Q, T]" in decode(flat, out)
+    np.save(flat, np.zeros((12,), dtype=np.int64))
+    assert "shape [12]; expected integer codes [B, Q, T] or [Q, T]" in decode(flat, out)
     wrong_q = tmp_path / "wrong_q.npy"
     np.save(wrong_q, np.zeros((1, 3, 5), dtype=np.int64))
     assert "shape [1, 3, 5]; expected [B, 4, T] with B, T >= 1 and values in [0, 64)" in decode(wrong_q, out)
