@@ -73,7 +73,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         return fail(str(exc))
     from .cli_serve import check_device
     from .models import FamilyError, load_model, resolve_device
-    from .models.registry import family_of_spec
+    from .models.registry import family_of_spec, model_error
     from .modes import get_mode
     from .offline import decode_offline, save_audio
 
@@ -83,7 +83,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     try:
         family = family_of_spec(args.model)
     except FamilyError as exc:
-        return fail(str(exc) if str(exc).startswith("--model") else f"--model {args.model}: {exc}")
+        return fail(model_error(args.model, exc))
     sizes = _window_sizes(args, family.name)
     if isinstance(sizes, str):
         return fail(sizes)
@@ -96,7 +96,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         codes_t = check_inputs(codes, args.input, model.input)  # [B, C, T] int64 codes or float32 latents
         options = model.contract.check_options({} if args.sr_cond is None else {"sr_cond": args.sr_cond})
     except FamilyError as exc:  # a checkpoint that is not the family's, an option the model does not take
-        return fail(str(exc) if str(exc).startswith("--") else f"--model {args.model}: {exc}")
+        return fail(model_error(args.model, exc))
     except InputError as exc:
         return fail(str(exc))
     chunk_frames, left_context_frames = sizes

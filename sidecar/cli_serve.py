@@ -167,6 +167,26 @@ def check_serve_inputs(cfg) -> str | None:
     return None
 
 
+def _missing_folders(address: str) -> list[Path]:
+    """The folders of an ipc:// socket path that do not exist yet (start-up creates them), deepest first."""
+    if not address.startswith("ipc://"):
+        return []
+    missing = []
+    folder = Path(address[len("ipc://"):]).parent
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first; a folder something else wrote into stays
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import zmq
 
@@ -181,8 +201,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = _serve_config(args)
     except ConfigError as exc:
         return fail(str(exc))
+    created = _missing_folders(cfg.address)
     problem = check_serve_inputs(cfg)
     if problem is not None:
+        _remove_empty(created)
         return fail(problem)
     warning = cpu_dtype_warning(resolve_device(cfg.device).type, cfg.dtype)
     if warning:
@@ -200,4 +222,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run_server(cfg, on_ready))
     except (ValueError, OSError, zmq.ZMQError) as exc:  # bad checkpoint or device, an address taken meanwhile ...
+        _remove_empty(created)  # a failed start leaves no socket folder behind
         return fail(str(exc))

@@ -106,8 +106,16 @@ def check_model_spec(spec: str, families: Sequence[DecoderFamily] = FAMILIES) ->
     try:
         family_of_spec(spec, families)
     except FamilyError as exc:
-        return str(exc) if str(exc).startswith("--model") else f"--model {spec}: {exc}"
+        return model_error(spec, exc)
     return None
+
+
+def model_error(spec: str, exc: Exception) -> str:
+    """A model's error as one line that starts with ``--model``."""
+    text = str(exc)
+    if text.startswith("--"):
+        return text
+    return f"--model {text}" if text.startswith(spec) else f"--model {spec}: {text}"
 
 
 def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None, seed: int = 0,
