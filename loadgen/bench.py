@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(rows exact-compiled-bB-tF; tens of seconds of compile per shape)")
     p.add_argument("--peak-tflops", type=float_above(0), default=None,
                    help="the device's peak TFLOP/s for this dtype, for the compute-ceiling fraction (default: "
-                        "known for H100/H200, see loadgen/flops.py)")
+                        "known for H100 and H200)")
     p.add_argument("--no-baselines", action="store_true", help="skip the in-process baselines")
     p.add_argument("--no-sidecar", action="store_true", help="only the in-process baselines (no sidecar spawned)")
     p.add_argument("--profile-batch", type=int_at_least(0), default=0,

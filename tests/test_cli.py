@@ -20,9 +20,9 @@ from conftest import ROOT, TINY
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
-def run_cli(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "code2wav.sidecar", *args], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=timeout_s)
+def run_cli(*args: str, timeout_s: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "code2wav.sidecar", *args], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, cwd=ROOT, timeout=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,11 @@ def test_demo_streams_through_a_spawned_sidecar(tmp_path):
 
 
 def test_bench_smoke_writes_json_and_plot(tmp_path):
-    report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    report_path, plot_path, temp = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "tmp"
+    temp.mkdir()
     proc = run_cli("bench", "--model", str(TINY), "--device", "cpu", "--concurrency", "1,4", "--frames", "26",
-                   "--baseline-iters", "3", "--baseline", "none", "--json", str(report_path), "--plot", str(plot_path), timeout_s=300)
+                   "--baseline-iters", "3", "--baseline", "none", "--json", str(report_path), "--plot", str(plot_path),
+                   timeout_s=300, env={"TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stderr + proc.stdout
     report = json.loads(report_path.read_text())
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]
@@ -90,6 +92,7 @@ def test_bench_smoke_writes_json_and_plot(tmp_path):
         assert r["chunk_latency_ms_p50"] > 0 and r["audio_s_per_s"] > 0 and r["mean_batch_size"] >= 1
     assert plot_path.stat().st_size > 10_000
     assert "through the sidecar" in proc.stdout and "sidecar log: " in proc.stdout
+    assert list(temp.iterdir()) == []  # the spawned sidecar's temp folder was removed at exit
 
 
 def test_serve_rejects_unknown_config_key(tmp_path):

@@ -35,8 +35,11 @@ def _check_safetensors(path: Path, size_bytes: int) -> None:
         if len(prefix) < 8:
             raise CheckpointError(f"{path}: truncated ({size_bytes} bytes, not even a safetensors header); {redownload}")
         (header_bytes,) = struct.unpack("<Q", prefix)
-        if header_bytes > SAFETENSORS_HEADER_MAX_BYTES:
-            raise CheckpointError(f"{path} is not a safetensors file (its first 8 bytes are no header length)")
+        opening = f.read(1)
+        f.seek(8)
+        if header_bytes > SAFETENSORS_HEADER_MAX_BYTES or (opening and opening != b"{"):
+            raise CheckpointError(f"{path} is not a safetensors file (no JSON header after its first 8 bytes); give "
+                                  "the checkpoint's own model.safetensors")
         if 8 + header_bytes > size_bytes:
             raise CheckpointError(f"{path}: truncated inside its header ({size_bytes} bytes of at least "
                                   f"{8 + header_bytes}); {redownload}")
