@@ -92,7 +92,8 @@ def test_bench_smoke_writes_json_and_plot(tmp_path):
         assert r["chunk_latency_ms_p50"] > 0 and r["audio_s_per_s"] > 0 and r["mean_batch_size"] >= 1
     assert plot_path.stat().st_size > 10_000
     assert "through the sidecar" in proc.stdout and "sidecar log: " in proc.stdout
-    assert list(temp.iterdir()) == []  # the spawned sidecar's temp folder was removed at exit
+    assert [p.name for p in temp.iterdir() if p.name.startswith("code2wav-")] == []  # the spawned sidecar's temp
+    # folder was removed at exit (torch may keep its own caches there)
 
 
 def test_serve_rejects_unknown_config_key(tmp_path):

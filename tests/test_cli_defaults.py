@@ -70,7 +70,8 @@ def test_demo_follows_the_latents_familys_patches_and_removes_its_temp_folder(tm
     assert sizes == [4] * 6  # VoxCPM2's talker: one 4-frame patch per step (not 1 + 25)
     with wave.open(str(out)) as f:
         assert f.getnframes() == 24 * 240 and f.getframerate() == 48000  # the tiny model: 240 samples per frame
-    assert list(temp.iterdir()) == []  # the spawned sidecar's socket and log folder went with it
+    assert [p.name for p in temp.iterdir() if p.name.startswith("code2wav-")] == []  # the spawned sidecar's socket
+    # and log folder went with it (torch may keep its own caches there)
 
 
 def test_decode_takes_q_by_t_codes_like_the_client(tmp_path, golden_cases):
