@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def window_left_context(family: str) -> int:
+    """Window mode's left context frames for the family (its talker's chunking through vLLM-Omni)."""
+    from code2wav.sidecar.models.registry import chunking_of
+
+    return chunking_of(family).window_left_context_frames
+
+
 def plan_chunks(args: argparse.Namespace, family: str, frame_rate_hz: float | None) -> list[int]:
     """The chunk sizes to send: the family's chunking (``models.registry.CHUNKING``) where a flag is unset; a size
     that is not a whole number of the family's patches is a ``UsageError``. Without ``frame_rate_hz`` (the model
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             info = client.models[0]
             sizes = plan_chunks(args, info.family, info.sample_rate / info.samples_per_frame)
             inputs = synthetic_inputs(InputContract.of(info), sum(sizes), args.seed)  # [Q, T] codes or [D, T] latents
-            stream = client.open_stream("demo-0", mode=args.mode)
+            stream = client.open_stream("demo-0", mode=args.mode, left_context_frames=window_left_context(info.family))
             pieces, start = [], 0
             print(f"{'chunk':>5} {'frames':>6} {'samples':>8} {'latency_ms':>10}")
             for i, n in enumerate(sizes):

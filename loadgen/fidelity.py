@@ -109,9 +109,14 @@ def run(args: argparse.Namespace) -> dict:
     from code2wav.sidecar.models.registry import check_model_spec
 
     paths = [p for p in args.paths.split(",") if p]
+    from .stock_shim import vllm_omni_installed
+
     problem = check_device(args.device) or check_model_spec(args.model)
     if problem is not None:
         raise UsageError(problem)
+    if "stock" in paths and not vllm_omni_installed():
+        raise UsageError("--paths stock (a default) needs vllm-omni, which is not installed: pip install "
+                         "vllm-omni==0.30.0, or leave it out: --paths exact,window")
     device = resolve_device(args.device)
     if device.type == "cuda":
         configure_cuda()  # the sidecar's math (TF32 off): the one-shot reference and stock run as the server does

@@ -7,6 +7,7 @@ pointer, another architecture's checkpoint, a checkpoint root) are built here in
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -137,6 +138,10 @@ CASES = [
     ("soak clients 0", SOAK, ["--clients", "0", "--streams-per-client", "1"], "--clients: expected an integer >= 1"),
     ("soak no stream count", SOAK, ["--device", "cpu"], "give --streams-per-client, or --capacity-streams"),
 ]
+NO_VLLM_OMNI_CASES = [
+    ("fidelity stock without vllm-omni", CLI, [*FIDELITY, "--paths", "stock,exact"],
+     "--paths stock (a default) needs vllm-omni, which is not installed: pip install vllm-omni==0.30.0"),
+]
 CPU_ONLY_CASES = [
     ("serve cuda without a GPU", CLI, [*SERVE, "--device", "cuda"], "CUDA is not available on this machine"),
     ("decode cuda:3 without a GPU", CLI, [*DECODE, "--device", "cuda:3"], "CUDA is not available on this machine"),
@@ -230,6 +235,13 @@ def test_a_bad_input_is_one_line_and_exit_2(request, tmp_path, data, case):
 @pytest.mark.skipif(not NO_CUDA, reason="these devices exist on a CUDA machine")
 @pytest.mark.parametrize("case", CPU_ONLY_CASES, ids=[c[0] for c in CPU_ONLY_CASES])
 def test_a_missing_device_is_one_line_and_exit_2(request, tmp_path, data, case):
+    _, command, argv, words = case
+    _run_case(request, tmp_path, data, command, argv, words)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm-omni is installed here")
+@pytest.mark.parametrize("case", NO_VLLM_OMNI_CASES, ids=[c[0] for c in NO_VLLM_OMNI_CASES])
+def test_a_missing_optional_package_is_one_line_naming_what_to_install(request, tmp_path, data, case):
     _, command, argv, words = case
     _run_case(request, tmp_path, data, command, argv, words)
 
