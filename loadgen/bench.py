@@ -190,7 +190,7 @@ def run_once(argv: list[str], scenario: str | None) -> int:
             return 2
     if args.replot:
         return replot(args)
-    from code2wav.sidecar.cli_serve import check_device
+    from code2wav.sidecar.cli_checks import check_device
     from code2wav.sidecar.cpu_dtype import cpu_dtype_warning
     from code2wav.sidecar.models import configure_cuda, resolve_device
     from code2wav.sidecar.models.registry import check_model_spec

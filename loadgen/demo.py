@@ -81,7 +81,7 @@ def plan_chunks(args: argparse.Namespace, family: str, frame_rate_hz: float | No
 
 def _spawn_checks(args: argparse.Namespace) -> str:
     """For a spawned sidecar, before it starts: the device and the model; returns the model's family name."""
-    from code2wav.sidecar.cli_serve import check_device
+    from code2wav.sidecar.cli_checks import check_device
     from code2wav.sidecar.models.registry import check_model_spec, family_of_spec
 
     problem = check_device(args.device) or check_model_spec(args.model)

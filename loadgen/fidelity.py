@@ -105,7 +105,7 @@ def _sidecar_stream(client, mode: str, codes: torch.Tensor, sizes: list[int], co
 def run(args: argparse.Namespace) -> dict:
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
-    from code2wav.sidecar.cli_serve import check_device
+    from code2wav.sidecar.cli_checks import check_device
     from code2wav.sidecar.models.registry import check_model_spec
 
     paths = [p for p in args.paths.split(",") if p]

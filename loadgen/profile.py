@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from code2wav.sidecar.cli_serve import check_device
+    from code2wav.sidecar.cli_checks import check_device
     from code2wav.sidecar.cpu_dtype import cpu_dtype_warning
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
     from code2wav.sidecar.models.registry import check_model_spec

@@ -2,7 +2,8 @@
 (exit code 2), argument types that check ranges, files, folders and formats before any work starts, and the
 guard that turns an unexpected failure into one line naming a log file with the traceback (exit code 1).
 
-Nothing here imports torch: a bad flag is answered in the time Python starts."""
+Nothing here imports torch at import time (only ``check_device``, after the parse, asks CUDA): a bad flag is
+answered in the time Python starts."""
 
 from __future__ import annotations
 
@@ -100,6 +101,27 @@ def device_form_problem(text: str) -> str | None:
     if DEVICE_FORM.match(text):
         return None
     return f"{text!r} is not a device; use {DEVICE_HELP}"
+
+
+def check_device(spec: str) -> str | None:
+    """Why ``spec`` (from a flag or a config file) is no device this machine has, in one line, or None. Imports
+    torch (to ask CUDA), so it runs after the parse."""
+    from .models import resolve_device
+
+    problem = device_form_problem(spec)
+    if problem is not None:
+        return f"--device: {problem}"
+    try:
+        device = resolve_device(spec)
+    except ValueError as exc:
+        return str(exc)
+    if device.type == "cuda" and device.index is not None:
+        import torch
+
+        if device.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            return f"--device {spec}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
 
 
 def address_arg(text: str) -> str:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_checks import DEVICE_HELP, device_arg, fail, int_at_least
+from .cli_checks import DEVICE_HELP, check_device, device_arg, fail, int_at_least
 from .cli_help import DTYPE_CHOICES, DTYPE_HELP, DefaultsHelpFormatter, command_epilog
 from .cpu_dtype import cpu_dtype_warning
 
@@ -71,7 +71,6 @@ def cmd_decode(args: argparse.Namespace) -> int:
         codes = load_inputs_npy(Path(args.input))
     except InputError as exc:
         return fail(str(exc))
-    from .cli_serve import check_device
     from .models import FamilyError, load_model, resolve_device
     from .models.registry import family_of_spec, model_error
     from .modes import get_mode

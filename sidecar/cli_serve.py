@@ -10,8 +10,8 @@ import logging
 import socket
 from pathlib import Path
 
-from .cli_checks import (DEVICE_HELP, address_arg, device_arg, device_form_problem, fail, float_above,
-                         input_file, int_at_least)
+from .cli_checks import (DEVICE_HELP, address_arg, check_device, device_arg, fail, float_above, input_file,
+                         int_at_least)
 from .cli_help import DTYPE_CHOICES, DTYPE_HELP, DefaultsHelpFormatter, command_epilog
 from .cpu_dtype import cpu_dtype_warning
 
@@ -118,25 +118,6 @@ def _check_security(cfg) -> str | None:
         return (f"{given[0]} is for tcp:// addresses, but the address is {cfg.address}: an ipc:// socket is protected "
                 "by its file permissions (0700 folder, 0600 socket) and takes no CurveZMQ; drop the key, or bind "
                 "a tcp://host:port address")
-    return None
-
-
-def check_device(spec: str) -> str | None:
-    from .models import resolve_device
-
-    problem = device_form_problem(spec)
-    if problem is not None:
-        return f"--device: {problem}"
-    try:
-        device = resolve_device(spec)
-    except ValueError as exc:
-        return str(exc)
-    if device.type == "cuda" and device.index is not None:
-        import torch
-
-        if device.index >= torch.cuda.device_count():
-            count = torch.cuda.device_count()
-            return f"--device {spec}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
     return None
 
 
