@@ -38,7 +38,7 @@ EXAMPLES = ("code2wav-sidecar bench --device cpu --json bench.json",
             "code2wav-sidecar bench --scenario sidecar --json bench.json --plot bench.png")
 # flag -> (its default on a GPU, on the CPU): a CPU run of the defaults stays under a minute
 DEVICE_DEFAULTS = {"concurrency": ("1,8,64", "1,4"), "frames": (101, 26), "min_streams": (MIN_STREAMS, 4),
-                   "baseline_iters": (20, 2)}
+                   "baseline_iters": (20, 2), "baseline_warmup": (3, 1)}
 
 
 def shapes_arg(text: str) -> str:
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "device (CUDA: where a talker leaves them; sent by CUDA IPC, audio back in GPU memory)")
     p.add_argument("--baseline-iters", type=int_at_least(1), help="timed iterations per in-process baseline "
                    f"({_default_text('baseline_iters')})")
+    p.add_argument("--baseline-warmup", type=int_at_least(0), help="untimed calls before each baseline's timed ones "
+                   f"({_default_text('baseline_warmup')})")
     p.add_argument("--baseline-batch", type=int_list(1), default="1", help="comma-separated batch sizes for "
                    "exact-eager baselines")
     p.add_argument("--baseline-frames", type=int_list(1, allow_empty=True), default="",

@@ -171,7 +171,8 @@ class BaselinesPhase(Phase):
             from .baselines import run_baselines
 
             found = run_baselines(self.model, new_frames=args.chunk_frames, iters=args.baseline_iters,
-                                  batch_sizes=self.batches, frames=self.frames, compiled=self.compiled)
+                                  warmup=getattr(args, "baseline_warmup", 3), batch_sizes=self.batches,
+                                  frames=self.frames, compiled=self.compiled)
             report.baselines = [_rounded_baseline(asdict(b)) for b in found]
             return ", ".join(f"{b['name']} p50 {b['latency_ms_p50']:.2f} ms" for b in report.baselines[:3])
         if index == 2:

@@ -72,7 +72,7 @@ def run_stock_phase(args: argparse.Namespace, model, codes: torch.Tensor | None 
           flush=True)
     chunk = int(stock.settings["extra"]["codec_chunk_frames"])
     first = int(stock.settings["extra"]["initial_codec_chunk_frames"])
-    iters, warmup = args.baseline_iters, 3
+    iters, warmup = args.baseline_iters, getattr(args, "baseline_warmup", 3)
     total = first + (PRIME_CHUNKS + warmup + iters) * chunk
     if codes is None or codes.shape[1] < total:
         codes = synthetic_codes(model.num_quantizers, total, model.codebook_size, seed=5)

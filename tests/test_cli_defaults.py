@@ -51,8 +51,9 @@ def test_bench_on_the_cpu_defaults_to_a_short_run(tmp_path):
                    str(report_path))
     assert proc.returncode == 0, proc.stderr
     settings = json.loads(report_path.read_text())["settings"]
-    assert (settings["concurrency"], settings["frames"], settings["min_streams"], settings["baseline_iters"]) == \
-        ("1,4", 26, 4, 2)
+    assert (settings["concurrency"], settings["frames"], settings["min_streams"], settings["baseline_iters"],
+            settings["baseline_warmup"]) == \
+        ("1,4", 26, 4, 2, 1)
     given = run_cli("bench", "--device", "cpu", "--model", str(TINY), "--no-sidecar", "--no-baselines",
                     "--concurrency", "2", "--frames", "51", "--json", str(report_path))
     assert given.returncode == 0, given.stderr
