@@ -4,8 +4,9 @@ CPUs with native bfloat16 (AVX512-BF16, AMX) run it faster than float32; others 
 Measured with ``code2wav-sidecar decode --model default --device cpu --time`` on 1 x 25 frames (a 2-core Xeon
 with AMX; its AVX2 path forced with ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``): AVX2 float32 1.0 s,
 bfloat16 73.8 s (71x slower, "0.0x real time"); AMX float32 0.8 s, bfloat16 0.6 s (and 126 frames 7.7 s vs
-3.0 s). The probe times one conv1d like the decoder's (256 channels, kernel 7, 200 frames) in both dtypes: ~1 ms
-in float32; on that AVX2 path 51x slower in bfloat16, on AMX 0.3x."""
+3.0 s). The probe times one conv1d like the decoder's (256 channels, kernel 7, 200 frames) in both dtypes on one
+thread (on a shared 2-core machine a 2-thread pool's conv took anywhere from 1 to 30 ms, waiting for a descheduled
+thread): on that AVX2 path 1.9 ms in float32 and 51 ms in bfloat16 (27x), on AMX 1.4 ms and 0.5 ms."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import torch
 
 SLOW_RATIO = 2.0  # a reduced dtype slower than this many times float32 is worth a warning
-PROBE_REPS = 3
+PROBE_REPS = 4
 
 
 def _conv_seconds(dtype: torch.dtype) -> float:
@@ -33,8 +34,14 @@ def _conv_seconds(dtype: torch.dtype) -> float:
 
 
 def cpu_slowdown(dtype: str) -> float:
-    """How many times slower than float32 ``dtype`` runs the probe conv on this CPU (under 1: faster)."""
-    return _conv_seconds(getattr(torch, dtype)) / _conv_seconds(torch.float32)
+    """How many times slower than float32 ``dtype`` runs the probe conv on this CPU (under 1: faster), measured on
+    one thread (torch's pool is restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _conv_seconds(getattr(torch, dtype)) / _conv_seconds(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cpu_dtype_warning(device_type: str, dtype: str) -> str | None:

@@ -39,10 +39,20 @@ def test_bfloat16_on_a_cpu_without_native_bfloat16_is_warned_with_the_measured_c
     assert proc.returncode == 0, proc.stderr
     (warning,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: ")]
     ratio = int(re.search(r"a conv probe at start-up ran (\d+)x slower than float32", warning).group(1))
-    assert ratio >= 2 and "use --dtype float32 on the CPU" in warning
+    assert ratio >= 5 and "use --dtype float32 on the CPU" in warning  # (27-45x measured on this path, one thread)
     quiet = run_cli("decode", "--model", str(TINY), "--device", "cpu", "--input", str(codes), "--output",
                     str(tmp_path / "f.npy"), env=AVX2_ONLY)
     assert quiet.returncode == 0 and "warning" not in quiet.stderr  # float32: nothing to say
+
+
+def test_the_dtype_probe_leaves_torchs_thread_pool_as_it_was():
+    import torch
+
+    from code2wav.sidecar.cpu_dtype import cpu_dtype_warning, cpu_slowdown
+
+    threads = torch.get_num_threads()
+    assert cpu_slowdown("bfloat16") > 0 and torch.get_num_threads() == threads
+    assert cpu_dtype_warning("cpu", "float32") is None and cpu_dtype_warning("cuda", "bfloat16") is None
 
 
 def test_bench_on_the_cpu_defaults_to_a_short_run(tmp_path):
