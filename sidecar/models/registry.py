@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Sequence
 
 import torch
@@ -40,7 +41,7 @@ class Chunking:
 # Qwen3-TTS through vLLM-Omni's Code2Wav stage: a 1-frame first chunk, then 25 (its deploy file), 25 frames of left
 # context in window mode. VoxCPM2's talker: one 4-frame latent patch per step; window mode adds the decoder's 20
 # frames of history (its graph buckets' window shape, 24 frames).
-CHUNKING = {QWEN3_TTS.name: Chunking(1, 25, 1, 25), VOXCPM2_AUDIOVAE.name: Chunking(4, 4, 4, 20)}
+CHUNKING = MappingProxyType({QWEN3_TTS.name: Chunking(1, 25, 1, 25), VOXCPM2_AUDIOVAE.name: Chunking(4, 4, 4, 20)})
 DEFAULT_CHUNKING = Chunking(1, 25, 1, 25)
 """A family this table does not know (a plugin's): vLLM-Omni's Code2Wav chunking, any chunk size."""
 
