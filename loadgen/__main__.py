@@ -18,12 +18,20 @@ def main() -> int:
     else:
         from .bench import main as run
     from code2wav.client.errors import SidecarError
+    from code2wav.sidecar.cli_checks import EXIT_INTERNAL, EXIT_USAGE, fail, run_guarded
 
-    try:
-        return run(argv)
-    except SidecarError as exc:  # e.g. no sidecar at --address: one line that says what to do, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    from .spawn import SpawnFailed
+
+    def body() -> int:
+        try:
+            return run(argv)
+        except SidecarError as exc:  # e.g. no sidecar at --address: one line that says what to do, not a traceback
+            return fail(str(exc))
+        except SpawnFailed as exc:  # the spawned sidecar's own one-line error, and where its log is
+            fail(str(exc))
+            return EXIT_USAGE if exc.returncode == EXIT_USAGE else EXIT_INTERNAL
+
+    return run_guarded(command, body)
 
 
 raise SystemExit(main())

@@ -2,10 +2,9 @@
 
 Spawns a sidecar (or connects to ``--address``), drives ``--concurrency`` levels of synthetic streams shaped
 like vLLM-Omni traffic, and measures in-process baselines on the same device and model in the same run, so
-every sidecar figure is also a ratio against them. Prints progress per phase on stderr and a table at the end;
-``--json`` and ``--plot`` write files (Ctrl-C keeps what finished: the JSON is written, marked interrupted).
-Streams the server refuses (busy: at capacity) are counted as refused at that load, and the run goes on.
-``--scenario NAME`` runs a named flag set (scenarios.py, listed below); flags given beside it override its values.
+every sidecar figure is also a ratio against them. Progress per phase goes to stderr, a table to stdout at the end;
+``--json`` and ``--plot`` write files (Ctrl-C keeps what finished). On the CPU the defaults are a short run
+(``CPU_DEFAULTS``: under a minute with the default model on 2 cores); on a GPU the full levels.
 """
 
 from __future__ import annotations
@@ -17,10 +16,12 @@ import sys
 import torch
 
 from .drive import MIN_STREAMS
-from .phases import BaselinesPhase, Phase, Progress, SidecarPhase, run_phases
+from .phases import BaselinesPhase, Phase, Progress, SidecarPhase, parse_shapes, run_phases
 from .report import BenchReport, PlotUnavailable, check_plot_available, load, plot, print_table
 
-from code2wav.sidecar.cli import DefaultsHelpFormatter
+from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, address_arg, device_arg, float_above,
+                                         input_file, int_at_least, int_list, output_file)
+from code2wav.sidecar.cli_help import DTYPE_CHOICES, DefaultsHelpFormatter, command_epilog
 
 from .options import add_server_key_option
 from .scenarios import expand, help_text, split_scenario
@@ -29,57 +30,93 @@ from .voxcpm2_upstream import add_upstream_args
 
 EXIT_INTERRUPTED = 130
 EXIT_USAGE = 2
+DESCRIPTION = ("Measure a sidecar (spawned, or --address) at --concurrency levels of synthetic streams shaped like "
+               "vLLM-Omni traffic, beside in-process baselines on the same device and model, and print a table of "
+               "latency and throughput. Progress per phase goes to stderr. On the CPU the defaults are a short run "
+               "(under a minute with the default model); --scenario NAME runs a named flag set (listed below).")
+EXAMPLES = ("code2wav-sidecar bench --device cpu --json bench.json",
+            "code2wav-sidecar bench --scenario sidecar --json bench.json --plot bench.png")
+# flag -> (its default on a GPU, on the CPU): a CPU run of the defaults stays under a minute
+DEVICE_DEFAULTS = {"concurrency": ("1,8,64", "1,4"), "frames": (101, 26), "min_streams": (MIN_STREAMS, 4),
+                   "baseline_iters": (20, 2), "baseline_warmup": (3, 1)}
 
 
-class BenchHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
-    """Defaults on every option, and the description and the scenario list as written (not reflowed)."""
+def shapes_arg(text: str) -> str:
+    try:
+        parse_shapes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+    return text
+
+
+def url_arg(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give an http:// URL, e.g. http://127.0.0.1:9464/metrics")
+    return text
+
+
+def _default_text(dest: str) -> str:
+    gpu, cpu = DEVICE_DEFAULTS[dest]
+    return f"default: {gpu} on a GPU, {cpu} on the CPU"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar bench", description=__doc__, epilog=help_text(),
-                                formatter_class=BenchHelpFormatter)
+    p = OneLineParser(prog="code2wav-sidecar bench", description=DESCRIPTION,
+                      epilog=command_epilog(*EXAMPLES) + "\n\n" + help_text(), formatter_class=DefaultsHelpFormatter)
     p.add_argument("--scenario", metavar="NAME[,NAME]",
                    help="run these named flag sets in turn (listed below); other flags given here override theirs")
-    p.add_argument("--address", help="benchmark a running sidecar instead of spawning one")
+    p.add_argument("--address", type=address_arg, help="benchmark a running sidecar instead of spawning one")
     add_server_key_option(p)
-    p.add_argument("--metrics-url", help="with --address: its /metrics URL (batch size, graph hit rate)")
-    p.add_argument("--model", default="default", help="folder or 'default' (spawned sidecar and baselines)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts")
-    p.add_argument("--frames", type=int, default=101, help="frames per stream (first chunk, then chunks)")
-    p.add_argument("--first-chunk-frames", type=int, default=1, help="frames in each stream's first chunk")
-    p.add_argument("--chunk-frames", type=int, default=25, help="frames in each later chunk")
-    p.add_argument("--min-streams", type=int, default=MIN_STREAMS,
-                   help="closed loop: streams each level runs at least, in turn per slot (first-chunk samples)")
+    p.add_argument("--metrics-url", type=url_arg, help="with --address: its /metrics URL (batch size, graph hit "
+                   "rate)")
+    p.add_argument("--model", default="default", help="a model folder, or 'default' / 'voxcpm2-default' (random "
+                   "weights), for the spawned sidecar and the baselines")
+    p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    p.add_argument("--concurrency", type=int_list(1), help=f"comma-separated stream counts ({_default_text('concurrency')})")
+    p.add_argument("--frames", type=int_at_least(1), help=f"frames per stream (first chunk, then chunks; "
+                   f"{_default_text('frames')})")
+    p.add_argument("--first-chunk-frames", type=int_at_least(0), default=1, help="frames in each stream's first "
+                   "chunk (0: no separate first chunk)")
+    p.add_argument("--chunk-frames", type=int_at_least(1), default=25, help="frames in each later chunk")
+    p.add_argument("--min-streams", type=int_at_least(1), help="closed loop: streams each level runs at least, in "
+                   f"turn per slot (first-chunk samples; {_default_text('min_streams')})")
     p.add_argument("--mode", default="exact", choices=["exact", "window"])
     p.add_argument("--arrival", default="closed", choices=["closed", "realtime"],
                    help="closed: next chunk as soon as the reply is in; realtime: a frame every 80 ms per stream")
-    p.add_argument("--clients", type=int, default=4, help="client connections the streams are spread over")
+    p.add_argument("--clients", type=int_at_least(1), default=4, help="client connections the streams are spread over")
     p.add_argument("--inputs-on", default="host", choices=["host", "device"],
                    help="where each stream's codes/latents are: host (sent inline as bytes, audio back as bytes) or "
                         "device (CUDA: where a talker leaves them; sent by CUDA IPC, audio back in GPU memory)")
-    p.add_argument("--baseline-iters", type=int, default=20, help="timed iterations per in-process baseline")
-    p.add_argument("--baseline-batch", default="1", help="comma-separated batch sizes for exact-eager baselines")
-    p.add_argument("--baseline-frames", default="",
+    p.add_argument("--baseline-iters", type=int_at_least(1), help="timed iterations per in-process baseline "
+                   f"({_default_text('baseline_iters')})")
+    p.add_argument("--baseline-warmup", type=int_at_least(0), help="untimed calls before each baseline's timed ones "
+                   f"({_default_text('baseline_warmup')})")
+    p.add_argument("--baseline-batch", type=int_list(1), default="1", help="comma-separated batch sizes for "
+                   "exact-eager baselines")
+    p.add_argument("--baseline-frames", type=int_list(1, allow_empty=True), default="",
                    help="comma-separated chunk sizes (frames) of the exact baselines (default: --chunk-frames); "
                         "rows at other sizes than --chunk-frames are named -tN")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=float_above(0), default=None,
                    help="the device's peak TFLOP/s for this dtype, for the compute-ceiling fraction (default: "
-                        "known for H100/H200, see loadgen/flops.py)")
+                        "known for H100 and H200)")
     p.add_argument("--no-baselines", action="store_true", help="skip the in-process baselines")
     p.add_argument("--no-sidecar", action="store_true", help="only the in-process baselines (no sidecar spawned)")
-    p.add_argument("--profile-batch", type=int, default=0,
+    p.add_argument("--profile-batch", type=int_at_least(0), default=0,
                    help="also print torch.profiler's top operators for one eager exact step at this batch size")
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for the spawned sidecar")
-    p.add_argument("--json", dest="json_path", help="write the report here (also when interrupted)")
-    p.add_argument("--plot", dest="plot_path", help="draw latency and throughput here (needs matplotlib)")
-    p.add_argument("--replot", metavar="JSON", help="only draw --plot (and print the table) from an earlier --json")
-    p.add_argument("--sidecar-log", help="copy the spawned sidecar's log (graph capture lines) here")
+    p.add_argument("--json", dest="json_path", type=output_file(), help="write the report here (also when "
+                   "interrupted)")
+    p.add_argument("--plot", dest="plot_path", type=output_file(".png", ".svg", ".pdf"),
+                   help="draw latency and throughput here (needs matplotlib: pip install matplotlib)")
+    p.add_argument("--replot", metavar="JSON", type=input_file, help="only draw --plot (and print the table) from an "
+                   "earlier --json")
+    p.add_argument("--sidecar-log", type=output_file(), help="copy the spawned sidecar's log (graph capture lines) "
+                   "here (the spawned sidecar's temp folder is removed at exit)")
     p.add_argument("--transport", action="store_true",
                    help="instead: per-chunk round trip of inline bytes vs CUDA IPC against the in-process decode")
-    p.add_argument("--transport-batch", type=int, default=16, help="--transport: the sidecar's max batch size")
-    p.add_argument("--transport-chunks", type=int, default=1000, help="--transport: chunks per level and transport")
+    p.add_argument("--transport-batch", type=int_at_least(1), default=16, help="--transport: the sidecar's max batch size")
+    p.add_argument("--transport-chunks", type=int_at_least(1), default=1000, help="--transport: chunks per level and transport")
     add_stock_args(p)
     add_upstream_args(p)
     return p
@@ -152,13 +189,27 @@ def run_once(argv: list[str], scenario: str | None) -> int:
             return 2
     if args.replot:
         return replot(args)
+    from code2wav.sidecar.cli_checks import check_device
+    from code2wav.sidecar.cpu_dtype import cpu_dtype_warning
+    from code2wav.sidecar.models import configure_cuda, resolve_device
+    from code2wav.sidecar.models.registry import check_model_spec
+
+    uses_model = args.address is None or not args.no_baselines
+    problem = check_device(args.device) or (check_model_spec(args.model) if uses_model else None)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    device = resolve_device(args.device)
+    for dest, (gpu_default, cpu_default) in DEVICE_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, cpu_default if device.type == "cpu" else gpu_default)
+    warning = cpu_dtype_warning(device.type, args.dtype)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if args.transport:
         from .transport_bench import run as run_transport
 
         return run_transport(args)
-    from code2wav.sidecar.models import configure_cuda, resolve_device
-
-    device = resolve_device(args.device)
     if args.inputs_on == "device" and (args.no_sidecar or device.type != "cuda"):
         reason = "--no-sidecar runs no sidecar levels" if args.no_sidecar else f"got --device {device}"
         print(f"error: --inputs-on device needs sidecar levels on a CUDA device; {reason}", file=sys.stderr)

@@ -24,29 +24,51 @@ import time
 
 import torch
 
+from code2wav.sidecar.cli_checks import DEVICE_HELP, OneLineParser, UsageError, device_arg, int_at_least, output_file
+from code2wav.sidecar.cli_help import DTYPE_CHOICES, DefaultsHelpFormatter, command_epilog
+
 from .traffic import chunk_sizes, synthetic_codes
 
 PATHS = ("oneshot", "stock", "exact", "window")
+DESCRIPTION = ("Measure how far each streaming path drifts from one decode of all frames (oneshot): vLLM-Omni's own "
+               "streaming (stock, needs vllm-omni), and a spawned sidecar in exact and window mode. Each of --streams "
+               "seeded streams runs once without and once with --context-frames reference frames in front. Prints "
+               "max/mean absolute error and SNR per path (Qwen3-TTS codes models).")
+EXAMPLE = "code2wav-sidecar fidelity --device cpu --paths exact,window --frames 100"
+
+
+def paths_arg(text: str) -> str:
+    paths = [p for p in text.split(",") if p]
+    unknown = sorted(set(paths) - set(PATHS[1:]))
+    if unknown or not paths:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose comma-separated paths from {', '.join(PATHS[1:])}")
+    return text
 
 log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar fidelity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="folder or 'default' (seeded random weights)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--streams", type=int, default=1, help="seeded random streams (each without and with context)")
-    p.add_argument("--frames", type=int, default=240, help="new frames per stream (after the context frames)")
-    p.add_argument("--context-frames", type=int, default=48,
+    p = OneLineParser(prog="code2wav-sidecar fidelity", description=DESCRIPTION,
+                      formatter_class=DefaultsHelpFormatter, epilog=command_epilog(EXAMPLE))
+    p.add_argument("--model", default="default", help="a Qwen3-TTS speech_tokenizer/ folder or 'default' (seeded "
+                   "random weights)")
+    p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    p.add_argument("--streams", type=int_at_least(1), default=1, help="seeded random streams (each without and with "
+                   "context)")
+    p.add_argument("--frames", type=int_at_least(1), default=240, help="new frames per stream (after the context "
+                   "frames)")
+    p.add_argument("--context-frames", type=int_at_least(0), default=48,
                    help="reference frames in front of the second variant of each stream (0: only the first variant)")
-    p.add_argument("--first-chunk-frames", type=int, default=1)
-    p.add_argument("--chunk-frames", type=int, default=25)
-    p.add_argument("--window-left-context", type=int, default=72, help="window mode's left context frames")
-    p.add_argument("--paths", default=",".join(PATHS[1:]), help=f"comma-separated, of {', '.join(PATHS[1:])}")
+    p.add_argument("--first-chunk-frames", type=int_at_least(0), default=1, help="frames in each stream's first "
+                   "chunk (0: no separate first chunk)")
+    p.add_argument("--chunk-frames", type=int_at_least(1), default=25, help="frames in each later chunk")
+    p.add_argument("--window-left-context", type=int_at_least(0), default=72, help="window mode's left context "
+                   "frames")
+    p.add_argument("--paths", type=paths_arg, default=",".join(PATHS[1:]), help="comma-separated, of "
+                   f"{', '.join(PATHS[1:])}")
     p.add_argument("--seed", type=int, default=0, help="first stream's seed")
-    p.add_argument("--json", dest="json_path")
+    p.add_argument("--json", dest="json_path", type=output_file(), help="write every number here")
     return p
 
 
@@ -83,19 +105,27 @@ def _sidecar_stream(client, mode: str, codes: torch.Tensor, sizes: list[int], co
 def run(args: argparse.Namespace) -> dict:
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
 
+    from code2wav.sidecar.cli_checks import check_device
+    from code2wav.sidecar.models.registry import check_model_spec
+
     paths = [p for p in args.paths.split(",") if p]
-    unknown = sorted(set(paths) - set(PATHS[1:]))
-    if unknown:
-        raise SystemExit(f"--paths: unknown {unknown}; choose from {', '.join(PATHS[1:])}")
-    if args.frames < 1 or args.streams < 1 or args.context_frames < 0:
-        raise SystemExit("--frames and --streams must be >= 1 and --context-frames >= 0")
+    from .stock_shim import vllm_omni_installed
+
+    problem = check_device(args.device) or check_model_spec(args.model)
+    if problem is not None:
+        raise UsageError(problem)
+    if "stock" in paths and not vllm_omni_installed():
+        raise UsageError("--paths stock (a default) needs vllm-omni, which is not installed: pip install "
+                         "vllm-omni==0.30.0, or leave it out: --paths exact,window")
     device = resolve_device(args.device)
     if device.type == "cuda":
         configure_cuda()  # the sidecar's math (TF32 off): the one-shot reference and stock run as the server does
     model = load_model(args.model, device, args.dtype)
+    if not model.input.is_integer:
+        raise UsageError(f"--model {args.model}: fidelity compares Qwen3-TTS codes paths; this model takes latents")
     window = model.module.cfg.sliding_window
     if args.context_frames > window and "stock" in paths:
-        raise SystemExit(f"--context-frames {args.context_frames}: vLLM-Omni's first chunk holds at most "
+        raise UsageError(f"--context-frames {args.context_frames}: vLLM-Omni's first chunk holds at most "
                          f"{window} reference frames (the decoder's sliding window); give at most {window}")
     sizes = chunk_sizes(args.frames, args.first_chunk_frames, args.chunk_frames)
     cases = []

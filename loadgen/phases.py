@@ -154,7 +154,8 @@ class BaselinesPhase(Phase):
             from .baselines import run_baselines
 
             found = run_baselines(self.model, new_frames=args.chunk_frames, iters=args.baseline_iters,
-                                  batch_sizes=self.batches, frames=self.frames)
+                                  warmup=getattr(args, "baseline_warmup", 3), batch_sizes=self.batches,
+                                  frames=self.frames)
             report.baselines = [_rounded_baseline(asdict(b)) for b in found]
             return ", ".join(f"{b['name']} p50 {b['latency_ms_p50']:.2f} ms" for b in report.baselines[:3])
         if index == 2:
@@ -218,8 +219,7 @@ class SidecarPhase(Phase):
             self.spawned = spawn_sidecar("--model", a.model, "--device", str(self.device), "--dtype", a.dtype,
                                          *a.serve_arg)
             address, self.metrics_url = self.spawned.address, self.spawned.metrics_url
-            print(self.spawned.ready_line, flush=True)
-            print(f"sidecar log: {self.spawned.log_path}", flush=True)
+            print(self.spawned.banner(), flush=True)
         self.clients = [SidecarClient(address, timeout_s=120, curve_server_key=a.server_key)
                         for _ in range(max(1, a.clients))]
         if hasattr(asyncio, "Runner"):  # Python 3.11+; 3.10 runs each level in its own asyncio.run
@@ -253,7 +253,4 @@ class SidecarPhase(Phase):
         for client in self.clients:
             client.close()
         if self.spawned is not None:
-            self.spawned.stop()
-            if self.args.sidecar_log:
-                with open(self.args.sidecar_log, "w") as f:
-                    f.write(self.spawned.log())
+            self.spawned.stop(log_copy=self.args.sidecar_log)

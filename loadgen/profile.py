@@ -28,13 +28,19 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from code2wav.sidecar.cli import DTYPE_CHOICES, DefaultsHelpFormatter
+from code2wav.sidecar.cli_checks import DEVICE_HELP, OneLineParser, UsageError, device_arg, int_at_least, output_file
+from code2wav.sidecar.cli_help import DTYPE_CHOICES, DefaultsHelpFormatter, command_epilog
 
 from .roofline import format_layers, profile_layers
 from .step_stage import check_sizes, chosen_forms, staged_step
 from .timing import sync_device, time_calls
 
 NAME_WIDTH = 100  # characters of a kernel's name in the text table (the JSON keeps the whole name)
+DESCRIPTION = ("Time one decode step of a model, kernel by kernel on a GPU (device time) or operator by operator on "
+               "the CPU (self time): a batch of --batch synthetic chunks of --frames frames, run --steps times "
+               "under torch.profiler after --warmup untimed steps. Prints the top rows and the step's wall time; "
+               "--json writes everything.")
+EXAMPLE = "code2wav-sidecar profile --device cpu --batch 1 --frames 25"
 
 
 @dataclass(frozen=True)
@@ -147,23 +153,25 @@ def conv_form_families(text: str | None) -> tuple[str, ...] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="code2wav-sidecar profile", description=__doc__,
-                                formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default="default", help="folder, 'default' or 'voxcpm2-default'")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p = OneLineParser(prog="code2wav-sidecar profile", description=DESCRIPTION, formatter_class=DefaultsHelpFormatter,
+                      epilog=command_epilog(EXAMPLE))
+    p.add_argument("--model", default="default", help="a model folder, or 'default' / 'voxcpm2-default' (random "
+                   "weights)")
+    p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
-    p.add_argument("--batch", type=int, default=1, help="rows in the step")
-    p.add_argument("--frames", type=int, default=25, help="new frames per row")
-    p.add_argument("--steps", type=int, default=3, help="profiled steps, averaged")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--top", type=int, default=20, help="rows printed (the rest summed in one line); 0: all")
+    p.add_argument("--batch", type=int_at_least(1), default=1, help="rows in the step")
+    p.add_argument("--frames", type=int_at_least(1), default=25, help="new frames per row")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="profiled steps, averaged")
+    p.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed steps first")
+    p.add_argument("--top", type=int_at_least(0, " (0: all)"), default=20, help="rows printed (the rest summed in "
+                   "one line); 0: all")
     p.add_argument("--by", choices=("kernel", "layer"), default="kernel",
                    help="rows: each kernel (or CPU operator), or each layer as a roofline (time, GFLOP, MB, "
                         "achieved TFLOP/s and GB/s against the GPU's peaks, share, kernel names)")
     p.add_argument("--conv-forms", default=None,
                    help="comma-separated conv form families the dense convs may choose from (cuDNN always): "
                         "cudnn_cl, polyphase, gemm, gemm_cl, im2col; default: all (a before/after view)")
-    p.add_argument("--json", dest="json_path", help="write the whole profile here")
+    p.add_argument("--json", dest="json_path", type=output_file(), help="write the whole profile here")
     return p
 
 
@@ -177,10 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from code2wav.sidecar.kernels.choice_cache import ChoiceEvents
     from code2wav.sidecar.kernels.conv_choice import attach_choices
+    from code2wav.sidecar.cli_checks import check_device
+    from code2wav.sidecar.cpu_dtype import cpu_dtype_warning
     from code2wav.sidecar.models import configure_cuda, load_model, resolve_device
+    from code2wav.sidecar.models.registry import check_model_spec
 
+    problem = check_device(args.device) or check_model_spec(args.model)
+    if problem is not None:
+        raise UsageError(problem)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = resolve_device(args.device)
+    warning = cpu_dtype_warning(device.type, args.dtype)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if device.type == "cuda":
         configure_cuda()  # the server's math (TF32 off), as the bench's baselines
     model = load_model(args.model, device, args.dtype)

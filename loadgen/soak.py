@@ -28,6 +28,10 @@ import threading
 import time
 from pathlib import Path
 
+from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, device_arg, fail, float_above, int_at_least,
+                                         output_file, run_guarded)
+from code2wav.sidecar.cli_help import DTYPE_CHOICES
+
 from .soak_report import p99_windows, read_client, sent_failures, server_windows
 from .spawn import ROOT, spawn_sidecar
 
@@ -221,28 +225,31 @@ def _restart_sidecar(holder: dict, sidecar_args: list[str], workdir: Path, t0: f
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m code2wav.loadgen.soak", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m code2wav.loadgen.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--duration-s", type=float, default=600.0)
-    p.add_argument("--clients", type=int, default=4, help="client processes")
-    p.add_argument("--streams-per-client", type=int, default=None)
-    p.add_argument("--capacity-streams", type=int, default=None,
+    p.add_argument("--device", type=device_arg, default="cuda", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES)
+    p.add_argument("--duration-s", type=float_above(0), default=600.0)
+    p.add_argument("--clients", type=int_at_least(1), default=4, help="client processes")
+    p.add_argument("--streams-per-client", type=int_at_least(1), default=None)
+    p.add_argument("--capacity-streams", type=int_at_least(1), default=None,
                    help="real-time streams the sidecar sustains (measured before, e.g. by the bench)")
-    p.add_argument("--fraction", type=float, default=0.8, help="of --capacity-streams")
-    p.add_argument("--chunk-frames", type=int, default=25)
-    p.add_argument("--stream-frames", type=int, default=250, help="mean frames per stream (each 0.5x to 1.5x)")
-    p.add_argument("--frame-rate-hz", type=float, default=None, help="default: the model's (e.g. 12.5)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="the clients' request timeout")
-    p.add_argument("--kill-every-s", type=float, default=30.0, help="SIGKILL one client process this often (0: never)")
-    p.add_argument("--restart-sidecar-at-s", type=float, default=None, help="SIGTERM and restart the sidecar once")
-    p.add_argument("--spawn-probe-every-s", type=float, default=0.0,
+    p.add_argument("--fraction", type=float_above(0), default=0.8, help="of --capacity-streams")
+    p.add_argument("--chunk-frames", type=int_at_least(1), default=25)
+    p.add_argument("--stream-frames", type=int_at_least(1), default=250, help="mean frames per stream (each 0.5x to "
+                   "1.5x)")
+    p.add_argument("--frame-rate-hz", type=float_above(0), default=None, help="default: the model's (e.g. 12.5)")
+    p.add_argument("--timeout-s", type=float_above(0), default=10.0, help="the clients' request timeout")
+    p.add_argument("--kill-every-s", type=float_above(0, inclusive=True), default=30.0,
+                   help="SIGKILL one client process this often (0: never)")
+    p.add_argument("--restart-sidecar-at-s", type=float_above(0), default=None, help="SIGTERM and restart the "
+                   "sidecar once")
+    p.add_argument("--spawn-probe-every-s", type=float_above(0, inclusive=True), default=0.0,
                    help="start a process that only imports what a client imports, this often, the first after half "
                         "of it (0: never); the report's spawn_probes says when, to compare with the kills' windows")
     p.add_argument("--sidecar-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--out", default=None, help="write the report here (JSON)")
+    p.add_argument("--out", type=output_file(), default=None, help="write the report here (JSON)")
     return p
 
 
@@ -250,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.streams_per_client is None:
         if args.capacity_streams is None:
-            raise SystemExit("give --streams-per-client, or --capacity-streams (and --fraction)")
+            return fail("give --streams-per-client, or --capacity-streams (and --fraction)")
         args.streams_per_client = max(1, round(args.capacity_streams * args.fraction / args.clients))
+    return run_guarded("soak", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     report = run_soak(args)
     text = json.dumps(report, indent=1)
     if args.out:

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from code2wav.sidecar.cli_checks import int_list
+
 from .timing import baseline_row, print_row
 from .traffic import synthetic_codes
 
@@ -30,8 +32,8 @@ def add_stock_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vllm-omni-stock baseline (vLLM-Omni 0.30's own Qwen3TTSCode2Wav)")
     g.add_argument("--baseline", default="auto", choices=["auto", NAME, "none"],
                    help="auto: measure vllm-omni-stock when vllm-omni is importable (default)")
-    g.add_argument("--stock-batch", default="1,4", help="comma-separated request counts per runner step")
-    g.add_argument("--stock-graph-batch-sizes", default="",
+    g.add_argument("--stock-batch", type=int_list(1), default="1,4", help="comma-separated request counts per runner step")
+    g.add_argument("--stock-graph-batch-sizes", type=int_list(1, allow_empty=True), default="",
                    help="decode_cudagraph_batch_sizes to capture (default: the deploy file's, i.e. [1])")
     g.add_argument("--stock-eager", action="store_true", help="enforce_eager (no CUDA graphs)")
 
@@ -70,7 +72,7 @@ def run_stock_phase(args: argparse.Namespace, model, codes: torch.Tensor | None 
           flush=True)
     chunk = int(stock.settings["extra"]["codec_chunk_frames"])
     first = int(stock.settings["extra"]["initial_codec_chunk_frames"])
-    iters, warmup = args.baseline_iters, 3
+    iters, warmup = args.baseline_iters, getattr(args, "baseline_warmup", 3)
     total = first + (PRIME_CHUNKS + warmup + iters) * chunk
     if codes is None or codes.shape[1] < total:
         codes = synthetic_codes(model.num_quantizers, total, model.codebook_size, seed=5)

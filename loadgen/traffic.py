@@ -7,6 +7,10 @@ import torch
 
 
 def chunk_sizes(num_frames: int, first_chunk_frames: int = 1, chunk_frames: int = 25) -> list[int]:
+    """The chunk sizes of a ``num_frames`` stream; ``chunk_frames`` must be >= 1 (0 would never end)."""
+    if chunk_frames < 1 or first_chunk_frames < 0:
+        raise ValueError(f"chunk_frames must be >= 1 and first_chunk_frames >= 0, got {chunk_frames} and "
+                         f"{first_chunk_frames}")
     sizes: list[int] = []
     left = num_frames
     if left > 0 and first_chunk_frames > 0:

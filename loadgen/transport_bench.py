@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import shutil
 import tempfile
 import threading
 import time
@@ -248,7 +249,8 @@ def run(args) -> int:
         interrupted = steps[len(elapsed)].label
         progress.say(f"interrupted during {interrupted}; keeping what finished")
     finally:
-        spawned.stop()
+        if spawned.stop(log_copy=args.sidecar_log) in (0, -15, -9):
+            shutil.rmtree(workdir, ignore_errors=True)  # its config and socket folder (the log: --sidecar-log)
     _print_rows(args, rows, first_ref)
     if args.json_path:
         report = {"in_process_ms": {b: round(ms, 3) for b, ms in first_ref.items()}, "rows": rows,

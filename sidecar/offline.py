@@ -19,7 +19,7 @@ from .streams import ServedStream
 
 
 OUTPUT_SUFFIXES = (".npy", ".wav")
-CODES_SHAPE = "[B, Q, T] (batch, quantizers, frames)"
+CODES_SHAPE = "[B, Q, T] or [Q, T] (batch, quantizers, frames)"
 LATENTS_SHAPE = "[B, D, T] or [D, T] (batch, latent channels, frames)"
 
 
@@ -42,8 +42,9 @@ def check_output_path(path: Path) -> Path:
 
 
 def load_inputs_npy(path: Path) -> np.ndarray:
-    """The inputs array of a ``.npy`` file (never unpickled): integer codes ``[B, Q, T]``, or float latents
-    ``[B, D, T]`` / ``[D, T]`` (one stream, returned as ``[1, D, T]``). Which kind the model takes: ``check_inputs``."""
+    """The inputs array of a ``.npy`` file (never unpickled): integer codes ``[B, Q, T]`` / ``[Q, T]``, or float32
+    (float64) latents ``[B, D, T]`` / ``[D, T]``; one stream comes back as ``[1, C, T]``. The client's rules: float16
+    latents are refused (the client refuses them too). Which kind the model takes: ``check_inputs``."""
     expected = f"expected integer codes {CODES_SHAPE} or float latents {LATENTS_SHAPE} in a .npy file"
     if not path.is_file():
         raise InputError(f"--input {path}: no such file ({expected})")
@@ -57,8 +58,11 @@ def load_inputs_npy(path: Path) -> np.ndarray:
         raise InputError(f"--input {path}: holds {type(inputs).__name__}, not an array; {expected}")
     if inputs.dtype.kind not in "iuf":
         raise InputError(f"--input {path}: dtype {inputs.dtype}; {expected}")
-    if inputs.dtype.kind == "f" and inputs.ndim == 2:
-        inputs = inputs[None]  # [1, D, T]
+    if inputs.dtype.kind == "f" and inputs.dtype.itemsize < 4:
+        raise InputError(f"--input {path}: dtype {inputs.dtype} is not accepted (nor by the client): codes are "
+                         "integers, latents float32 (float64 is converted); save them with .astype(np.float32)")
+    if inputs.ndim == 2:
+        inputs = inputs[None]  # [1, C, T]: one stream
     if inputs.ndim != 3:
         raise InputError(f"--input {path}: shape {list(inputs.shape)}; {expected}")
     return inputs
@@ -103,8 +107,11 @@ def decode_offline(model: LoadedModel, inputs: Tensor, mode: StreamMode, chunk_f
     in ``mode`` (the same ``StreamMode`` objects and engine), with ``options`` (checked stream options) for every
     row. A stateful mode (exact) carries the state between chunks, so its audio does not depend on the chunking:
     one chunk of all frames (the engine slices it to ``max_forward_frames``). A stateless mode (window) sends
-    chunks of ``chunk_frames``, each decoded after the last ``left_context_frames`` inputs. Returns
+    chunks of ``chunk_frames`` (>= 1), each decoded after the last ``left_context_frames`` (>= 0) inputs. Returns
     ``[B, 1, T * U]``."""
+    if chunk_frames < 1 or left_context_frames < 0:
+        raise ValueError(f"chunk_frames must be >= 1 and left_context_frames >= 0, got {chunk_frames} and "
+                         f"{left_context_frames}")
     batch, _, total = inputs.shape
     arena = StateArena(model.state_layout(), batch, model.dtype, model.device)
     engine = Engine(model, arena)

@@ -58,7 +58,9 @@ def test_explicit_flags_override_the_scenarios():
     assert args.no_sidecar and args.serve_arg == ["-v"]
 
 
-def test_several_runs_write_one_report_each():
+def test_several_runs_write_one_report_each(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the output folders exist (bench checks them when it parses its flags)
+    (tmp_path / "out").mkdir()
     runs = expand("one-stream,inprocess", ["--json", "out/b.json", "--plot=o.png", "--sidecar-log", "s.log"])
     assert [r.label for r in runs] == ["one-stream-inline", "one-stream-ipc", "inprocess"]
     parsed = [build_parser().parse_args(list(r.argv)) for r in runs]

@@ -20,9 +20,9 @@ from conftest import ROOT, TINY
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
-def run_cli(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "code2wav.sidecar", *args], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=timeout_s)
+def run_cli(*args: str, timeout_s: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "code2wav.sidecar", *args], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, cwd=ROOT, timeout=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,11 @@ def test_demo_streams_through_a_spawned_sidecar(tmp_path):
 
 
 def test_bench_smoke_writes_json_and_plot(tmp_path):
-    report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    report_path, plot_path, temp = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "tmp"
+    temp.mkdir()
     proc = run_cli("bench", "--model", str(TINY), "--device", "cpu", "--concurrency", "1,4", "--frames", "26",
-                   "--baseline-iters", "3", "--baseline", "none", "--json", str(report_path), "--plot", str(plot_path), timeout_s=300)
+                   "--baseline-iters", "3", "--baseline", "none", "--json", str(report_path), "--plot", str(plot_path),
+                   timeout_s=300, env={"TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stderr + proc.stdout
     report = json.loads(report_path.read_text())
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]
@@ -84,11 +86,14 @@ def test_bench_smoke_writes_json_and_plot(tmp_path):
     rows = {r["concurrency"]: r for r in report["results"]}
     assert set(rows) == {1, 4}
     for r in rows.values():
-        # closed loop: at least --min-streams (16 by default) streams per level, in turn per slot; 1 + 25 frames each
-        assert r["errors"] == 0 and r["streams"] == 16 and r["chunks"] == 16 * 2
+        # closed loop: at least --min-streams (4 by default on the CPU) streams per level, in turn per slot; 1 + 25
+        # frames each
+        assert r["errors"] == 0 and r["streams"] == 4 and r["chunks"] == 4 * 2
         assert r["chunk_latency_ms_p50"] > 0 and r["audio_s_per_s"] > 0 and r["mean_batch_size"] >= 1
     assert plot_path.stat().st_size > 10_000
     assert "through the sidecar" in proc.stdout and "sidecar log: " in proc.stdout
+    assert [p.name for p in temp.iterdir() if p.name.startswith("code2wav-")] == []  # the spawned sidecar's temp
+    # folder was removed at exit (torch may keep its own caches there)
 
 
 def test_serve_rejects_unknown_config_key(tmp_path):
@@ -128,8 +133,8 @@ def test_decode_input_and_output_errors_are_one_line_each(tmp_path, codes_npy):
     np.save(floats, np.zeros((1, 4, 3), dtype=np.float32))
     assert "dtype float32; expected integer codes [B, Q, T]" in decode(floats, out)
     flat = tmp_path / "flat.npy"
-    np.save(flat, np.zeros((4, 3), dtype=np.int64))
-    assert "shape [4, 3]; expected integer codes [B, Q, T]" in decode(flat, out)
+    np.save(flat, np.zeros((12,), dtype=np.int64))
+    assert "shape [12]; expected integer codes [B, Q, T] or [Q, T]" in decode(flat, out)
     wrong_q = tmp_path / "wrong_q.npy"
     np.save(wrong_q, np.zeros((1, 3, 5), dtype=np.int64))
     assert "shape [1, 3, 5]; expected [B, 4, T] with B, T >= 1 and values in [0, 64)" in decode(wrong_q, out)

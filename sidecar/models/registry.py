@@ -8,7 +8,9 @@ time. ``detect_family`` picks the family of a folder from its ``config.json`` ke
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Sequence
 
 import torch
@@ -21,6 +23,31 @@ FAMILIES: tuple[DecoderFamily, ...] = (QWEN3_TTS, VOXCPM2_AUDIOVAE)
 """The built-in families; the first one also serves ``--model default``."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHECKPOINT_SUBFOLDERS = ("speech_tokenizer",)
+"""Where a TTS checkpoint keeps its decoder: a root holding one of these is suggested by name."""
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a family's producer (its TTS talker, through vLLM-Omni) hands frames to the decoder: what ``demo`` and
+    ``decode`` send by default. Every chunk is a whole number of ``patch_frames``."""
+
+    first_chunk_frames: int
+    chunk_frames: int
+    patch_frames: int
+    window_left_context_frames: int
+
+
+# Qwen3-TTS through vLLM-Omni's Code2Wav stage: a 1-frame first chunk, then 25 (its deploy file), 25 frames of left
+# context in window mode. VoxCPM2's talker: one 4-frame latent patch per step; window mode adds the decoder's 20
+# frames of history (its graph buckets' window shape, 24 frames).
+CHUNKING = MappingProxyType({QWEN3_TTS.name: Chunking(1, 25, 1, 25), VOXCPM2_AUDIOVAE.name: Chunking(4, 4, 4, 20)})
+DEFAULT_CHUNKING = Chunking(1, 25, 1, 25)
+"""A family this table does not know (a plugin's): vLLM-Omni's Code2Wav chunking, any chunk size."""
+
+
+def chunking_of(family_name: str) -> Chunking:
+    return CHUNKING.get(family_name, DEFAULT_CHUNKING)
 
 
 def register_family(families: Sequence[DecoderFamily], family: DecoderFamily) -> tuple[DecoderFamily, ...]:
@@ -41,7 +68,10 @@ def default_specs(families: Sequence[DecoderFamily] = FAMILIES) -> dict[str, Dec
 def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) -> DecoderFamily:
     """The family whose ``recognises`` accepts ``folder/config.json``; a clear error when none (or several) does."""
     path = Path(folder) / "config.json"
+    inner = [Path(folder) / name for name in CHECKPOINT_SUBFOLDERS if (Path(folder) / name / "config.json").is_file()]
     if not path.is_file():
+        if inner:
+            raise FamilyError(f"{folder} is a checkpoint root; give its decoder folder: --model {inner[0]}")
         raise FamilyError(f"{path} not found: a model folder holds config.json and its weights")
     try:
         config = json.loads(path.read_text())
@@ -50,12 +80,43 @@ def detect_family(folder: Path, families: Sequence[DecoderFamily] = FAMILIES) ->
     if not isinstance(config, dict):
         raise FamilyError(f"{path} must hold a JSON object")
     matches = [f for f in families if f.recognises(config)]
+    if not matches and inner:
+        raise FamilyError(f"{folder} is a checkpoint root (its config.json is the TTS model's); give its decoder "
+                          f"folder: --model {inner[0]}")
     if not matches:
         raise FamilyError(f"{folder}: config.json (keys {sorted(config)[:12]}) is no known decoder family; "
                           f"known: {[f.name for f in families]} (give a model folder of one of them, or 'default')")
     if len(matches) > 1:
         raise FamilyError(f"{folder}: config.json matches several families {[f.name for f in matches]}")
     return matches[0]
+
+
+def family_of_spec(spec: str, families: Sequence[DecoderFamily] = FAMILIES) -> DecoderFamily:
+    """The family a ``--model`` spec names (random-weights name or folder), reading only ``config.json``."""
+    defaults = default_specs(families)
+    if spec in defaults:
+        return defaults[spec]
+    if not Path(spec).is_dir():
+        raise FamilyError(f"--model {spec}: no such folder (give a model folder, e.g. a TTS checkpoint's "
+                          f"speech_tokenizer/, or one of {', '.join(sorted(defaults))} for random weights)")
+    return detect_family(Path(spec), families)
+
+
+def check_model_spec(spec: str, families: Sequence[DecoderFamily] = FAMILIES) -> str | None:
+    """Why ``spec`` cannot be loaded, found without loading it (one line), or None."""
+    try:
+        family_of_spec(spec, families)
+    except FamilyError as exc:
+        return model_error(spec, exc)
+    return None
+
+
+def model_error(spec: str, exc: Exception) -> str:
+    """A model's error as one line that starts with ``--model``."""
+    text = str(exc)
+    if text.startswith("--"):
+        return text
+    return f"--model {text}" if text.startswith(spec) else f"--model {spec}: {text}"
 
 
 def load_model(spec: str, device: torch.device, dtype: str = "float32", name: str | None = None, seed: int = 0,

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ..family import CheckpointError
+from ..weights_file import check_weights_file
 from .blocks import DenseResidualUnit
 from .config import DecoderConfig, SHIPPED
 from .decoder import Qwen3TTSDecoder
@@ -56,7 +57,9 @@ def load_folder(folder: str | Path) -> tuple[Qwen3TTSDecoder, int]:
     cfg, sample_rate_hz = read_config(folder)
     weights_path = folder / "model.safetensors"
     if not weights_path.is_file():
-        raise CheckpointError(f"{weights_path} not found")
+        raise CheckpointError(f"{weights_path} not found: a speech_tokenizer folder holds config.json and "
+                              "model.safetensors (download the whole folder)")
+    check_weights_file(weights_path)
     model = Qwen3TTSDecoder(cfg)
     expected = {DECODER_PREFIX + k: v for k, v in model.decoder.state_dict().items()}
     found: dict[str, torch.Tensor] = {}
@@ -80,7 +83,9 @@ def load_folder(folder: str | Path) -> tuple[Qwen3TTSDecoder, int]:
     if wrong_shape:
         problems.append(f"shape mismatches: {'; '.join(wrong_shape[:10])}")
     if problems:
-        raise CheckpointError(f"{weights_path} does not match the decoder config in config.json: " + " | ".join(problems))
+        raise CheckpointError(f"{weights_path} does not match the decoder config in config.json (another model's "
+                              "weights, or another architecture's config?): " + " | ".join(problems)
+                              + "; give the config.json and model.safetensors of one speech_tokenizer folder")
     state = {k[len(DECODER_PREFIX):]: t.float() for k, t in found.items()}
     model.decoder.load_state_dict(state, strict=True)
     model.refresh_codebooks()

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ...state_store import slot_nbytes
 from ..family import CheckpointError
+from ..weights_file import check_weights_file
 from ..streaming import CausalConv, CausalTransConv, flat_conv_names
 from .blocks import DepthwiseResidualUnit
 from .config import SHIPPED, AudioVAEConfig
@@ -85,6 +86,7 @@ def read_weights(folder: Path) -> tuple[dict[str, Tensor], Path]:
     else:
         raise CheckpointError(f"{folder}: neither {' nor '.join(WEIGHT_FILES)} found (the VAE weights of a VoxCPM2 "
                               f"model folder)")
+    check_weights_file(path)
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys() if not key.startswith(SKIPPED_PREFIXES)}, path
@@ -96,7 +98,9 @@ def read_weights(folder: Path) -> tuple[dict[str, Tensor], Path]:
                 raise
             obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy (non-zip) file format
     except Exception as exc:  # weights_only refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path}: cannot read it as a tensors-only torch file ({exc})") from exc
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot read it as a tensors-only torch file ({first_line}); download it "
+                              "again, or convert it to audiovae.safetensors") from exc
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()):
@@ -152,7 +156,9 @@ def load_state(model: VoxCPM2AudioVAEDecoder, tensors: dict[str, Tensor], source
     if wrong_shape:
         problems.append(f"shape mismatches: {'; '.join(wrong_shape[:10])}")
     if problems:
-        raise CheckpointError(f"{source} does not match the audio_vae_config in config.json: " + " | ".join(problems))
+        raise CheckpointError(f"{source} does not match the audio_vae_config in config.json (another model's "
+                              "weights, or another architecture's config?): " + " | ".join(problems)
+                              + "; give the config.json and weights of one VoxCPM2 model folder")
     bounds = state["sr_bin_boundaries"]
     if bounds.dtype.is_floating_point or bounds.tolist() != list(model.cfg.sr_bin_boundaries or ()):
         raise CheckpointError(f"{source}: decoder.sr_bin_boundaries {bounds.tolist()} ({bounds.dtype}) differ from "
