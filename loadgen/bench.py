@@ -16,7 +16,7 @@ import sys
 import torch
 
 from .drive import MIN_STREAMS
-from .phases import BaselinesPhase, Phase, Progress, SidecarPhase, parse_shapes, run_phases
+from .phases import BaselinesPhase, Phase, Progress, SidecarPhase, run_phases
 from .report import BenchReport, PlotUnavailable, check_plot_available, load, plot, print_table
 
 from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, address_arg, device_arg, float_above,
@@ -39,14 +39,6 @@ EXAMPLES = ("code2wav-sidecar bench --device cpu --json bench.json",
 # flag -> (its default on a GPU, on the CPU): a CPU run of the defaults stays under a minute
 DEVICE_DEFAULTS = {"concurrency": ("1,8,64", "1,4"), "frames": (101, 26), "min_streams": (MIN_STREAMS, 4),
                    "baseline_iters": (20, 2), "baseline_warmup": (3, 1)}
-
-
-def shapes_arg(text: str) -> str:
-    try:
-        parse_shapes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
-    return text
 
 
 def url_arg(text: str) -> str:

@@ -117,7 +117,7 @@ CASES = [
     ("bench json folder", CLI, [*BENCH, "--json", "{out}/no/b.json"], "--json: {out}/no/b.json: the folder"),
     ("bench plot suffix", CLI, [*BENCH, "--plot", "{out}/b.txt"], "--plot: {out}/b.txt: use a file name ending in .png"),
     ("bench device gpu", CLI, [*BENCH, "--device", "gpu"], "--device: 'gpu' is not a device"),
-    ("bench compile shape", CLI, [*BENCH, "--baseline-compile", "0x4"], "--baseline-compile: batch and frames must be"),
+    ("bench warmup negative", CLI, [*BENCH, "--baseline-warmup", "-1"], "--baseline-warmup: expected an integer >= 0"),
     ("bench replot missing", CLI, [*BENCH, "--replot", "{out}/none.json"], "--replot: {out}/none.json: no such file"),
     ("bench missing model", CLI, [*BENCH, "--model", "{out}/missing"], "--model {out}/missing: no such folder"),
     ("bench metrics url", CLI, [*BENCH, "--metrics-url", "localhost:9464"], "--metrics-url: 'localhost:9464': give"),
