@@ -35,12 +35,10 @@ KEYGEN_DESCRIPTION = ("Write a CurveZMQ certificate pair into a folder: server.k
 
 
 def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The package's version (``code2wav.__version__``: the installed metadata, else pyproject's)."""
+    from code2wav import __version__
 
-    try:
-        return version("code2wav-sidecar")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return __version__
 
 
 def version_text() -> str:
