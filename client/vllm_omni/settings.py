@@ -8,7 +8,9 @@ YAML can set them per stage with ``env:``), then defaults. No vLLM import here.
 connector ``extra`` key         environment variable             meaning (default)
 =============================  ===============================  ==============================================
 ``sidecar_address``             ``CODE2WAV_SIDECAR_ADDRESS``     ZeroMQ address (the one ``serve`` binds by default:
-                                                                 ``code2wav.proto.address.default_address``)
+                                                                 ``code2wav.proto.address.default_address``);
+                                                                 several, comma-separated, or ``dns://NAME:PORT``
+                                                                 (a headless Service): a pool (``SidecarPool``)
 ``sidecar_mode``                ``CODE2WAV_SIDECAR_MODE``        ``exact`` (stateful, exact) or ``window`` (vLLM-Omni's
                                                                  stateless left-context decode)
 ``sidecar_left_context_frames``  ``CODE2WAV_SIDECAR_LEFT_CONTEXT_FRAMES``  window mode: frames of left context
@@ -30,6 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from code2wav.proto.address import default_address
+
+from ..discovery import parse_pool_address
+from ..errors import InvalidArgument
 
 __all__ = ["DEFAULT_SIDECAR_ADDRESS", "DelegateSettings", "connector_extra"]
 
@@ -63,9 +68,11 @@ class DelegateSettings:
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"sidecar_mode must be one of {_MODES}, got {self.mode!r}")
-        if not self.address or "://" not in self.address:
-            raise ValueError(f"sidecar_address must be a ZeroMQ address like ipc:///path or tcp://host:port, "
-                             f"got {self.address!r}")
+        try:
+            parse_pool_address(self.address)
+        except InvalidArgument as exc:
+            raise ValueError(f"sidecar_address must be a ZeroMQ address like ipc:///path or tcp://host:port, several "
+                             f"of them comma-separated, or dns://NAME:PORT; got {self.address!r} ({exc.message})") from None
         if self.left_context_frames < 0 or self.window_chunk_frames <= 0:
             raise ValueError(f"sidecar_left_context_frames must be >= 0 and sidecar_window_chunk_frames > 0, got "
                              f"{self.left_context_frames} and {self.window_chunk_frames}")
