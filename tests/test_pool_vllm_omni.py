@@ -49,5 +49,10 @@ def test_pool_addresses_in_the_settings():
         "dns://sidecars.tts.svc:5555")
     assert DelegateSettings.from_sources({}, {"CODE2WAV_SIDECAR_ADDRESS": "ipc:///a.sock,ipc:///b.sock"}).address == (
         "ipc:///a.sock,ipc:///b.sock")
+    keys = {"CODE2WAV_SIDECAR_CURVE_SERVER_KEY": "/etc/code2wav/keys/server.key",
+            "CODE2WAV_SIDECAR_CURVE_CLIENT_KEY_FILE": "/etc/code2wav/client/client.key_secret"}
+    options = DelegateSettings.from_sources({"sidecar_timeout_s": 7}, keys).client_options
+    assert options == {"timeout_s": 7.0, "connect_timeout_s": 10.0, "curve_server_key": "/etc/code2wav/keys/server.key",
+                       "curve_client_key_file": "/etc/code2wav/client/client.key_secret"}
     with pytest.raises(ValueError, match="dns://NAME:PORT"):
         DelegateSettings.from_sources({"sidecar_address": "dns://no-port"}, {})

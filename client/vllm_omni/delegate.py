@@ -93,8 +93,7 @@ class Code2WavDelegate:
         self.settings = settings
         try:
             with torch.device("cpu"):  # the client makes CPU tensors, whatever default device vLLM set
-                self.client = client_factory(settings.address, timeout_s=settings.timeout_s,
-                                             connect_timeout_s=settings.connect_timeout_s, client_id=client_id)
+                self.client = client_factory(settings.address, client_id=client_id, **settings.client_options)
         except SidecarError as exc:
             raise SidecarUnavailableError(
                 f"the vLLM-Omni Code2Wav stage cannot reach the code2wav sidecar at {settings.address}: {exc}. "

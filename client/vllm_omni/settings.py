@@ -22,6 +22,10 @@ connector ``extra`` key         environment variable             meaning (defaul
 ``sidecar_timeout_s``           ``CODE2WAV_SIDECAR_TIMEOUT_S``   per call (30)
 ``sidecar_connect_timeout_s``   ``CODE2WAV_SIDECAR_CONNECT_TIMEOUT_S``  start-up handshake (10)
 ``sidecar_idle_ttl_s``          ``CODE2WAV_SIDECAR_IDLE_TTL_S``  forget (and abort) streams idle this long (600)
+``sidecar_curve_server_key``     ``CODE2WAV_SIDECAR_CURVE_SERVER_KEY``  CurveZMQ: the sidecars' public key (the
+                                                                 ``server.key`` file or its Z85 text); tcp:// only
+``sidecar_curve_client_key_file``  ``CODE2WAV_SIDECAR_CURVE_CLIENT_KEY_FILE``  CurveZMQ: this runner's key pair
+                                                                 (a ``.key_secret`` file) for an allow-list
 =============================  ===============================  ==============================================
 """
 
@@ -64,6 +68,14 @@ class DelegateSettings:
     timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
     idle_ttl_s: float = 600.0
+    curve_server_key: str | None = None
+    curve_client_key_file: str | None = None
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """What the delegate's ``SidecarPool`` takes besides the address."""
+        return {"timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
+                "curve_server_key": self.curve_server_key, "curve_client_key_file": self.curve_client_key_file}
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -112,4 +124,7 @@ class DelegateSettings:
             timeout_s=pick("sidecar_timeout_s", "CODE2WAV_SIDECAR_TIMEOUT_S", 30.0, float),
             connect_timeout_s=pick("sidecar_connect_timeout_s", "CODE2WAV_SIDECAR_CONNECT_TIMEOUT_S", 10.0, float),
             idle_ttl_s=pick("sidecar_idle_ttl_s", "CODE2WAV_SIDECAR_IDLE_TTL_S", 600.0, float),
+            curve_server_key=pick("sidecar_curve_server_key", "CODE2WAV_SIDECAR_CURVE_SERVER_KEY", None, str),
+            curve_client_key_file=pick("sidecar_curve_client_key_file", "CODE2WAV_SIDECAR_CURVE_CLIENT_KEY_FILE",
+                                       None, str),
         )
