@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=BenchHelpFormatter)
     p.add_argument("--scenario", metavar="NAME[,NAME]",
                    help="run these named flag sets in turn (listed below); other flags given here override theirs")
-    p.add_argument("--address", help="benchmark a running sidecar instead of spawning one")
+    p.add_argument("--address", help="benchmark a running sidecar instead of spawning one; several "
+                                      "(comma-separated, or dns://NAME:PORT): a pool, with per-sidecar figures")
     add_server_key_option(p)
     p.add_argument("--metrics-url", help="with --address: its /metrics URL (batch size, graph hit rate)")
     p.add_argument("--model", default="default", help="folder or 'default' (spawned sidecar and baselines)")
