@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from code2wav.client import SidecarPool, StreamLost
+from code2wav.client import Busy, SidecarPool, StreamLost
 from code2wav.client._liveness import DEAD_AFTER_INTERVALS
 from conftest import TINY
 from code2wav.loadgen.spawn import SpawnedSidecar, spawn_sidecar
@@ -233,3 +233,25 @@ def test_a_pool_behind_a_dns_name_follows_its_records(tmp_path, golden_cases):
         pool.close()
         for sidecar in running:
             sidecar.stop()
+
+
+def test_busy_from_one_sidecar_is_tried_on_the_next_before_the_caller_sees_it(tmp_path):
+    """A report that is stale (another client filled the sidecar since): its ``busy`` answer sends the stream to
+    the next sidecar; only when every one is full does the caller get ``Busy``."""
+    small, large = _started(tmp_path, [2, 3])
+    other = SidecarPool(small.address, timeout_s=30)  # another client
+    pool = SidecarPool([small.address, large.address], timeout_s=30, refresh_s=60.0)  # reports from the welcome only
+    try:
+        filled = [other.open_stream(f"other-{number}") for number in range(2)]  # small is full now
+        placed = [pool.open_stream(f"s{number}") for number in range(3)]
+        assert [pool.address_of(stream) for stream in placed] == [large.address] * 3
+        assert _metric(small.scrape(), "code2wav_sidecar_errors_total") >= 1  # it was asked, and said busy
+        assert 'code="busy"' in small.scrape()
+        with pytest.raises(Busy):
+            pool.open_stream("one-too-many")  # both full: now the caller sees it
+        assert len(filled) == 2
+    finally:
+        pool.close()
+        other.close()
+        small.stop()
+        large.stop()
