@@ -6,8 +6,8 @@ means the server restarted and every stream opened before is lost), and whether 
 
 ``Liveness`` is mixed into ``Connection`` and runs with its ``_io_lock`` held; it relies on the connection's
 ``_state``, ``dead_loses_streams`` (a pool member's policy: a server silent for ``DEAD_AFTER_INTERVALS`` loses its
-streams at once, ``StreamLost``, instead of keeping them for a reconnect), ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and
-``_fail_calls``.
+streams at once, ``StreamLost``, instead of keeping them for a reconnect), ``address``, ``_sock``,
+``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and ``_fail_calls``.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 from ._check import INT64_MAX, UINT64_MAX, check_int, check_str, invalid, type_name
 from .errors import ErrorCode, ProtocolError
 
-__all__ = ["WireType", "Int", "CountOrNone", "UINT64", "Version", "Str", "Bool", "PositiveFloat", "NonNegativeFloat", "Choice",
-           "ErrorCodeField", "UnknownErrorCode", "field_name", "bound_doc"]
+__all__ = ["WireType", "Int", "CountOrNone", "UINT64", "Version", "Str", "Bool", "PositiveFloat", "NonNegativeFloat",
+           "Choice", "ErrorCodeField", "UnknownErrorCode", "field_name", "bound_doc"]
 
 Parse = Callable[[Any, str, str, Any, Sequence[Any]], Any]
 

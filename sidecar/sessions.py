@@ -83,8 +83,8 @@ class Sessions:
 
     def load(self) -> proto.Load:
         """The load a ``pong`` and a ``welcome`` report (``proto.Load``): what a client pool places streams by."""
-        streams = self.streams
-        return proto.Load(open_streams=len(streams.streams), free_slots=streams.arena.num_slots - streams.arena.num_used,
+        streams, arena = self.streams, self.streams.arena
+        return proto.Load(open_streams=len(streams.streams), free_slots=arena.num_slots - arena.num_used,
                           queued_chunks=sum(streams.pending_by_client.values()), step_s=self.recent_step_s,
                           draining=self.draining)
 

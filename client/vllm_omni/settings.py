@@ -84,7 +84,8 @@ class DelegateSettings:
             parse_pool_address(self.address)
         except InvalidArgument as exc:
             raise ValueError(f"sidecar_address must be a ZeroMQ address like ipc:///path or tcp://host:port, several "
-                             f"of them comma-separated, or dns://NAME:PORT; got {self.address!r} ({exc.message})") from None
+                             f"of them comma-separated, or dns://NAME:PORT; got {self.address!r} ({exc.message})"
+                             ) from None
         if self.left_context_frames < 0 or self.window_chunk_frames <= 0:
             raise ValueError(f"sidecar_left_context_frames must be >= 0 and sidecar_window_chunk_frames > 0, got "
                              f"{self.left_context_frames} and {self.window_chunk_frames}")
