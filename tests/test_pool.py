@@ -154,13 +154,18 @@ def test_a_killed_sidecar_loses_only_its_streams_and_comes_back(tmp_path, golden
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait()
         killed_at = time.monotonic()
+        first = sorted(on_victim)[0]
+        with pytest.raises(StreamLost):  # a chunk sent to the dead sidecar: failed once the heartbeats say so
+            streams[first].decode(codes[0, :, 10:20])
+        window_s = DEAD_AFTER_INTERVALS * HEARTBEAT_S + 2 * HEARTBEAT_S  # silence, then one more interval's slack
+        assert time.monotonic() - killed_at <= window_s
+        assert all(streams[name].lost for name in on_victim)  # all its streams at that moment, no other
+        assert not any(stream.lost for name, stream in streams.items() if name not in on_victim)
         lost: dict[str, float] = {}
         for start in (10, 20):
             for name, wav in _decode_each(pool, streams, codes, start, lost).items():
                 audio[name].append(wav)
-        assert set(lost) == on_victim
-        window_s = DEAD_AFTER_INTERVALS * HEARTBEAT_S + 2 * HEARTBEAT_S  # silence, then one more interval's slack
-        assert max(lost.values()) - killed_at <= window_s
+        assert set(lost) == on_victim  # each of them says StreamLost, and only they
         for name in set(streams) - on_victim:  # untouched by the fault, to the bit
             assert all(torch.equal(a, b) for a, b in zip(audio[name], reference[name], strict=True)), name
 
