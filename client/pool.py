@@ -8,7 +8,8 @@ headless Service), with the single client's API: streams open on the best sideca
         wav = s.decode(codes)                      # goes to the sidecar that opened it, always
         outs = pool.decode_batch([(s1, c1), (s2, c2)])   # one decode message per sidecar involved
 
-Mechanism here, policy in ``placement.py``, addresses in ``discovery.py``, one sidecar in ``pool_member.py``. A
+Mechanism here, policy in ``placement.py``, addresses in ``discovery.py``, one sidecar in ``pool_member.py``, a
+batch over several sidecars in ``pool_batch.py``. A
 monitor thread pings every connected sidecar each ``refresh_s`` (the ``pong`` carries its load), re-resolves
 a DNS name each ``resolve_interval_s`` and connects the sidecars that appear or come back. A sidecar that stops
 answering heartbeats loses its streams at once (``StreamLost``, within ``DEAD_AFTER_INTERVALS`` heartbeat
@@ -34,8 +35,9 @@ from code2wav.proto import DEFAULT_LEFT_CONTEXT_FRAMES, Limits, ModelInfo, Welco
 
 from .client import BatchItem, SidecarClient
 from .discovery import PoolAddress, Resolver, parse_pool_address, system_resolver
-from .errors import Busy, DeadlineExceeded, InvalidArgument, SidecarError, Unavailable, not_running
+from .errors import Busy, DeadlineExceeded, SidecarError, Unavailable, not_running
 from .placement import rank
+from .pool_batch import submit_pooled_batch
 from .pool_member import PoolMember
 from .sender import WAIT_GRACE_S, set_exception, set_result
 from .stream import Stream
@@ -222,41 +224,7 @@ class SidecarPool:
                      timeout_s: float | None = None) -> Future[list[Any]]:
         """The single client's ``submit_batch`` over a pool: one ``decode`` message per sidecar involved; the
         future gives the audio in the items' order (errors as there: the first once all are in, or in place)."""
-        groups: dict[int, tuple[PoolMember, list[int]]] = {}
-        for index, item in enumerate(items):
-            member = self._home.get(item[0])
-            if member is None or member.client is None:
-                raise InvalidArgument(f"stream {item[0].stream_id!r} was not opened by this pool")
-            groups.setdefault(id(member), (member, []))[1].append(index)
-        if len(groups) == 1:
-            ((member, _),) = groups.values()
-            return member.client.submit_batch(items, return_exceptions=return_exceptions, timeout_s=timeout_s)
-        parts = [(indices, member.client.submit_batch([items[i] for i in indices], return_exceptions=True,
-                                                      timeout_s=timeout_s)) for member, indices in groups.values()]
-        future: Future[list[Any]] = Future()
-        remaining = [len(parts)]
-        lock = threading.Lock()
-
-        def one_done(_: Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            out: list[Any] = [None] * len(items)
-            for indices, part in parts:
-                error = part.exception()
-                values = [error] * len(indices) if error is not None else part.result()
-                for index, value in zip(indices, values):
-                    out[index] = value
-            first = next((value for value in out if isinstance(value, SidecarError)), None)
-            if first is not None and not return_exceptions:
-                set_exception(future, first)
-            else:
-                set_result(future, out)
-
-        for _, part in parts:
-            part.add_done_callback(one_done)
-        return future
+        return submit_pooled_batch(items, self._home.get, return_exceptions, timeout_s)
 
     def decode_batch(self, items: Sequence[BatchItem], *, return_exceptions: bool = False,
                      timeout_s: float | None = None) -> list[Any]:

@@ -166,6 +166,12 @@ def test_a_killed_sidecar_loses_only_its_streams_and_comes_back(tmp_path, golden
             for name, wav in _decode_each(pool, streams, codes, start, lost).items():
                 audio[name].append(wav)
         assert set(lost) == on_victim  # each of them says StreamLost, and only they
+        survivor = next(name for name in streams if name not in on_victim)
+        mixed = [(streams[first], codes[0, :, 30:40]), (streams[survivor], codes[int(survivor[1:]) % 2, :, 30:40])]
+        out = pool.decode_batch(mixed, return_exceptions=True)  # two sidecars' shares, one of them gone
+        assert isinstance(out[0], StreamLost) and out[1].numel() == 10 * 48  # the survivor's chunk still went
+        with pytest.raises(StreamLost):
+            pool.decode_batch(mixed)  # without return_exceptions: the first error, once every result is in
         for name in set(streams) - on_victim:  # untouched by the fault, to the bit
             assert all(torch.equal(a, b) for a, b in zip(audio[name], reference[name], strict=True)), name
 
