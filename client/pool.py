@@ -35,7 +35,7 @@ from code2wav.proto import DEFAULT_LEFT_CONTEXT_FRAMES, Limits, ModelInfo, Welco
 
 from .client import BatchItem, SidecarClient
 from .discovery import PoolAddress, Resolver, parse_pool_address, system_resolver
-from .errors import Busy, DeadlineExceeded, SidecarError, Unavailable, not_running
+from .errors import AlreadyExists, Busy, DeadlineExceeded, SidecarError, Unavailable, not_running
 from .placement import rank
 from .pool_batch import submit_pooled_batch
 from .pool_member import PoolMember
@@ -84,6 +84,7 @@ class SidecarPool:
         self._lock = threading.Lock()  # members, counters
         self._members: dict[str, PoolMember] = {}
         self._home: weakref.WeakKeyDictionary[Stream, PoolMember] = weakref.WeakKeyDictionary()
+        self._by_id: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
         self._choices = itertools.count(1)
         self._stop = threading.Event()
         self._next_resolve_s = 0.0
@@ -162,6 +163,11 @@ class SidecarPool:
         future: Future[Stream] = Future()
         tried: set[str] = set()
         last_error: list[SidecarError] = []
+        live = self._by_id.get(stream_id)
+        if live is not None and not live.closed and not live.lost:  # as one client refuses it (docs/client.md)
+            set_exception(future, AlreadyExists(f"stream {stream_id!r} is already open in this pool (finish, abort "
+                                                "or drop that Stream first)"))
+            return future
 
         def attempt() -> None:
             with self._lock:
@@ -191,6 +197,7 @@ class SidecarPool:
                 with self._lock:
                     member.streams.add(stream)
                     self._home[stream] = member
+                    self._by_id[stream_id] = stream
                 set_result(future, stream)
                 return
             retry = isinstance(error, (Busy, Unavailable)) and not isinstance(error, DeadlineExceeded)

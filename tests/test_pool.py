@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from code2wav.client import Busy, SidecarPool, StreamLost
+from code2wav.client import AlreadyExists, Busy, SidecarPool, StreamLost
 from code2wav.client._liveness import DEAD_AFTER_INTERVALS
 from conftest import TINY
 from code2wav.loadgen.spawn import SpawnedSidecar, spawn_sidecar
@@ -260,6 +260,8 @@ def test_busy_from_one_sidecar_is_tried_on_the_next_before_the_caller_sees_it(tm
         assert 'code="busy"' in small.scrape()
         with pytest.raises(Busy):
             pool.open_stream("one-too-many")  # both full: now the caller sees it
+        with pytest.raises(AlreadyExists):
+            pool.open_stream("s0")  # live in this pool, on whichever sidecar: refused as one client refuses it
         assert len(filled) == 2
     finally:
         pool.close()
