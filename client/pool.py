@@ -38,27 +38,13 @@ from .discovery import PoolAddress, Resolver, parse_pool_address, system_resolve
 from .errors import AlreadyExists, Busy, DeadlineExceeded, SidecarError, Unavailable, not_running
 from .placement import rank
 from .pool_batch import submit_pooled_batch
-from .pool_member import PoolMember
+from .pool_member import PoolMember, caller_gpu_uuid
 from .sender import WAIT_GRACE_S, set_exception, set_result
 from .stream import Stream
 
 __all__ = ["SidecarPool"]
 
 log = logging.getLogger("code2wav.client")
-
-
-def _caller_gpu_uuid(device: torch.device | int | None) -> str | None:
-    """The caller's GPU (CUDA IPC goes to a sidecar on it): ``device``, else the current CUDA device when this
-    process already uses CUDA; None on a CPU-only caller (never initialises CUDA itself)."""
-    if device is None:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return None
-        device = torch.cuda.current_device()
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type != "cuda":
-        return None
-    from .cuda_ipc.channel import gpu_uuid
-    return gpu_uuid(device)
 
 
 class SidecarPool:
@@ -78,7 +64,7 @@ class SidecarPool:
         self.refresh_s = float(refresh_s)
         self.resolve_interval_s = float(resolve_interval_s)
         self._resolver = resolver or system_resolver
-        self._gpu_uuid = _caller_gpu_uuid(device)
+        self._gpu_uuid = caller_gpu_uuid(device)
         self._options = dict(client_options, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                              streams_lost_when_dead=True)
         self._lock = threading.Lock()  # members, counters

@@ -13,18 +13,34 @@ import time
 import weakref
 from typing import Callable
 
+import torch
+
 from .client import SidecarClient
 from .errors import SidecarError
 from .placement import Candidate
 from .stream import Stream
 from .wire_tensors import host_id
 
-__all__ = ["PoolMember"]
+__all__ = ["PoolMember", "caller_gpu_uuid"]
 
 log = logging.getLogger("code2wav.client")
 
 RECONNECT_S = 1.0
 """Pause between attempts to connect a sidecar that did not answer."""
+
+
+def caller_gpu_uuid(device: torch.device | int | None) -> str | None:
+    """The caller's GPU (CUDA IPC goes to a sidecar on it): ``device``, else the current CUDA device when this
+    process already uses CUDA; None on a CPU-only caller (never initialises CUDA itself)."""
+    if device is None:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        device = torch.cuda.current_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        return None
+    from .cuda_ipc.channel import gpu_uuid
+    return gpu_uuid(device)
 
 
 class PoolMember:
