@@ -8,9 +8,15 @@
         s = c.open_stream("req-1", mode="window", left_context_frames=25)
         wav = s.decode(codes)            # float32 [(n - context_frames) * U]; CUDA codes: CUDA audio (CUDA IPC)
         wav = await asyncio.wrap_future(s.submit(codes))   # from asyncio
+
+    from code2wav.client import SidecarPool   # several sidecars: a list, or a DNS name (a headless Service)
+    with SidecarPool("dns://code2wav-sidecar.tts.svc.cluster.local:5555") as pool:
+        s = pool.open_stream("req-1")    # on the least loaded sidecar (its own GPU's first); it stays there
 """
 
 from .client import DEFAULT_ADDRESS, BatchItem, SidecarClient
+from .discovery import Resolver
+from .pool import SidecarPool
 from .errors import (
     AlreadyExists,
     Busy,
@@ -31,6 +37,8 @@ from .wire_tensors import CodesLike, InlineTransport, TensorTransport
 
 __all__ = [
     "SidecarClient",
+    "SidecarPool",
+    "Resolver",
     "Stream",
     "DEFAULT_ADDRESS",
     "BatchItem",

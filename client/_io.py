@@ -60,8 +60,10 @@ class Connection(Liveness):
     """Owns the DEALER socket and the I/O thread. Thread-safe entry points: ``submit``, ``close``."""
 
     def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any],
-                 curve_server_key: bytes | str | None = None, curve_client_keys: tuple | None = None) -> None:
+                 curve_server_key: bytes | str | None = None, curve_client_keys: tuple | None = None,
+                 dead_loses_streams: bool = False) -> None:
         self.address = address
+        self.dead_loses_streams = dead_loses_streams  # (see _liveness)
         self.client_id = client_id
         self._capabilities = dict(capabilities)
         self._ids = itertools.count(1)
@@ -98,22 +100,6 @@ class Connection(Liveness):
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
-
-    @property
-    def welcome(self) -> Welcome | None:
-        return self._state.welcome
-
-    @property
-    def generation(self) -> int:
-        return self._state.generation
-
-    @property
-    def session(self) -> int:
-        return self._state.session
-
-    @property
-    def boot_epoch(self) -> str | None:
-        return self._state.boot_epoch
 
     @property
     def on_io_thread(self) -> bool:
@@ -314,6 +300,8 @@ class Connection(Liveness):
             return
         if isinstance(msg, Pong):
             self._observe_epoch(msg.boot_epoch, via_welcome=False)
+            if msg.load is not None:
+                self._state.load = msg.load
         if isinstance(msg, Error) and msg.request_id in self._state.recent_ping_ids:
             # A server that refuses our ping does not know this connection: it restarted, or it dropped our
             # session (silent past its client_silence_s, or its TTL), and our streams with it. Say hello

@@ -5,8 +5,9 @@ means the server restarted and every stream opened before is lost), and whether 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 
 ``Liveness`` is mixed into ``Connection`` and runs with its ``_io_lock`` held; it relies on the connection's
-``_state``, ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and
-``_fail_calls``.
+``_state``, ``dead_loses_streams`` (a pool member's policy: a server silent for ``DEAD_AFTER_INTERVALS`` loses its
+streams at once, ``StreamLost``, instead of keeping them for a reconnect), ``address``, ``_sock``,
+``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and ``_fail_calls``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from code2wav.proto import Ping, Welcome, encode
+from code2wav.proto import Load, Ping, Welcome, encode
 
 from ._call import Call, Outcome
 from .errors import SidecarError, StreamLost, Unavailable, VersionMismatch
@@ -34,6 +35,7 @@ DEAD_AFTER_INTERVALS = 3.0
 @dataclass
 class LinkState:
     welcome: Welcome | None = None
+    load: Load | None = None  # the latest pong's or welcome's
     boot_epoch: str | None = None
     generation: int = 0
     dead_reason: str | None = None
@@ -59,9 +61,36 @@ def _went_to_old_server(call: Call, old_generation: int, sent_before: int | None
 
 
 class Liveness:
+    @property
+    def welcome(self) -> Welcome | None:
+        return self._state.welcome
+
+    @property
+    def load(self) -> Load | None:
+        """The server's latest reported load (a ``pong``'s or the ``welcome``'s; None from a server without it)."""
+        return self._state.load
+
+    @property
+    def dead(self) -> bool:
+        """The server stopped answering heartbeats (until it answers again), or speaks another version."""
+        return self._state.dead_reason is not None or self._state.broken is not None
+
+    @property
+    def generation(self) -> int:
+        return self._state.generation
+
+    @property
+    def session(self) -> int:
+        return self._state.session
+
+    @property
+    def boot_epoch(self) -> str | None:
+        return self._state.boot_epoch
+
     def _adopt_welcome(self, welcome: Welcome) -> None:
         state = self._state
         state.welcome = welcome
+        state.load = welcome.load
         state.session += 1
         generation = state.generation
         self._observe_epoch(welcome.boot_epoch, via_welcome=True)
@@ -134,6 +163,11 @@ class Liveness:
                 f"(heartbeat interval {interval_s}s); is `code2wav-sidecar serve` still running?"
             )
             log.warning("%s", state.dead_reason)
+            if self.dead_loses_streams:  # a pool's member: its streams end now, typed, and go nowhere else
+                old_generation = state.generation
+                state.generation += 1
+                self._fail_all(StreamLost(f"{state.dead_reason}: its streams are given up (StreamLost)"),
+                               include_internal=False, generation=old_generation)
             self._fail_all(Unavailable(state.dead_reason), include_internal=False)
         if silent_s >= interval_s and now - state.last_ping_tx >= interval_s:
             state.last_ping_tx = now

@@ -31,6 +31,7 @@ from code2wav.proto import (
     DEFAULT_LEFT_CONTEXT_FRAMES,
     STREAM_MODES,
     Limits,
+    Load,
     ModelInfo,
     Opened,
     OpenStream,
@@ -74,6 +75,7 @@ class SidecarClient:
         cuda_ipc: bool = True,
         ipc_codes_nbytes: int = 4 << 20,
         ipc_audio_nbytes: int = 64 << 20,
+        streams_lost_when_dead: bool = False,
     ) -> None:
         """``address``: default ``code2wav.proto.address.default_address`` (the address ``serve`` binds by default).
 
@@ -85,6 +87,10 @@ class SidecarClient:
         ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
         are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
         ``ipc_audio_nbytes`` for audio views alive at once; 64 MiB holds about 350 s of 24 kHz audio).
+
+        ``streams_lost_when_dead``: a sidecar that stops answering heartbeats loses this client's streams at once
+        (they fail with ``StreamLost``), as a ``SidecarPool`` wants of its members; by default they wait for it
+        to answer again (its streams survive a reconnect to the same server).
 
         Refused at once, before any wait: an address of another form than ``ipc://PATH`` or ``tcp://HOST:PORT``
         (``InvalidArgument``, saying which forms), an ``ipc://`` socket file that does not exist
@@ -102,7 +108,8 @@ class SidecarClient:
         routing_id = b"c2w-" + uuid.uuid4().bytes
         curve_key = None if curve_server_key is None else server_public_key(curve_server_key)
         client_keys = zmq.auth.load_certificate(curve_client_key_file) if curve_client_key_file else None
-        self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key, client_keys)
+        self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key, client_keys,
+                                streams_lost_when_dead)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
         self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits)
         # this client's Stream objects by id (the I/O thread's): the server answers a repeated open of a stream
@@ -150,6 +157,16 @@ class SidecarClient:
     @property
     def boot_epoch(self) -> str:
         return self.server_info.boot_epoch
+
+    @property
+    def load(self) -> Load | None:
+        """The sidecar's load as its latest ``pong`` or ``welcome`` reported it (None: it does not report one)."""
+        return self._conn.load
+
+    @property
+    def answering(self) -> bool:
+        """False while the sidecar does not answer heartbeats (or speaks another protocol version)."""
+        return not self._conn.dead
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -234,6 +251,10 @@ class SidecarClient:
 
     def ping(self, *, timeout_s: float | None = None) -> float:
         """Round trip to the server; returns seconds."""
+        return self._sender.wait(self.submit_ping(timeout_s=timeout_s), timeout_s)
+
+    def submit_ping(self, *, timeout_s: float | None = None) -> Future[float]:
+        """Non-blocking ``ping``: the future gives the round trip in seconds; ``load`` is the pong's by then."""
         request_id = self._conn.next_request_id()
         future: Future[float] = Future()
         start = time.perf_counter()
@@ -244,7 +265,7 @@ class SidecarClient:
             return time.perf_counter() - start
 
         self._sender.call(encode(Ping(request_id)), request_id, timeout_s, on_reply, future)
-        return self._sender.wait(future, timeout_s)
+        return future
 
     # ------------------------------------------------------------------ decode
 

@@ -7,12 +7,12 @@ runner imports), ``code2wav.proto`` (the wire protocol), ``code2wav.loadgen`` (d
 (``_version.py``).
 """
 
-from pkgutil import extend_path
+from pkgutil import extend_path as _extend_path
 
 from ._version import __version__
 
 # A checkout's own code2wav/ (on sys.path first when a command runs from the repo root) holds only the version: the
 # subpackages are found in every other code2wav/ on the path too (the installed one), as in a namespace package.
-__path__ = extend_path(__path__, __name__)
+__path__ = _extend_path(__path__, __name__)
 
 __all__ = ["__version__"]

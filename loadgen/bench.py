@@ -19,7 +19,7 @@ from .drive import MIN_STREAMS
 from .phases import BaselinesPhase, Phase, Progress, SidecarPhase, run_phases
 from .report import BenchReport, PlotUnavailable, check_plot_available, load, plot, print_table
 
-from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, address_arg, device_arg, float_above,
+from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, device_arg, float_above,
                                          input_file, int_at_least, int_list, output_file)
 from code2wav.sidecar.cli_help import DTYPE_CHOICES, DefaultsHelpFormatter, command_epilog
 
@@ -41,6 +41,20 @@ DEVICE_DEFAULTS = {"concurrency": ("1,8,64", "1,4"), "frames": (101, 26), "min_s
                    "baseline_iters": (20, 2), "baseline_warmup": (3, 1)}
 
 
+def pool_address_arg(text: str) -> str:
+    """argparse type: one sidecar's address, several comma-separated, or ``dns://NAME:PORT`` (a pool)."""
+    from code2wav.client.discovery import parse_pool_address
+    from code2wav.client.errors import InvalidArgument
+
+    if text == "default":
+        return text
+    try:
+        parse_pool_address(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def url_arg(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"{text!r}: give an http:// URL, e.g. http://127.0.0.1:9464/metrics")
@@ -57,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                       epilog=command_epilog(*EXAMPLES) + "\n\n" + help_text(), formatter_class=DefaultsHelpFormatter)
     p.add_argument("--scenario", metavar="NAME[,NAME]",
                    help="run these named flag sets in turn (listed below); other flags given here override theirs")
-    p.add_argument("--address", type=address_arg, help="benchmark a running sidecar instead of spawning one")
+    p.add_argument("--address", type=pool_address_arg, help="benchmark a running sidecar instead of spawning one; "
+                   "several (comma-separated, or dns://NAME:PORT): a pool, with per-sidecar figures")
     add_server_key_option(p)
     p.add_argument("--metrics-url", type=url_arg, help="with --address: its /metrics URL (batch size, graph hit "
                    "rate)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from code2wav.client import SidecarClient
+from code2wav.client import SidecarClient, SidecarPool
 from code2wav.client.errors import Busy, SidecarError
 
 from .inputs import InputContract, synthetic_inputs
@@ -50,6 +50,16 @@ class LevelResult:
     streams: int = 0  # streams opened and run (closed loop: slots x rounds)
     ipc_chunks: int = 0  # chunks the clients sent by CUDA IPC (the others went inline)
     refused_samples: list[str] = field(default_factory=list)
+    by_sidecar: dict[str, LevelResult] | None = None  # a pool's: the streams of each sidecar (None: one sidecar)
+
+    def part(self, stream) -> LevelResult | None:
+        """The per-sidecar result ``stream``'s figures also go to (a pool's level), else None."""
+        if self.by_sidecar is None:
+            return None
+        address = stream.sender.address  # the sidecar that opened it: a stream stays there
+        if address not in self.by_sidecar:
+            self.by_sidecar[address] = LevelResult(self.concurrency, self.mode, self.arrival, 0, 0, 0.0, 0.0)
+        return self.by_sidecar[address]
 
     def record_error(self, exc: SidecarError) -> None:
         if isinstance(exc, Busy):
@@ -141,6 +151,7 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
         await asyncio.sleep(start_at_s - now)
     t_start = time.perf_counter()
     frames_done = 0
+    part = result.part(stream)
     for i, n in enumerate(sizes):
         t0 = time.perf_counter()
         if arrival == "realtime":
@@ -156,14 +167,18 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
                 submitted = stream.submit(codes[:, frames_done:frames_done + n], final=(i == len(sizes) - 1))
             wav = await asyncio.wrap_future(submitted)
         except SidecarError as exc:  # busy mid-stream (queue full) counts as refused at this load
-            result.record_error(exc)
+            for target in (result, part):
+                if target is not None:
+                    target.record_error(exc)
             return
         if wav.is_cuda:
             await _audio_ready(cuda_stream, spin)
         latency_ms = (time.perf_counter() - t0) * 1e3
-        (result.first_chunk_latency_ms if i == 0 else result.chunk_latency_ms).append(latency_ms)
-        result.chunks += 1
-        result.audio_s += wav.numel() / sample_rate_hz
+        for target in (result, part):
+            if target is not None:
+                (target.first_chunk_latency_ms if i == 0 else target.chunk_latency_ms).append(latency_ms)
+                target.chunks += 1
+                target.audio_s += wav.numel() / sample_rate_hz
         frames_done += n
 
 
@@ -178,11 +193,13 @@ async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode
             if stream is None:
                 return
         result.streams += 1
+        if (part := result.part(stream)) is not None:
+            part.streams += 1
         await _one_stream(stream, mode, codes, sizes, arrival, start_at_s, sample_rate_hz, result, frame_s, spin,
                           cuda_stream)
 
 
-async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, num_frames: int,
+async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrency: int, mode: str, num_frames: int,
                     first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
                     tag: str, min_streams: int = MIN_STREAMS,
                     input_device: torch.device | None = None) -> LevelResult:
@@ -194,7 +211,7 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
     info = clients[0].models[0]
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
-                         audio_s=0.0)
+                         audio_s=0.0, by_sidecar={} if isinstance(clients[0], SidecarPool) else None)
     # every stream of the level is opened first, so the streams the server refuses (busy: no arena slot) are
     # those over its capacity at this load, whatever the timing of the others
     streams = await asyncio.gather(*(_open(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, result)
@@ -231,6 +248,8 @@ async def run_level(clients: list[SidecarClient], concurrency: int, mode: str, n
                            cuda_stream=cuda_streams[i]))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
+    for part in (result.by_sidecar or {}).values():
+        part.wall_s = result.wall_s  # each sidecar's share of the same interval
     result.ipc_chunks = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients) - ipc_before
     after = _scrape(metrics_url)
     if before is not None and after is not None:
@@ -292,4 +311,14 @@ def summarize(result: LevelResult) -> dict:
         "server_mean_ms": {k: round(v, 3) for k, v in result.server_ms.items()},
         "wall_s": round(result.wall_s, 2),
         "mean_chunk_latency_ms": _round(statistics.fmean(lat), 2) if lat else None,
+        **({"sidecars": {address: _sidecar_row(part) for address, part in sorted(result.by_sidecar.items())}}
+           if result.by_sidecar is not None else {}),
     }
+
+
+def _sidecar_row(part: LevelResult) -> dict:
+    """One sidecar's figures within a pool's level (the streams placed there)."""
+    row = summarize(part)
+    keep = ("streams", "chunks", "errors", "refused_streams", "chunk_latency_ms_p50", "chunk_latency_ms_p99",
+            "first_chunk_latency_ms_p50", "audio_s_per_s")
+    return {key: row[key] for key in keep}

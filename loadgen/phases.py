@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from code2wav.client import SidecarClient
+from code2wav.client import SidecarClient, SidecarPool
+from code2wav.client.discovery import parse_pool_address
 
 from .drive import realtime_level_s, run_level, significant, summarize
 from .report import BenchReport
@@ -199,7 +200,7 @@ class SidecarPhase(Phase):
         self.args, self.device = args, device
         self.levels = [int(x) for x in args.concurrency.split(",") if x]
         self.spawned: SpawnedSidecar | None = None
-        self.clients: list[SidecarClient] = []
+        self.clients: list[SidecarClient] | list[SidecarPool] = []
         self.metrics_url = args.metrics_url
         self.runner = None  # asyncio.Runner: one event loop for every level (Ctrl-C cancels its task)
         self.input_device = device if args.inputs_on == "device" else None  # inputs by CUDA IPC (main checked)
@@ -220,7 +221,11 @@ class SidecarPhase(Phase):
                                          *a.serve_arg)
             address, self.metrics_url = self.spawned.address, self.spawned.metrics_url
             print(self.spawned.banner(), flush=True)
-        self.clients = [SidecarClient(address, timeout_s=120, curve_server_key=a.server_key)
+        # several sidecars (a comma-separated list, or dns://NAME:PORT): each connection is a pool over them all,
+        # and every level also reports each sidecar's figures ("sidecars" in its row)
+        pooled = len(parse_pool_address(address).addresses) != 1
+        connect = SidecarPool if pooled else SidecarClient
+        self.clients = [connect(address, timeout_s=120, curve_server_key=a.server_key)
                         for _ in range(max(1, a.clients))]
         if hasattr(asyncio, "Runner"):  # Python 3.11+; 3.10 runs each level in its own asyncio.run
             self.runner = asyncio.Runner()

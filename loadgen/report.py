@@ -138,6 +138,10 @@ def print_table(report: BenchReport) -> None:
               f"{_fmt(x_p50, '6.2f')} {_fmt(r['mean_batch_size'], '6.1f')} {_fmt(r['graph_hit_rate'], '6.2f')} "
               f"{r.get('refused_streams', 0):>7} {r['errors']:>4} "
               f"{_fmt(_ceiling_pct(r['audio_s_per_s'], compute), '6.2f')}")
+        for address, part in (r.get("sidecars") or {}).items():  # a pool's level: each sidecar's share
+            print(f"{'':>5}   {part['streams']:>5} streams {_fmt(part['chunk_latency_ms_p50'], '8.2f')} "
+                  f"{_fmt(part['chunk_latency_ms_p99'], '8.2f')} p50/p99_ms {part['audio_s_per_s']:>10.4g} audio-s/s "
+                  f"{part['refused_streams']:>3} refused {part['errors']:>3} err  {address}")
     if any(r.get("server_mean_ms") for r in rows):
         print("\nserver-side means from /metrics (ms): arrival->reply, engine step, wait for batch")
         nan = float("nan")

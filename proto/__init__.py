@@ -20,6 +20,7 @@ from .ipc import (
     UnregisterRegion,
 )
 from .limits import DEFAULT_LIMITS, Limits, MiB, exceeded_limit
+from .load import LOAD_VERSION, Load
 from .messages import (
     CLIENT_MESSAGES,
     DEFAULT_LEFT_CONTEXT_FRAMES,
@@ -106,6 +107,8 @@ __all__ = [
     "Finished",
     "Aborted",
     "Pong",
+    "Load",
+    "LOAD_VERSION",
     "Error",
     "IPC_HANDLE_NBYTES",
     "MAX_REGION_EVENTS",

@@ -15,6 +15,7 @@ from ._check import invalid
 from .constants import MAX_REGION_EVENTS
 from .declare import message, record, rule, wire
 from .errors import ErrorCode, ProtocolError
+from .load import Load
 from .server_welcome import ModelInfo, StreamOptionInfo, Welcome
 from .tensors import CudaIpcLoc, InlineLoc, TensorDesc, TensorField, inline_view
 from .wire_containers import ArrayOf, Nullable
@@ -139,6 +140,9 @@ class Pong:
 
     request_id: int = wire(UINT64, doc=_REPLY)
     boot_epoch: str = wire(Str(), doc="the server's (section 6): another one than the handshake's means a restart")
+    load: Load | None = wire(Nullable(Load), default=None, omit_default=True,
+                             doc="the server's load now (load map below; section 10); nil or absent from a server "
+                                 "that does not report it")
 
 
 @message("error", sender="server")

@@ -13,6 +13,7 @@ from typing import Any
 from .declare import message, record, wire
 from .dtypes import WIRE_DTYPES
 from .limits import DEFAULT_LIMITS, Limits
+from .load import Load
 from ._check import INT64_MAX
 from .wire_containers import AnyMap, ArrayOf, IntPair, Nullable
 from .wire_types import UINT64, CountOrNone, Int, PositiveFloat, Str
@@ -112,11 +113,14 @@ class Welcome:
     capabilities: dict[str, Any] = wire(
         AnyMap(), default_factory=dict,
         doc="`cuda_ipc`: bool; with it, `gpu_uuid` (str) and `host_id` (str: the server's boot id; CUDA IPC needs "
-            "the same host)")
+            "the same host); `load`: int, the version of the load map it sends (section 10)")
     session_secret: str | None = wire(
         Nullable(Str()), default=None, omit_default=True,
         doc="random per session: binds the session to this client; a later `hello` on this routing id presents it "
             "(section 1)")
+    load: Load | None = wire(Nullable(Load), default=None, omit_default=True,
+                             doc="the server's load when it answered (load map, section 10); nil or absent from a "
+                                 "server that does not report it")
 
     def model(self, name: str | None) -> ModelInfo | None:
         """The model called ``name`` (the default model for ``None``), if served."""

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 from ._check import INT64_MAX, UINT64_MAX, check_int, check_str, invalid, type_name
 from .errors import ErrorCode, ProtocolError
 
-__all__ = ["WireType", "Int", "CountOrNone", "UINT64", "Version", "Str", "Bool", "PositiveFloat", "Choice",
-           "ErrorCodeField", "UnknownErrorCode", "field_name", "bound_doc"]
+__all__ = ["WireType", "Int", "CountOrNone", "UINT64", "Version", "Str", "Bool", "PositiveFloat", "NonNegativeFloat",
+           "Choice", "ErrorCodeField", "UnknownErrorCode", "field_name", "bound_doc"]
 
 Parse = Callable[[Any, str, str, Any, Sequence[Any]], Any]
 
@@ -156,6 +156,24 @@ class PositiveFloat(WireType):
             number = float(value)
             if not math.isfinite(number) or number <= 0.0:
                 invalid(f"{name} must be a finite number > 0, got {value!r}")
+            return number
+        self.parse = parse
+
+
+class NonNegativeFloat(WireType):
+    """A finite number >= 0 (an integer is read as a float); always sent as a float."""
+
+    type_doc, limits_doc = "float", "finite, >= 0"
+    encode = float
+
+    def __init__(self) -> None:
+        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> float:
+            name = field_name(path, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                invalid(f"{name} must be a number, got {type_name(value)}")
+            number = float(value)
+            if not math.isfinite(number) or number < 0.0:
+                invalid(f"{name} must be a finite number >= 0, got {value!r}")
             return number
         self.parse = parse
 

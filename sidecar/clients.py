@@ -54,6 +54,7 @@ class ClientDirectory:
         self.sessions: dict[bytes, ClientSession] = {}
         self.owners = SessionOwners(metrics)
         self.connlog = ConnLog(log)  # connect/disconnect lines, rate-limited
+        self.load_now: Callable[[], proto.Load | None] = lambda: None  # the server's load, for the welcome
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -92,7 +93,8 @@ class ClientDirectory:
         self.out.send(identity, proto.Welcome(
             request_id=msg.request_id, version=proto.PROTOCOL_VERSION, server_id=self.server_id,
             boot_epoch=self.boot_epoch, models=terms.models, default_model=terms.default_model, limits=terms.limits,
-            heartbeat_interval_s=terms.heartbeat_interval_s, capabilities=terms.capabilities, session_secret=secret))
+            heartbeat_interval_s=terms.heartbeat_interval_s, capabilities=terms.capabilities, session_secret=secret,
+            load=self.load_now()))
 
     def remove(self, identity: bytes, reason: str, num_streams: int) -> ClientSession | None:
         """Forget ``identity``'s session (bye, re-handshake, silence); logged (rate-limited) with its stream count."""

@@ -34,6 +34,9 @@ from .welcome import model_entry
 
 log = logging.getLogger(__name__)
 
+STEP_AVERAGE_WEIGHT = 0.2
+"""Weight of the newest step in ``Load.step_s`` (an exponential average: about the last five steps)."""
+
 Handler = Callable[[bytes, Any, list], None]
 """``(identity, message, frames)``: what a message of a session's client does (its owner checked already)."""
 
@@ -53,15 +56,18 @@ class Sessions:
         self.clients: ClientDirectory | None = None  # (set below; regions look sessions up through it)
         self.regions = RegionService(ipc_device, host_id, metrics, self.out.send, self.out.error, ipc_off_reason,
                                      session_of=lambda identity: self.clients.get(identity))
+        capabilities = {**self.regions.capabilities(), "load": proto.LOAD_VERSION}
         terms = WelcomeTerms(models=(model_entry(model),), default_model=model.name, limits=self.limits,
-                             heartbeat_interval_s=cfg.heartbeat_interval_s, capabilities=self.regions.capabilities())
+                             heartbeat_interval_s=cfg.heartbeat_interval_s, capabilities=capabilities)
         self.clients = ClientDirectory(terms, self.out, metrics, clock)
+        self.clients.load_now = self.load
+        self.recent_step_s = 0.0  # Load.step_s: an exponential average of the engine steps' durations
         self.streams = StreamTable(model, arena, scheduler, self.out, metrics, self.regions.release, clock)
         self.chunks = ChunkFlow(model, self.streams, scheduler, self.regions, self.out, metrics,
                                 lim.max_pending_chunks_per_client, clock)
         self.handlers: dict[type, Handler] = {
             proto.Ping: lambda identity, msg, frames: self.out.send(
-                identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.clients.boot_epoch)),
+                identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.clients.boot_epoch, load=self.load())),
             proto.OpenStream: self._open,
             proto.Decode: self.chunks.decode,  # (identity, msg, frames): called as it is, on the hot path
             proto.Finish: lambda identity, msg, frames: self.streams.finish(identity, msg),
@@ -74,6 +80,18 @@ class Sessions:
     @property
     def draining(self) -> bool:
         return self.chunks.draining
+
+    def load(self) -> proto.Load:
+        """The load a ``pong`` and a ``welcome`` report (``proto.Load``): what a client pool places streams by."""
+        streams, arena = self.streams, self.streams.arena
+        return proto.Load(open_streams=len(streams.streams), free_slots=arena.num_slots - arena.num_used,
+                          queued_chunks=sum(streams.pending_by_client.values()), step_s=self.recent_step_s,
+                          draining=self.draining)
+
+    def note_step(self, seconds: float) -> None:
+        """An engine step took ``seconds``: folded into ``Load.step_s``."""
+        previous = self.recent_step_s
+        self.recent_step_s = seconds if previous == 0.0 else previous + STEP_AVERAGE_WEIGHT * (seconds - previous)
 
     def drain(self) -> None:
         """The server is stopping: new streams and chunks are refused; queued ones run now, without waiting for

@@ -129,7 +129,9 @@ class Stepper:
                 # forms in the queue until the device is done
                 io.flush()
                 await self.device_done()
-            series.step_seconds.observe(time.monotonic() - now)
+            step_s = time.monotonic() - now
+            series.step_seconds.observe(step_s)
+            self.sessions.note_step(step_s)
         finally:
             self.busy = False
         self.metrics.queue_depth.set(len(self.scheduler))  # counted after the launch: off the latency path

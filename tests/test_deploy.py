@@ -202,8 +202,9 @@ def _k8s_docs() -> list[tuple[Path, dict]]:
 
 
 def _deployment() -> dict:
-    found = [d for _, d in _k8s_docs() if d.get("kind") == "Deployment"]
-    assert len(found) == 1, "expected one Deployment in deploy/k8s"
+    """The Deployment of ``deploy/k8s/deployment.yaml`` (vLLM with its own sidecar; ``k8s/pool/`` has the pool's)."""
+    found = [d for path, d in _k8s_docs() if d.get("kind") == "Deployment" and path == K8S / "deployment.yaml"]
+    assert len(found) == 1, "expected one Deployment in deploy/k8s/deployment.yaml"
     return found[0]
 
 

@@ -76,14 +76,15 @@ class OpenStreamWithPriority(OpenStream):
 
 
 @message("pong", sender="server")
-class PongWithLoad(Pong):
+class PongWithUptime(Pong):
     """A newer server's ``pong``: one optional field more."""
 
-    load: float | None = wire(Nullable(PositiveFloat()), default=None, omit_default=True, doc="the server's load")
+    uptime_s: float | None = wire(Nullable(PositiveFloat()), default=None, omit_default=True,
+                                  doc="seconds since the server started")
 
 
 NEW_SERVER = parsers([OpenStreamWithPriority])
-NEW_CLIENT = parsers([PongWithLoad])
+NEW_CLIENT = parsers([PongWithUptime])
 
 
 def test_a_new_client_field_left_at_its_default_is_not_on_the_wire() -> None:
@@ -106,13 +107,13 @@ def test_a_new_server_reads_the_field_or_its_default() -> None:
 
 
 def test_a_new_server_field_is_ignored_by_old_clients_and_read_by_new_ones() -> None:
-    assert encode(PongWithLoad(1, "e")) == encode(Pong(1, "e"))
-    loaded = PongWithLoad(2, "e", load=0.75)
+    assert encode(PongWithUptime(1, "e")) == encode(Pong(1, "e"))
+    loaded = PongWithUptime(2, "e", uptime_s=0.75)
     assert decode_server_message(encode(loaded)) == Pong(2, "e")  # old client: lenient
     assert decode_message(encode(loaded), NEW_CLIENT) == loaded
-    assert decode_message(encode(Pong(3, "e")), NEW_CLIENT).load is None  # an old server's pong
-    with pytest.raises(ProtocolError, match="pong.load must be a number, got str"):  # known fields are checked
-        decode_message([msgpack.packb({"type": "pong", "request_id": 4, "boot_epoch": "e", "load": "high"})],
+    assert decode_message(encode(Pong(3, "e")), NEW_CLIENT).uptime_s is None  # an old server's pong
+    with pytest.raises(ProtocolError, match="pong.uptime_s must be a number, got str"):  # known fields are checked
+        decode_message([msgpack.packb({"type": "pong", "request_id": 4, "boot_epoch": "e", "uptime_s": "high"})],
                        NEW_CLIENT)
 
 

@@ -58,7 +58,10 @@ def test_a_session_starts_with_hello_and_a_stream_takes_chunks_in_seq_order(sess
     (welcome,) = _send(sessions, proto.Hello(request_id=2, version=proto.PROTOCOL_VERSION, client_id="a"))
     assert welcome.models[0].samples_per_frame == tiny.samples_per_frame and welcome.session_secret
     (pong,) = _send(sessions, proto.Ping(request_id=3))
-    assert pong == proto.Pong(request_id=3, boot_epoch=welcome.boot_epoch)
+    idle = proto.Load(open_streams=0, free_slots=sessions.streams.arena.num_slots, queued_chunks=0, step_s=0.0,
+                      draining=False)
+    assert pong == proto.Pong(request_id=3, boot_epoch=welcome.boot_epoch, load=idle)
+    assert welcome.load == idle and welcome.capabilities["load"] == proto.LOAD_VERSION
     (opened,) = _send(sessions, proto.OpenStream(request_id=4, stream_id="s"))
     assert (opened.mode, opened.samples_per_frame) == ("exact", tiny.samples_per_frame)
     codes = torch.zeros((tiny.num_channels, 3), dtype=torch.long)
@@ -99,3 +102,21 @@ def test_bye_frees_the_clients_streams_and_their_slots(sessions, tiny):
     assert sessions.streams.arena.num_used == 2
     assert _send(sessions, proto.Bye(request_id=6)) == []
     assert len(sessions.streams) == 0 and sessions.streams.arena.num_used == 0 and len(sessions.clients) == 0
+
+
+def test_pong_reports_the_load_the_server_has(sessions, tiny):
+    """``pong.load`` counts what is there: streams (window ones too), free slots, queued chunks, draining."""
+    _send(sessions, proto.Hello(request_id=1, version=proto.PROTOCOL_VERSION, client_id="a"))
+    _send(sessions, proto.OpenStream(request_id=2, stream_id="s"))
+    _send(sessions, proto.OpenStream(request_id=3, stream_id="w", mode="window", left_context_frames=25))
+    codes = torch.zeros((tiny.num_channels, 3), dtype=torch.long)
+    assert _send(sessions, *_decode("s", 0, codes)) == []  # queued
+    (pong,) = _send(sessions, proto.Ping(request_id=4))
+    assert pong.load == proto.Load(open_streams=2, free_slots=1, queued_chunks=1, step_s=0.0, draining=False)
+    sessions.note_step(0.010)
+    sessions.note_step(0.020)
+    sessions.drain()
+    (pong,) = _send(sessions, proto.Ping(request_id=5))
+    assert pong.load.step_s == pytest.approx(0.012) and pong.load.draining  # 0.010 + 0.2 * (0.020 - 0.010)
+    (error,) = _send(sessions, proto.OpenStream(request_id=6, stream_id="t"))
+    assert error.code == ErrorCode.UNAVAILABLE  # what draining: true announces

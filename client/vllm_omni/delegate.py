@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..client import SidecarClient
+from ..pool import SidecarPool
 from ..errors import DeadlineExceeded, SidecarError, Unavailable
 from ..stream import Stream
 from .settings import DelegateSettings
@@ -85,15 +85,15 @@ class _Planned:
 
 
 class Code2WavDelegate:
-    """Per-process state of the delegate stage: one ``SidecarClient`` and the open streams of its requests."""
+    """Per-process state of the delegate stage: one ``SidecarPool`` (one sidecar, several, or a DNS name's; each
+    request's stream stays on the sidecar that opened it) and the open streams of its requests."""
 
     def __init__(self, settings: DelegateSettings, *, client_id: str | None = None,
-                 client_factory: Callable[..., SidecarClient] = SidecarClient) -> None:
+                 client_factory: Callable[..., SidecarPool] = SidecarPool) -> None:
         self.settings = settings
         try:
             with torch.device("cpu"):  # the client makes CPU tensors, whatever default device vLLM set
-                self.client = client_factory(settings.address, timeout_s=settings.timeout_s,
-                                             connect_timeout_s=settings.connect_timeout_s, client_id=client_id)
+                self.client = client_factory(settings.address, client_id=client_id, **settings.client_options)
         except SidecarError as exc:
             raise SidecarUnavailableError(
                 f"the vLLM-Omni Code2Wav stage cannot reach the code2wav sidecar at {settings.address}: {exc}. "

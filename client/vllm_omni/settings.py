@@ -8,7 +8,9 @@ YAML can set them per stage with ``env:``), then defaults. No vLLM import here.
 connector ``extra`` key         environment variable             meaning (default)
 =============================  ===============================  ==============================================
 ``sidecar_address``             ``CODE2WAV_SIDECAR_ADDRESS``     ZeroMQ address (the one ``serve`` binds by default:
-                                                                 ``code2wav.proto.address.default_address``)
+                                                                 ``code2wav.proto.address.default_address``);
+                                                                 several, comma-separated, or ``dns://NAME:PORT``
+                                                                 (a headless Service): a pool (``SidecarPool``)
 ``sidecar_mode``                ``CODE2WAV_SIDECAR_MODE``        ``exact`` (stateful, exact) or ``window`` (vLLM-Omni's
                                                                  stateless left-context decode)
 ``sidecar_left_context_frames``  ``CODE2WAV_SIDECAR_LEFT_CONTEXT_FRAMES``  window mode: frames of left context
@@ -20,6 +22,10 @@ connector ``extra`` key         environment variable             meaning (defaul
 ``sidecar_timeout_s``           ``CODE2WAV_SIDECAR_TIMEOUT_S``   per call (30)
 ``sidecar_connect_timeout_s``   ``CODE2WAV_SIDECAR_CONNECT_TIMEOUT_S``  start-up handshake (10)
 ``sidecar_idle_ttl_s``          ``CODE2WAV_SIDECAR_IDLE_TTL_S``  forget (and abort) streams idle this long (600)
+``sidecar_curve_server_key``     ``CODE2WAV_SIDECAR_CURVE_SERVER_KEY``  CurveZMQ: the sidecars' public key (the
+                                                                 ``server.key`` file or its Z85 text); tcp:// only
+``sidecar_curve_client_key_file``  ``CODE2WAV_SIDECAR_CURVE_CLIENT_KEY_FILE``  CurveZMQ: this runner's key pair
+                                                                 (a ``.key_secret`` file) for an allow-list
 =============================  ===============================  ==============================================
 """
 
@@ -30,6 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from code2wav.proto.address import default_address
+
+from ..discovery import parse_pool_address
+from ..errors import InvalidArgument
 
 __all__ = ["DEFAULT_SIDECAR_ADDRESS", "DelegateSettings", "connector_extra"]
 
@@ -59,13 +68,24 @@ class DelegateSettings:
     timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
     idle_ttl_s: float = 600.0
+    curve_server_key: str | None = None
+    curve_client_key_file: str | None = None
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """What the delegate's ``SidecarPool`` takes besides the address."""
+        return {"timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
+                "curve_server_key": self.curve_server_key, "curve_client_key_file": self.curve_client_key_file}
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"sidecar_mode must be one of {_MODES}, got {self.mode!r}")
-        if not self.address or "://" not in self.address:
-            raise ValueError(f"sidecar_address must be a ZeroMQ address like ipc:///path or tcp://host:port, "
-                             f"got {self.address!r}")
+        try:
+            parse_pool_address(self.address)
+        except InvalidArgument as exc:
+            raise ValueError(f"sidecar_address must be a ZeroMQ address like ipc:///path or tcp://host:port, several "
+                             f"of them comma-separated, or dns://NAME:PORT; got {self.address!r} ({exc.message})"
+                             ) from None
         if self.left_context_frames < 0 or self.window_chunk_frames <= 0:
             raise ValueError(f"sidecar_left_context_frames must be >= 0 and sidecar_window_chunk_frames > 0, got "
                              f"{self.left_context_frames} and {self.window_chunk_frames}")
@@ -105,4 +125,7 @@ class DelegateSettings:
             timeout_s=pick("sidecar_timeout_s", "CODE2WAV_SIDECAR_TIMEOUT_S", 30.0, float),
             connect_timeout_s=pick("sidecar_connect_timeout_s", "CODE2WAV_SIDECAR_CONNECT_TIMEOUT_S", 10.0, float),
             idle_ttl_s=pick("sidecar_idle_ttl_s", "CODE2WAV_SIDECAR_IDLE_TTL_S", 600.0, float),
+            curve_server_key=pick("sidecar_curve_server_key", "CODE2WAV_SIDECAR_CURVE_SERVER_KEY", None, str),
+            curve_client_key_file=pick("sidecar_curve_client_key_file", "CODE2WAV_SIDECAR_CURVE_CLIENT_KEY_FILE",
+                                       None, str),
         )

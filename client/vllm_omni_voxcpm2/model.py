@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm_omni.model_executor.models.voxcpm2.voxcpm2_talker import VoxCPM2TalkerForConditionalGeneration
 
-from ..client import SidecarClient
+from ..pool import SidecarPool
 from ..vllm_omni.settings import DelegateSettings
 from .latents import SidecarLatents
 from .mixin import SidecarVAEMixin
@@ -26,9 +26,8 @@ class VoxCPM2TalkerSidecar(SidecarVAEMixin, VoxCPM2TalkerForConditionalGeneratio
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         settings = DelegateSettings.from_sources({})
         sr_cond = os.environ.get("CODE2WAV_SIDECAR_SR_COND")
-        client = SidecarClient(settings.address, timeout_s=settings.timeout_s,
-                               connect_timeout_s=settings.connect_timeout_s,
-                               client_id=f"vllm-omni-voxcpm2:{os.getpid()}")
+        client = SidecarPool(settings.address, client_id=f"vllm-omni-voxcpm2:{os.getpid()}",
+                             **settings.client_options)
         self._sidecar = SidecarLatents(client, model=settings.model, sr_cond=int(sr_cond) if sr_cond else None)
         vae = self.tts.audio_vae
         if getattr(vae, "decoder", None) is not None:  # 45.8 M parameters the talker no longer runs
