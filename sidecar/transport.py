@@ -23,6 +23,7 @@ import zmq
 import zmq.auth
 
 from code2wav import proto
+from code2wav.proto.socket_dir import default_socket_root, ensure_private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,15 @@ def claim_ipc_path(address: str, path: Path) -> None:
 
 def prepare_ipc_path(address: str) -> Path | None:
     """Create the socket's parent directory 0700 (refuse one others can enter) and claim the socket file (refuse a
-    live one, remove a stale one); None for non-ipc addresses."""
+    live one, remove a stale one); None for non-ipc addresses. For the default address every level below its
+    trusted root is checked first (``proto.socket_dir``: ours alone, no symlink; ``UnsafeSocketDir`` otherwise)."""
     if not address.startswith("ipc://"):
         return None
     path = Path(address[len("ipc://"):])
     parent = path.parent
+    root = default_socket_root(address, os.environ, os.getuid())
+    if root is not None:  # the default address: every level below /tmp or $XDG_RUNTIME_DIR must be ours alone
+        ensure_private_dirs(root, parent, os.getuid())
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = stat.S_IMODE(parent.stat().st_mode)
     if mode & 0o077:
