@@ -183,6 +183,7 @@ class Transport:
             os.chmod(ipc_path, 0o600)
         self.bound_address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.last_user_id: str | None = None  # CURVE: the client key (ZAP user id) of the last message received
+        self.num_sent = 0  # replies handed to libzmq (the shutdown counts those of its drain)
 
     @property
     def fd(self) -> int:
@@ -211,10 +212,13 @@ class Transport:
         big = any(memoryview(f).nbytes >= ZERO_COPY_MIN_NBYTES for f in frames[2:])
         try:  # ROUTER never blocks: a reply to a vanished or saturated peer is dropped by libzmq
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=not big)
+            self.num_sent += 1
         except zmq.ZMQError as exc:
             log.warning("sending a reply failed: %s", exc)
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket. ``linger_s`` > 0: libzmq keeps sending the queued replies for up to that long, and the
+        context's ``term()`` returns once they are all sent (or the time ran out: the rest is dropped)."""
+        self.socket.close(linger=int(linger_s * 1000))
         if self.address.startswith("ipc://"):
             Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
