@@ -93,7 +93,8 @@ class SidecarClient:
         (``SidecarNotRunning``: no sidecar listens there); otherwise a handshake not answered within
         ``connect_timeout_s`` is ``SidecarNotRunning``."""
         self.address = address or default_address(os.environ, os.getuid())
-        problem = address_problem(self.address) or default_socket_problem(self.address, os.environ, os.getuid())
+        problem = address_problem(self.address) or default_socket_problem(self.address, os.environ, os.getuid(),
+                                                                          os.stat)
         if problem is not None:
             raise InvalidArgument(problem)
         if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):

@@ -1,6 +1,7 @@
 """ZeroMQ transport: one ROUTER socket; moves frames, never interprets them and never calls a model.
 
-ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600.
+ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600; for the default address
+every folder below its trusted root is created 0700 and checked first (``ensure_private_dirs``, ``proto.socket_dir``).
 Frames are received without copies (``copy=False``) and sent zero-copy for large buffers.
 
 The socket is a plain (non-asyncio) one, used from the server's loop thread only: the loop watches its file
@@ -23,7 +24,7 @@ import zmq
 import zmq.auth
 
 from code2wav import proto
-from code2wav.proto.socket_dir import default_socket_root, ensure_private_dirs
+from code2wav.proto.socket_dir import default_socket_root, level_problem, root_problem, socket_levels
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,29 @@ def claim_ipc_path(address: str, path: Path) -> None:
     path.unlink()
 
 
+class UnsafeSocketDir(PermissionError):
+    """A folder of the default socket's path that another user could control; the message names it and the fix."""
+
+
+def ensure_private_dirs(root: str, socket_dir: str, uid: int) -> None:
+    """Create the missing levels from ``root`` down to ``socket_dir`` 0700, then check each (``proto.socket_dir``:
+    ours alone, not a symlink, the root trusted); raises ``UnsafeSocketDir`` naming the first bad one."""
+    try:
+        problem = root_problem(root, os.stat(root), uid)
+    except OSError as exc:
+        problem = f"socket root {root} cannot be read ({exc.strerror}); set XDG_RUNTIME_DIR or --address"
+    if problem is not None:
+        raise UnsafeSocketDir(problem)
+    for level in socket_levels(root, socket_dir):
+        try:
+            os.mkdir(level, 0o700)
+        except FileExistsError:
+            pass  # (someone's: checked below like one of ours)
+        problem = level_problem(level, os.lstat(level), uid)
+        if problem is not None:
+            raise UnsafeSocketDir(problem)
+
+
 def prepare_ipc_path(address: str) -> Path | None:
     """Create the socket's parent directory 0700 (refuse one others can enter) and claim the socket file (refuse a
     live one, remove a stale one); None for non-ipc addresses. For the default address every level below its
@@ -101,7 +125,7 @@ def prepare_ipc_path(address: str) -> Path | None:
     parent = path.parent
     root = default_socket_root(address, os.environ, os.getuid())
     if root is not None:  # the default address: every level below /tmp or $XDG_RUNTIME_DIR must be ours alone
-        ensure_private_dirs(root, parent, os.getuid())
+        ensure_private_dirs(root, str(parent), os.getuid())
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = stat.S_IMODE(parent.stat().st_mode)
     if mode & 0o077:

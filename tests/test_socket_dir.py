@@ -18,17 +18,18 @@ import torch
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
 from code2wav.proto.address import default_address
-from code2wav.proto.socket_dir import (
-    UnsafeSocketDir,
-    default_socket_problem,
-    default_socket_root,
-    ensure_private_dirs,
-    socket_dir_problem,
-)
+from code2wav.proto import socket_dir as checks
+from code2wav.proto.socket_dir import default_socket_problem, default_socket_root
+from code2wav.sidecar.transport import UnsafeSocketDir, ensure_private_dirs
 from conftest import ROOT, TINY
 
 NOBODY_UID = 65534
 UID = os.getuid()
+
+
+def socket_dir_problem(root, socket_dir, uid):
+    """The client's check (``os.stat`` is its only I/O)."""
+    return checks.socket_dir_problem(str(root), str(socket_dir), uid, os.stat)
 
 
 def _layout(tmp_path):
@@ -41,11 +42,11 @@ def _layout(tmp_path):
 
 def test_fresh_levels_are_created_private(tmp_path):
     root, outer, inner = _layout(tmp_path)
-    ensure_private_dirs(root, inner, UID)
+    ensure_private_dirs(str(root), str(inner), UID)
     for level in (outer, inner):
         assert stat.S_IMODE(os.lstat(level).st_mode) == 0o700 and os.lstat(level).st_uid == UID
     assert socket_dir_problem(root, inner, UID) is None
-    ensure_private_dirs(root, inner, UID)  # existing private levels are accepted as they are
+    ensure_private_dirs(str(root), str(inner), UID)  # existing private levels are accepted as they are
 
 
 def test_a_0777_level_is_refused_with_the_path_and_the_fix(tmp_path):
@@ -53,7 +54,7 @@ def test_a_0777_level_is_refused_with_the_path_and_the_fix(tmp_path):
     outer.mkdir()
     os.chmod(outer, 0o777)  # squatted first, open to everyone
     with pytest.raises(UnsafeSocketDir) as caught:
-        ensure_private_dirs(root, inner, UID)
+        ensure_private_dirs(str(root), str(inner), UID)
     message = str(caught.value)
     assert f"socket folder {outer} is writable by others (mode 777)" in message and "remove it" in message
     assert "\n" not in message
@@ -63,7 +64,7 @@ def test_a_0777_level_is_refused_with_the_path_and_the_fix(tmp_path):
 
 def test_a_group_writable_inner_level_is_refused(tmp_path):
     root, outer, inner = _layout(tmp_path)
-    ensure_private_dirs(root, inner, UID)
+    ensure_private_dirs(str(root), str(inner), UID)
     os.chmod(inner, 0o770)
     assert f"socket folder {inner} is writable by others (mode 770)" in socket_dir_problem(root, inner, UID)
 
@@ -75,18 +76,18 @@ def test_a_symlinked_level_is_refused(tmp_path):
     (elsewhere / "code2wav").mkdir(mode=0o700)
     outer.symlink_to(elsewhere)  # moved aside and replaced by a link: every level below looks fine through it
     with pytest.raises(UnsafeSocketDir, match=f"socket folder {outer} is a symlink"):
-        ensure_private_dirs(root, inner, UID)
+        ensure_private_dirs(str(root), str(inner), UID)
     assert "is a symlink" in socket_dir_problem(root, inner, UID)
 
 
 @pytest.mark.skipif(UID != 0, reason="a folder owned by another user can only be made by root (chown to nobody)")
 def test_a_level_owned_by_another_user_is_refused_even_for_root(tmp_path):
     root, outer, inner = _layout(tmp_path)
-    ensure_private_dirs(root, inner, UID)
+    ensure_private_dirs(str(root), str(inner), UID)
     os.chown(inner, NOBODY_UID, -1)  # mode 0700, but another user's: they could bind their own socket in it
     assert stat.S_IMODE(os.lstat(inner).st_mode) == 0o700
     with pytest.raises(UnsafeSocketDir, match=f"socket folder {inner} is owned by uid {NOBODY_UID}, not by you"):
-        ensure_private_dirs(root, inner, UID)
+        ensure_private_dirs(str(root), str(inner), UID)
 
 
 def test_the_root_must_be_sticky_when_others_may_write(tmp_path):
@@ -100,13 +101,15 @@ def test_the_root_must_be_sticky_when_others_may_write(tmp_path):
 def test_only_the_default_address_is_walked(tmp_path):
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     address = default_address(env, UID)
-    assert default_socket_root(address, env, UID) == tmp_path
+    assert default_socket_root(address, env, UID) == str(tmp_path)
     assert default_socket_root(address, {}, UID) is None  # not the default without XDG_RUNTIME_DIR
     assert default_socket_root(f"ipc://{tmp_path}/other.sock", env, UID) is None  # an explicit address
     explicit = {**env, "CODE2WAV_SIDECAR_ADDRESS": address}
     assert default_socket_root(address, explicit, UID) is None  # the operator named it
-    assert default_socket_root(default_address({}, UID), {}, UID).as_posix() == "/tmp"
-    assert default_socket_problem("tcp://127.0.0.1:5555", env, UID) is None
+    assert default_socket_root(default_address({}, UID), {}, UID) == "/tmp"
+    assert default_socket_problem("tcp://127.0.0.1:5555", env, UID, os.stat) is None
+    with pytest.raises(ValueError, match="is not below"):
+        checks.socket_levels("/tmp/a", "/tmp/a/../b")
 
 
 def _default_env(xdg) -> dict:
