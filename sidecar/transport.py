@@ -1,7 +1,8 @@
 """ZeroMQ transport: one ROUTER socket; moves frames, never interprets them and never calls a model.
 
-ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600; for the default address
-every folder below its trusted root is created 0700 and checked first (``ensure_private_dirs``, ``proto.socket_dir``).
+ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600; for the default
+address every folder below its trusted root is created 0700 and checked first (``ensure_private_dirs``,
+``proto.socket_dir``).
 Frames are received without copies (``copy=False``) and sent zero-copy for large buffers.
 
 The socket is a plain (non-asyncio) one, used from the server's loop thread only: the loop watches its file
