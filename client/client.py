@@ -90,8 +90,8 @@ class SidecarClient:
         Refused at once, before any wait: an address of another form than ``ipc://PATH`` or ``tcp://HOST:PORT``
         (``InvalidArgument``, saying which forms), the default address when a folder of its path is not this
         user's alone (``InvalidArgument`` naming the folder and the fix, ``proto.socket_dir``), an ``ipc://``
-        socket file that does not exist (``SidecarNotRunning``: no sidecar listens there); otherwise a handshake not answered within
-        ``connect_timeout_s`` is ``SidecarNotRunning``."""
+        socket file that does not exist (``SidecarNotRunning``: no sidecar listens there); otherwise a handshake
+        not answered within ``connect_timeout_s`` is ``SidecarNotRunning``."""
         self.address = address or default_address(os.environ, os.getuid())
         problem = address_problem(self.address) or default_socket_problem(self.address, os.environ, os.getuid(),
                                                                           os.stat)
