@@ -43,6 +43,7 @@ from code2wav.proto import (
 )
 
 from code2wav.proto.address import address_problem, default_address
+from code2wav.proto.socket_dir import default_socket_problem
 
 from ._io import Connection
 from .cuda_ipc.link import IpcLink
@@ -93,11 +94,13 @@ class SidecarClient:
         to answer again (its streams survive a reconnect to the same server).
 
         Refused at once, before any wait: an address of another form than ``ipc://PATH`` or ``tcp://HOST:PORT``
-        (``InvalidArgument``, saying which forms), an ``ipc://`` socket file that does not exist
-        (``SidecarNotRunning``: no sidecar listens there); otherwise a handshake not answered within
-        ``connect_timeout_s`` is ``SidecarNotRunning``."""
+        (``InvalidArgument``, saying which forms), the default address when a folder of its path is not this
+        user's alone (``InvalidArgument`` naming the folder and the fix, ``proto.socket_dir``), an ``ipc://``
+        socket file that does not exist (``SidecarNotRunning``: no sidecar listens there); otherwise a handshake
+        not answered within ``connect_timeout_s`` is ``SidecarNotRunning``."""
         self.address = address or default_address(os.environ, os.getuid())
-        problem = address_problem(self.address)
+        problem = address_problem(self.address) or default_socket_problem(self.address, os.environ, os.getuid(),
+                                                                          os.stat)
         if problem is not None:
             raise InvalidArgument(problem)
         if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):

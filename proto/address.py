@@ -8,6 +8,9 @@ A pure function of the environment and the user id (sans-IO: nothing is read her
    directory on systemd hosts);
 3. else ``ipc:///tmp/code2wav-sidecar-<uid>/code2wav/sidecar.sock`` (the sidecar creates the folders 0700).
 
+For rules 2 and 3 both sides check every folder below ``$XDG_RUNTIME_DIR`` or ``/tmp`` before they use it (this
+user's alone, not a symlink: ``socket_dir``).
+
 Rules: no I/O (the environment and uid are arguments); imports only the standard library; imports nothing else
 of this project.
 """

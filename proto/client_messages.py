@@ -78,7 +78,8 @@ class Chunk:
         doc="the chunk's inputs `[C, n]`. The protocol accepts any wire dtype; the model's contract (welcome: "
             "`input_kind`, `input_dtypes`, `input_channels`, `input_range`) decides, per chunk (`invalid_argument` "
             "naming the dtypes and the shape): codes are integers `[Q, n]` in `input_range` (`[0, codebook_size)`), "
-            "latents are finite `float32` or `bfloat16` `[D, n]` (inline or `cuda_ipc`; NaN/inf refused); "
+            "latents are finite `float32` or `bfloat16` `[D, n]` of magnitude at most 1e4, i.e. `-10000 <= v <= "
+            "10000` (inline or `cuda_ipc`; NaN/inf and larger values refused: the bound keeps the decoder finite); "
             "`float16` is refused")
     final: bool = wire(Bool(), default=False, doc="the last chunk: the stream is freed after its reply")
     context_frames: int = wire(

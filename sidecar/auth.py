@@ -12,10 +12,15 @@ Two mechanisms (policy in ``SessionOwners``, the ZAP mechanism in ``ClientAuth``
   later message on that routing id must carry it); without CURVE to a random per-session secret sent in the
   ``welcome``, which a re-handshake (``hello`` on a routing id that has a session) must present. A refused
   client is counted (``code2wav_sidecar_auth_refused_total{reason}``) and logged once.
+
+Keys never reach the log: a refused client key is logged by its fingerprint (``key_fingerprint``: the first 8 hex
+digits of the SHA-256 of its 32 raw bytes), and the ZAP handler's own logger (pyzmq's, which prints client keys at
+debug level) passes through ``RedactKeys``, which writes every key-shaped argument as its fingerprint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import secrets
@@ -32,6 +37,45 @@ log = logging.getLogger(__name__)
 
 MAX_LOGGED_REFUSALS = 4096
 """Distinct refused keys or routing ids remembered for log-once (then the memory starts over)."""
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """What the log shows of a CURVE public key (32 raw bytes): the first 8 hex digits of its SHA-256. An operator
+    finds the key file by computing the same over the ``*.key`` files (docs/deployment.md)."""
+    return hashlib.sha256(public_key).hexdigest()[:8]
+
+
+Z85_KEY_LEN = 40
+"""Characters of a CURVE key in Z85 text (32 bytes)."""
+
+
+def _redacted(value):
+    """``value`` with every CURVE-key-shaped part (32 raw bytes, or 40 characters of Z85) as ``key:<fingerprint>``."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redacted(v) for v in value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if len(raw) == 32:
+            return f"key:{key_fingerprint(raw)}"
+        value = raw.decode("latin-1")
+    if isinstance(value, str) and len(value) == Z85_KEY_LEN:
+        try:
+            return f"key:{key_fingerprint(z85.decode(value.encode('latin-1')))}"
+        except (ValueError, KeyError, IndexError, UnicodeEncodeError):  # not Z85 after all
+            return value
+    return value
+
+
+class RedactKeys(logging.Filter):
+    """A filter for a logger that may be handed client keys (pyzmq's ZAP handler): key-shaped arguments become
+    their fingerprints before the record is formatted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redacted(arg) for arg in record.args)
+        elif isinstance(record.msg, (bytes, str)):
+            record.msg = _redacted(record.msg)
+        return True
 
 
 class _LogOnce:
@@ -62,7 +106,10 @@ class ClientAuth(ThreadAuthenticator):
     """The ZAP handler: CURVE clients whose key is in the allow-list (or any key without one)."""
 
     def __init__(self, ctx: zmq.Context, allowed_dir: str | None, metrics: Metrics) -> None:
-        super().__init__(ctx, log=logging.getLogger(__name__ + ".zap"))
+        zap_log = logging.getLogger(__name__ + ".zap")
+        if not any(isinstance(f, RedactKeys) for f in zap_log.filters):
+            zap_log.addFilter(RedactKeys())
+        super().__init__(ctx, log=zap_log)
         self.allowed_dir = allowed_dir
         self.metrics = metrics
         self._logged = _LogOnce()
@@ -91,8 +138,8 @@ class ClientAuth(ThreadAuthenticator):
         if not allowed:  # (ZAP thread) counted always, logged once per key
             self.metrics.auth_refused.labels(reason="unknown_key").inc()
             if self._logged.first(client_key):
-                log.warning("refused a CURVE client whose public key %s is not in %s (logged once per key)",
-                            z85.encode(client_key).decode(), self.allowed_dir)
+                log.warning("refused a CURVE client whose public key (fingerprint %s) is not in %s (logged once "
+                            "per key)", key_fingerprint(client_key), self.allowed_dir)
         return allowed, reason
 
 

@@ -124,6 +124,10 @@ class ServerConfig(_Section):
     cuda_ipc: bool = Field(True, description="accept CUDA IPC regions from clients on the same GPU (CUDA only)")
     codes_event_timeout_s: float = Field(5.0, gt=0, description="a CUDA IPC chunk whose codes event is not "
                                          "complete after this long fails with deadline_exceeded")
+    shutdown_timeout_s: float = Field(20.0, gt=0, description="after the drain (SIGTERM/SIGINT), how long the "
+                                      "socket stays open to send the replies still queued to connected clients; "
+                                      "what is still queued then is dropped (a log line and "
+                                      "code2wav_sidecar_shutdown_replies_unsent_total)")
     busy_poll_us: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="after any input or step, poll the socket (and the device, after a CUDA IPC step) "
         "without sleeping for this long: lower latency for one busy CPU core while traffic flows; 0 = always "

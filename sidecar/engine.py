@@ -4,7 +4,8 @@ Policy lives elsewhere: the scheduler decides which chunks share a step, the pla
 the step runs (a captured graph bucket, or eager and why). Here: a graph step replays its bucket (capturing it first
 where the plan says so; a capture that fails then runs the step eager, counted); an eager step pads the rows to the
 plan's frames, gathers their state from the arena, runs the forward in the plan's time slices and commits the new
-state of stateful rows only after the whole forward succeeded.
+state of stateful rows only after the whole forward succeeded, and only for rows whose audio and new state are
+finite (the others keep their state and are reported as failed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .forward import forward_in_slices, rows_audio, rows_options, rows_state
+from .forward import committed_rows, forward_in_slices, rows_audio, rows_options, rows_state
 from .graphs.manager import GraphManager
 from .models import LoadedModel
 from .modes import StreamMode, mode_for
@@ -37,17 +38,24 @@ class Engine:
     def plan(self, mode: StreamMode, row_frames: list[int], may_capture: bool = True) -> StepPlan:
         return self.planner.plan(mode, row_frames, may_capture)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, items: list[DecodeItem]) -> list[Tensor]:
+        """The audio of ``execute_checked`` (tests, offline decoding, benches)."""
+        return self.execute_checked(plan, items)[0]
+
+    @torch.inference_mode()
+    def execute_checked(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], list[bool]]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
-        valid until the next step. ``items`` are the plan's rows, or some of them (rows refused after planning:
-        the plan's bucket and frames still hold the rest)."""
+        valid until the next step; and per item whether it succeeded: False for a row whose audio or new state is
+        not finite, whose stream kept its state (``forward.committed_rows``; reading the flags waits for the
+        device). ``items`` are the plan's rows, or some of them (rows refused after planning: the plan's bucket and
+        frames still hold the rest)."""
         if any((it.slot is not None) != plan.mode.stateful for it in items):
             raise ValueError(f"every row of a {plan.mode.name} step must {'' if plan.mode.stateful else 'not '}hold "
                              "a state slot")
         bucket = plan.bucket
         if bucket is not None and (not plan.capture_first or self.graphs.capture(bucket)):
-            return self.graphs.replay(bucket, items)
+            audios = self.graphs.replay(bucket, items)
+            return audios, self.graphs.rows_committed(bucket, len(items))
         if self.graphs is not None and self.metrics is not None:
             self.metrics.graph_misses.labels(component=plan.mode.name, reason=plan.reason).inc()
         frames = max(it.num_frames for it in items)  # (rows refused after planning shorten an eager step)
@@ -61,7 +69,7 @@ class Engine:
         return self.execute(self.plan(mode, [it.num_frames for it in items], may_capture), items)
 
     def _eager(self, stateful: bool, items: list[DecodeItem], frames: int,
-               slices: tuple[tuple[int, int], ...]) -> list[Tensor]:
+               slices: tuple[tuple[int, int], ...]) -> tuple[list[Tensor], list[bool]]:
         batch, model = len(items), self.model
         staged = model.input.staged_dtype(model.dtype)
         inputs = torch.zeros((batch, model.num_channels, frames), dtype=staged)  # [B, C, T] right-padded
@@ -74,6 +82,8 @@ class Engine:
         options = rows_options(model, items, self.device)  # name -> [B]
         wav, state, positions = forward_in_slices(model, inputs, num_frames, state, positions, options,
                                                   slices)  # [B, T * U]
-        if stateful:
-            self.arena.scatter(slots, state, positions)  # commit: only after the forward succeeded
-        return rows_audio(wav, items, model.samples_per_frame)
+        # commit: only after the forward succeeded, and only rows whose audio and new state are finite
+        committed = committed_rows(model, self.arena if stateful else None, wav, num_frames, slots, state,
+                                   positions)  # [B]
+        audios = rows_audio(wav, items, model.samples_per_frame)
+        return audios, committed.tolist()

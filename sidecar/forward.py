@@ -54,6 +54,25 @@ def forward_in_slices(model: LoadedModel, inputs: Tensor, num_frames: Tensor, st
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state, positions  # [B, T * U]
 
 
+def rows_finite(wav: Tensor, num_frames: Tensor, samples_per_frame: int) -> Tensor:
+    """``[B]`` bool: row ``b``'s audio is finite over its valid samples ``[0, num_frames[b] * U)`` of ``wav``
+    ``[B, T * U]`` (context frames included; padding excluded). The one check, for eager steps and graph routines
+    alike; a row that fails it is not committed (``StateArena.scatter``) and its chunk is refused. Graph-capturable."""
+    sample = torch.arange(wav.shape[1], device=wav.device)  # [T * U]
+    valid = sample[None, :] < (num_frames * samples_per_frame)[:, None]  # [B, T * U]
+    return (torch.isfinite(wav) | ~valid).all(dim=1)  # [B]
+
+
+def committed_rows(model: LoadedModel, arena: StateArena | None, wav: Tensor, num_frames: Tensor,
+                   slots: Tensor | None, state: dict[str, Tensor], positions: Tensor) -> Tensor:
+    """After a forward: commit the stateful rows whose audio and new state are finite (``arena`` None: stateless
+    rows, nothing to commit). Returns ``[B]`` bool on the device: which rows succeeded."""
+    finite = rows_finite(wav, num_frames, model.samples_per_frame)  # [B]
+    if arena is None:
+        return finite
+    return arena.scatter(slots, state, positions, finite)  # [B]
+
+
 def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int) -> list[Tensor]:
     """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: copied to the host, or for
     ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it).

@@ -89,6 +89,11 @@ class Metrics:
         self.auth_refused = Counter(p + "auth_refused", "Clients refused: a CURVE key not in the allow-list "
                                     "(unknown_key) or a session owned by another client (session_owner)",
                                     ["reason"], registry=r)
+        self.shutdown_unsent = Counter(p + "shutdown_replies_unsent", "Replies handed to the socket after the stop "
+                                       "signal that may not have been sent: the socket still held queued replies "
+                                       "when shutdown_timeout_s ran out (at most this many were dropped)", registry=r)
+        self.chunks_not_finite = Counter(p + "chunks_not_finite", "Chunks whose audio or new decoder state came out "
+                                         "non-finite (NaN/inf): answered internal, not committed", registry=r)
         self.chunks = Counter(p + "chunks", "Chunks decoded successfully", ["model", "mode"], registry=r)
         self.frames = Counter(p + "frames", "Codec frames decoded (context frames included)", ["model", "mode"],
                               registry=r)

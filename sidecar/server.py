@@ -5,6 +5,13 @@ scheduler, sessions, transport); ``loop_io.SocketLoop`` owns the socket side of 
 sessions, replies out, region opens/closes on the engine thread); the ``stepper`` forms batches, runs them and
 replies. The loop reads as: drain input -> step -> emit. This module wires them, reaps idle streams, and drains on
 stop.
+
+Signals (``run_server``): SIGTERM and SIGINT drain (queued chunks finish, new ones get ``unavailable``), then the
+socket stays open until every reply still queued has been sent to its connected client, for up to
+``shutdown_timeout_s`` (what is left then is dropped: a warning and ``shutdown_replies_unsent_total``), and the
+process exits 0. A second SIGTERM or SIGINT during that shutdown exits at once with 128 + the signal's number,
+dropping what is queued. SIGHUP re-reads what can change while running (the CURVE allow-list) and is otherwise
+ignored with a log line. SIGUSR1 writes every thread's stack to the log.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import concurrent.futures
 import faulthandler
 import logging
+import os
 import signal
 import time
 from typing import Sequence
@@ -74,8 +82,6 @@ class Server:
         self.sessions = bootstrap.build_sessions(cfg, parts, self.metrics)
         self.auth = start_client_auth(self._zmq, check_bind_security(cfg.address, sec.curve_secret_key_file,
                                       sec.insecure, warn=False), sec.curve_allowed_clients_dir, self.metrics)
-        if self.auth is not None:
-            loop.add_signal_handler(signal.SIGHUP, self.auth.reload)
         self.transport = bootstrap.build_transport(cfg, self._zmq)
         self.io = SocketLoop(self.transport, self.sessions, self._pool, self.metrics, busy_poll_s(cfg, device.type))
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
@@ -98,6 +104,7 @@ class Server:
         tasks = [asyncio.create_task(stepper.run(), name="step"),
                  asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
+        sent_at_stop = self.transport.num_sent
         sessions.drain()
         io.wake()
         drain = (time.monotonic(), sum(sessions.streams.pending_by_client.values()), len(sessions.streams))
@@ -112,18 +119,46 @@ class Server:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.close()
+        await self.close(self.cfg.shutdown_timeout_s, sent_at_stop)
 
     def stop(self) -> None:
         self._stop.set()
 
-    async def close(self) -> None:
-        await self.health.close()
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked for: the server drains, or is about to."""
+        return self._stop.is_set()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read what can change while the server runs (the CURVE allow-list); nothing else is."""
+        if self.auth is not None:
+            log.info("SIGHUP: reloading the CURVE client allow-list")
+            self.auth.reload()
+        else:
+            log.info("SIGHUP ignored: nothing to reload (only security.curve_allowed_clients_dir is, with CurveZMQ)")
+
+    async def close(self, linger_s: float = 0.0, sent_at_stop: int = 0) -> None:
+        """Close the socket (after ``serve``'s drain: the replies still queued go out for up to ``linger_s``), the
+        ZAP handler, the context, then the metrics endpoint (so a scrape still sees how the shutdown went)."""
+        sent_since_stop = 0
         if self.transport is not None:
-            self.transport.close()
+            sent_since_stop = self.transport.num_sent - sent_at_stop
+            self.transport.close(linger_s)
         if self.auth is not None:
             self.auth.stop()
-        self._zmq.term()
+        started = time.monotonic()
+        # (a thread: the loop stays free for a second signal; term returns once the socket sent its queue)
+        await asyncio.get_running_loop().run_in_executor(None, self._zmq.term)
+        waited_s = time.monotonic() - started
+        if linger_s > 0 and waited_s >= linger_s:
+            self.metrics.shutdown_unsent.inc(sent_since_stop)
+            log.warning("shutdown: replies were still queued after shutdown_timeout_s (%gs) and were dropped (at "
+                        "most the %d replies sent since the stop signal; a client reading too slowly)", linger_s,
+                        sent_since_stop)
+        elif linger_s > 0:
+            log.info("shutdown: every queued reply was sent (%d since the stop signal) in %.2fs", sent_since_stop,
+                     waited_s)
+        await self.health.close()
         self._pool.shutdown(wait=True)
 
     async def _reap_loop(self) -> None:
@@ -133,6 +168,16 @@ class Server:
             await asyncio.sleep(interval_s)
             self.sessions.reap(time.monotonic())
             self.io.flush()
+
+
+def _on_stop_signal(server: Server, sig: signal.Signals) -> None:
+    """The first SIGTERM/SIGINT drains; a second one during the shutdown exits now (128 + its number)."""
+    if not server.stopping:
+        log.info("%s: draining (a second SIGTERM or SIGINT exits at once)", sig.name)
+        server.stop()
+        return
+    log.warning("%s again during the shutdown: exiting now; queued chunks and unsent replies are dropped", sig.name)
+    os._exit(128 + sig)
 
 
 def install_uvloop() -> str:
@@ -148,7 +193,8 @@ async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[Decode
     server = Server(cfg, families=families)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.stop)
+        loop.add_signal_handler(sig, _on_stop_signal, server, sig)
+    loop.add_signal_handler(signal.SIGHUP, server.reload)
     # `kill -USR1 <pid>`: every thread's Python stack to stderr (the log), even while one holds the GIL in C code
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     await server.start()

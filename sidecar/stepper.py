@@ -42,6 +42,11 @@ CODES_GRACE_S = 0.0002
 while the sidecar's step held the GPU, and runs as soon as that step ends, within microseconds."""
 
 
+NOT_FINITE_MESSAGE = ("the decoder's audio or new state for seq {seq} is not finite (overflow): the chunk was not "
+                      "committed and the stream continues from its last good state; send seq {seq} again with "
+                      "other inputs")
+
+
 class LoopIO(Protocol):
     """What the stepper needs from the socket loop (``server.Server``)."""
 
@@ -162,7 +167,8 @@ class Stepper:
     def engine_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
         """Worker thread (or the loop thread, see ``step_on_loop``): read CUDA IPC inputs (not those behind the
         codes events in ``incomplete``), decode as ``plan`` says, write CUDA IPC audio. Returns the decoded jobs,
-        their audio, ``(job, code, message)`` for jobs refused before decoding (their state is untouched), and
+        their audio, ``(job, code, message)`` for jobs refused (before decoding, or after it when their audio or new
+        state was not finite, which the engine did not commit: their state is untouched), and
         jobs whose client-side inputs are not ready yet. Rows refused or put back leave the plan's bucket with more
         padding: it still holds the rest."""
         refused, deferred = load_codes(batch, self.engine.model.input, time.monotonic(), self.codes_event_timeout_s,
@@ -171,7 +177,13 @@ class Stepper:
         done = [job for job in batch if id(job) not in skipped]
         if not done:
             return done, [], refused, deferred
-        audios = self.engine.execute(plan, self.sessions.chunks.build_items(done))
+        audios, committed = self.engine.execute_checked(plan, self.sessions.chunks.build_items(done))
+        if not all(committed):  # audio or new state not finite: the stream keeps its last good state
+            refused += [(job, ErrorCode.INTERNAL, NOT_FINITE_MESSAGE.format(seq=job.seq))
+                        for job, ok in zip(done, committed) if not ok]
+            audios = [audio for audio, ok in zip(audios, committed) if ok]
+            done = [job for job, ok in zip(done, committed) if ok]
+            self.metrics.chunks_not_finite.inc(committed.count(False))
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
             audios = store_audio(done, audios)

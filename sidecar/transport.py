@@ -1,6 +1,8 @@
 """ZeroMQ transport: one ROUTER socket; moves frames, never interprets them and never calls a model.
 
-ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600.
+ipc:// sockets are created inside a directory only the owner can enter (0700) and chmod'ed 0600; for the default
+address every folder below its trusted root is created 0700 and checked first (``ensure_private_dirs``,
+``proto.socket_dir``).
 Frames are received without copies (``copy=False``) and sent zero-copy for large buffers.
 
 The socket is a plain (non-asyncio) one, used from the server's loop thread only: the loop watches its file
@@ -23,6 +25,7 @@ import zmq
 import zmq.auth
 
 from code2wav import proto
+from code2wav.proto.socket_dir import default_socket_root, level_problem, root_problem, socket_levels
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +93,40 @@ def claim_ipc_path(address: str, path: Path) -> None:
     path.unlink()
 
 
+class UnsafeSocketDir(PermissionError):
+    """A folder of the default socket's path that another user could control; the message names it and the fix."""
+
+
+def ensure_private_dirs(root: str, socket_dir: str, uid: int) -> None:
+    """Create the missing levels from ``root`` down to ``socket_dir`` 0700, then check each (``proto.socket_dir``:
+    ours alone, not a symlink, the root trusted); raises ``UnsafeSocketDir`` naming the first bad one."""
+    try:
+        problem = root_problem(root, os.stat(root), uid)
+    except OSError as exc:
+        problem = f"socket root {root} cannot be read ({exc.strerror}); set XDG_RUNTIME_DIR or --address"
+    if problem is not None:
+        raise UnsafeSocketDir(problem)
+    for level in socket_levels(root, socket_dir):
+        try:
+            os.mkdir(level, 0o700)
+        except FileExistsError:
+            pass  # (someone's: checked below like one of ours)
+        problem = level_problem(level, os.lstat(level), uid)
+        if problem is not None:
+            raise UnsafeSocketDir(problem)
+
+
 def prepare_ipc_path(address: str) -> Path | None:
     """Create the socket's parent directory 0700 (refuse one others can enter) and claim the socket file (refuse a
-    live one, remove a stale one); None for non-ipc addresses."""
+    live one, remove a stale one); None for non-ipc addresses. For the default address every level below its
+    trusted root is checked first (``proto.socket_dir``: ours alone, no symlink; ``UnsafeSocketDir`` otherwise)."""
     if not address.startswith("ipc://"):
         return None
     path = Path(address[len("ipc://"):])
     parent = path.parent
+    root = default_socket_root(address, os.environ, os.getuid())
+    if root is not None:  # the default address: every level below /tmp or $XDG_RUNTIME_DIR must be ours alone
+        ensure_private_dirs(root, str(parent), os.getuid())
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = stat.S_IMODE(parent.stat().st_mode)
     if mode & 0o077:
@@ -178,6 +208,7 @@ class Transport:
             os.chmod(ipc_path, 0o600)
         self.bound_address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.last_user_id: str | None = None  # CURVE: the client key (ZAP user id) of the last message received
+        self.num_sent = 0  # replies handed to libzmq (the shutdown counts those of its drain)
 
     @property
     def fd(self) -> int:
@@ -206,10 +237,13 @@ class Transport:
         big = any(memoryview(f).nbytes >= ZERO_COPY_MIN_NBYTES for f in frames[2:])
         try:  # ROUTER never blocks: a reply to a vanished or saturated peer is dropped by libzmq
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=not big)
+            self.num_sent += 1
         except zmq.ZMQError as exc:
             log.warning("sending a reply failed: %s", exc)
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket. ``linger_s`` > 0: libzmq keeps sending the queued replies for up to that long, and the
+        context's ``term()`` returns once they are all sent (or the time ran out: the rest is dropped)."""
+        self.socket.close(linger=int(linger_s * 1000))
         if self.address.startswith("ipc://"):
             Path(self.address[len("ipc://"):]).unlink(missing_ok=True)

@@ -260,6 +260,10 @@ class GraphManager:
         state.replays.inc()
         return outputs
 
+    def rows_committed(self, key: BucketKey, num_rows: int) -> list[bool]:
+        """After ``replay(key, items)``: which of its ``num_rows`` rows succeeded (finite audio and new state)."""
+        return self.routines[key.mode].rows_committed(num_rows)
+
     def summary(self) -> list[dict]:
         return [{"mode": s.key.mode, "bucket": s.key.label, "status": s.status, "reason": s.reason,
                  "capture_s": round(s.capture_s, 3), "profile_bytes": s.profile_bytes, "pool_bytes": s.pool_bytes,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..forward import forward_in_slices, rows_audio, rows_state
+from ..forward import committed_rows, forward_in_slices, rows_audio, rows_state
 from ..models import LoadedModel
 from ..state_store import StateArena
 from ..work import DecodeItem
@@ -36,6 +36,7 @@ class StreamRoutine:
         self.num_frames = torch.zeros(max_batch, dtype=torch.long, device=device)  # [Bmax]
         self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)  # [Bmax]
         self.options = model.zero_options(max_batch)  # name -> [Bmax]
+        self.committed = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax] the last replay's rows
         self._defaults = [opt.default for opt in model.contract.stream_options]
         self._option_names = [opt.name for opt in model.contract.stream_options]
         # flat, so that a bucket's inputs are staged contiguous ([B, C, T] of any T): a strided host source
@@ -100,9 +101,15 @@ class StreamRoutine:
         options = {name: t[:batch] for name, t in self.options.items()}  # name -> [B]
         wav, state, positions = forward_in_slices(self.model, self.inputs[:batch, :, :frames], self.num_frames[:batch],
                                                   state, positions, options, time_slices(frames, num_slices))
-        if self.stateful:
-            self.arena.scatter(slots, state, positions)
+        # the same check and commit as an eager step: only rows whose audio and new state are finite
+        committed = committed_rows(self.model, self.arena, wav, self.num_frames[:batch], slots, state,
+                                   positions)  # [B]
+        self.committed[:batch].copy_(committed)
         return wav  # [B, T * U]
+
+    def rows_committed(self, num_rows: int) -> list[bool]:
+        """Which of the last replay's first ``num_rows`` rows succeeded (waits for the device)."""
+        return self.committed[:num_rows].tolist()
 
     def copy_out(self, wav: Tensor, items: list[DecodeItem]) -> list[Tensor]:
         """Exact samples per row: host rows are copied out of graph-owned memory before returning; device rows

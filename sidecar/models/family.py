@@ -17,6 +17,7 @@ its last valid frame. It must be capturable by a CUDA graph (no data-dependent P
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -44,12 +45,20 @@ class CheckpointError(FamilyError):
     bad config); the message names what to fix. Every family's loader raises this one class."""
 
 
+LATENT_ABS_MAX = 1e4
+"""Latents beyond this magnitude are refused (proto/README.md, section 4): it keeps every decoder finite in float32
+and bfloat16 with a wide margin. Measured on the VoxCPM2 tiny and full-size (seeded) decoders: the state grows at
+most ~12x the input and the audio is bounded; inputs up to 1e30 stay finite in both dtypes, 1e38 gives NaN
+(tests/test_poisoned_stream.py). Real latents are O(1). (A float16 model can still overflow within the bound: the
+engine's finite check then refuses the chunk and keeps the stream's state.)"""
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """What one chunk's inputs are: ``[channels, n]`` per chunk, ``[B, channels, T]`` per batch.
 
     ``codes``: integers in ``[0, high)`` (``high`` is the codebook size), staged as int64.
-    ``latents``: finite floats (``high`` 0: no range), staged in the model's dtype."""
+    ``latents``: finite floats of magnitude at most ``LATENT_ABS_MAX`` (``high`` 0), staged in the model's dtype."""
 
     kind: str  # "codes" | "latents"
     channels: int  # Q quantizers or D latent channels
@@ -93,9 +102,13 @@ class InputSpec:
                 bad = low if low < 0 else high
                 return f"code {bad} out of range [0, {self.high})"
             return None
-        if not bool(torch.isfinite(values).all()):
+        peak = float(values.abs().amax())  # NaN for any NaN, inf for any inf
+        if not math.isfinite(peak):
             return (f"latents hold a non-finite value (NaN or inf); expected finite floats of shape "
                     f"[{self.channels}, n] per chunk")
+        if peak > LATENT_ABS_MAX:
+            return (f"latents hold a value of magnitude {peak:.3g}, beyond the bound {LATENT_ABS_MAX:g} that keeps "
+                    "the decoder finite (proto/README.md, section 4)")
         return None
 
 

@@ -1,0 +1,222 @@
+"""No stream is ever left poisoned (issue 47, item 3).
+
+A chunk whose audio or new state is not finite is not committed: its stream keeps its last good state and
+position, the chunk is refused (``internal``, counted in ``chunks_not_finite_total``), and the stream's next normal
+chunk is exactly what it would have been without the bad one. Other rows of the same batch are untouched,
+bit for bit. Inputs beyond the documented range are refused up front: VoxCPM2 latents of magnitude over
+``LATENT_ABS_MAX`` (1e4; the measured margin is in ``models.family``). Both families, eager steps and the graph
+routine's step (the code a CUDA graph captures, run here on the CPU: the same check and commit), float32 and
+bfloat16, extreme finite values, denormals, mixed batches; and end to end through a real server and client, with a
+family defined here whose weights overflow within the input range.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from code2wav.client import SidecarClient
+from code2wav.client import errors as cerr
+from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.graphs.routine import StreamRoutine
+from code2wav.sidecar.models import load_model
+from code2wav.sidecar.models.family import LATENT_ABS_MAX
+from code2wav.sidecar.modes import mode_for
+from code2wav.sidecar.state_store import StateArena
+from conftest import TINY, VOXCPM2_TINY, start_sidecar
+
+FLOAT32_EXTREME = 3.4e38  # the largest float32 magnitudes are finite: accepted by a bare finiteness check
+DENORMAL = 1e-40  # below float32's smallest normal (1.18e-38)
+EXACT = mode_for(True)
+
+
+def _engine(model, num_slots: int = 4) -> Engine:
+    return Engine(model, StateArena(model.state_layout(), num_slots, model.dtype, model.device))
+
+
+def _snapshot(arena: StateArena, slot: int) -> tuple[torch.Tensor, int]:
+    return arena.flat[slot].clone(), int(arena.positions[slot])
+
+
+def _run_routine(model, arena: StateArena, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[bool]]:
+    """One step through the graph routine (copy in, the captured forward's code, copy out) on its own buffers."""
+    routine = StreamRoutine(model, arena, max_batch=4, max_frames=16)
+    frames = max(it.num_frames for it in items)
+    routine.copy_in(4, frames, items)  # two padding rows on the scratch slot
+    with torch.inference_mode():
+        wav = routine.forward(4, frames)
+    return routine.copy_out(wav, items), routine.rows_committed(len(items))
+
+
+def _step(path: str, engine: Engine, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[bool]]:
+    if path == "eager":
+        return engine.execute_checked(engine.plan(EXACT, [it.num_frames for it in items]), items)
+    return _run_routine(engine.model, engine.arena, items)
+
+
+def _poisoned_run(model, path: str, good: list[torch.Tensor], bad: torch.Tensor, bystander: list[torch.Tensor]):
+    """Streams P and B in one batch per step: [B0, P0], [B1, P_bad], [B2, P1]. Returns B's audio, P's audio of
+    steps 1 and 3, step 2's committed flags, and P's slot before and after step 2."""
+    engine = _engine(model)
+    slot_b, slot_p = engine.arena.allocate(), engine.arena.allocate()
+    out_b, out_p = [], []
+    audio, ok = _step(path, engine, [DecodeItem(bystander[0], slot_b, 0), DecodeItem(good[0], slot_p, 0)])
+    assert ok == [True, True]
+    out_b.append(audio[0]), out_p.append(audio[1])
+    before = _snapshot(engine.arena, slot_p)
+    audio, ok_bad = _step(path, engine, [DecodeItem(bystander[1], slot_b, 0), DecodeItem(bad, slot_p, 0)])
+    out_b.append(audio[0])
+    after = _snapshot(engine.arena, slot_p)
+    audio, ok = _step(path, engine, [DecodeItem(bystander[2], slot_b, 0), DecodeItem(good[1], slot_p, 0)])
+    assert ok == [True, True]
+    out_b.append(audio[0]), out_p.append(audio[1])
+    return out_b, out_p, ok_bad, before, after
+
+
+def _clean_run(model, path: str, good: list[torch.Tensor], bystander: list[torch.Tensor]):
+    """The same steps with P's bad chunk left out: [B0, P0], [B1, P1], [B2, P1 again on a scratch stream]."""
+    engine = _engine(model)
+    slot_b, slot_p, spare = engine.arena.allocate(), engine.arena.allocate(), engine.arena.allocate()
+    out_b, out_p = [], []
+    audio, _ = _step(path, engine, [DecodeItem(bystander[0], slot_b, 0), DecodeItem(good[0], slot_p, 0)])
+    out_b.append(audio[0]), out_p.append(audio[1])
+    audio, _ = _step(path, engine, [DecodeItem(bystander[1], slot_b, 0), DecodeItem(good[1], slot_p, 0)])
+    out_b.append(audio[0]), out_p.append(audio[1])
+    audio, _ = _step(path, engine, [DecodeItem(bystander[2], slot_b, 0), DecodeItem(good[1], spare, 0)])
+    out_b.append(audio[0])
+    return out_b, out_p
+
+
+def _check_not_poisoned(model, path: str, good, bad, bystander) -> None:
+    out_b, out_p, ok_bad, before, after = _poisoned_run(model, path, good, bad, bystander)
+    ref_b, ref_p = _clean_run(model, path, good, bystander)
+    assert ok_bad == [True, False]  # the bystander committed, the poisoned row did not
+    assert torch.equal(before[0], after[0]) and before[1] == after[1]  # P's slot: same state and position
+    for got, ref in zip(out_b, ref_b):
+        assert torch.equal(got, ref)  # the bystander in the same batch: bit-identical audio
+    assert torch.equal(out_p[0], ref_p[0])
+    assert torch.equal(out_p[1], ref_p[1])  # P's next normal chunk: as if the bad chunk never came
+    assert all(bool(torch.isfinite(a).all()) for a in out_b + out_p)
+
+
+@pytest.mark.parametrize("path", ["eager", "graph_routine"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_voxcpm2_extreme_latents_never_poison_a_stream(path, dtype):
+    model = load_model(str(VOXCPM2_TINY), torch.device("cpu"), dtype)
+    gen = torch.Generator().manual_seed(47)
+    D = model.num_channels
+    good = [torch.randn(D, 5, generator=gen), torch.randn(D, 4, generator=gen)]
+    bystander = [torch.randn(D, n, generator=gen) for n in (5, 3, 4)]
+    bad = torch.full((D, 3), FLOAT32_EXTREME)
+    bad[::2] *= -1  # +-3.4e38: finite, and every sample of the audio comes out NaN
+    staged = model.input.staged_dtype(model.dtype)
+    cast = lambda ts: [t.to(staged) for t in ts]  # noqa: E731 - (engine items hold staged inputs)
+    _check_not_poisoned(model, path, cast(good), bad.to(staged), cast(bystander))
+
+
+@pytest.mark.parametrize("path", ["eager", "graph_routine"])
+def test_qwen3_overflow_inside_the_model_never_poisons_a_stream(path):
+    """Codes are range-checked, so a Qwen3 chunk overflows only inside the model: a codebook entry of 3e38 here."""
+    model = load_model(str(TINY), torch.device("cpu"), "float32")
+    model.module.codebook_table[63] = 3.0e38  # quantizer 0's code 63
+    gen = torch.Generator().manual_seed(3)
+    Q = model.num_channels
+    good = [torch.randint(0, 63, (Q, 5), generator=gen), torch.randint(0, 63, (Q, 4), generator=gen)]
+    bystander = [torch.randint(0, 63, (Q, n), generator=gen) for n in (5, 3, 4)]
+    bad = torch.randint(0, 63, (Q, 3), generator=gen)
+    bad[0, 1] = 63
+    _check_not_poisoned(model, path, good, bad, bystander)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_denormal_and_bound_latents_are_accepted_and_committed(dtype):
+    model = load_model(str(VOXCPM2_TINY), torch.device("cpu"), dtype)
+    D = model.num_channels
+    staged = model.input.staged_dtype(model.dtype)
+    for inputs in (torch.full((D, 4), DENORMAL), torch.full((D, 4), -LATENT_ABS_MAX),
+                   torch.where(torch.arange(4) % 2 == 0, LATENT_ABS_MAX, -DENORMAL).expand(D, 4)):
+        assert model.input.problem(inputs) is None
+        engine = _engine(model)
+        slot = engine.arena.allocate()
+        audio, ok = engine.execute_checked(engine.plan(EXACT, [4]), [DecodeItem(inputs.to(staged), slot, 0)])
+        assert ok == [True] and bool(torch.isfinite(audio[0]).all()) and int(engine.arena.positions[slot]) == 4
+
+
+def test_latents_beyond_the_bound_are_refused_up_front():
+    model = load_model(str(VOXCPM2_TINY), torch.device("cpu"), "float32")
+    x = torch.zeros(model.num_channels, 3)
+    x[2, 1] = -2 * LATENT_ABS_MAX
+    assert model.input.problem(x) == ("latents hold a value of magnitude 2e+04, beyond the bound 10000 that keeps "
+                                      "the decoder finite (proto/README.md, section 4)")
+    x[2, 1] = FLOAT32_EXTREME
+    assert "beyond the bound 10000" in model.input.problem(x)
+    x[2, 1] = float("inf")
+    assert "non-finite value (NaN or inf)" in model.input.problem(x)
+
+
+def test_server_refuses_extreme_latents_and_the_stream_goes_on(tmp_path):
+    """Over the wire (VoxCPM2 tiny sidecar): +-3.4e38 latents are invalid_argument, the stream's next chunk and a
+    bystander in the same message equal a clean stream's audio bit for bit; denormals decode."""
+    running = start_sidecar(tmp_path, model=str(VOXCPM2_TINY))
+    try:
+        with SidecarClient(running.address, timeout_s=60) as client:
+            D = client.models[0].channels
+            gen = torch.Generator().manual_seed(5)
+            chunks = [torch.randn(D, 4, generator=gen) for _ in range(3)]
+            clean = client.open_stream("clean")
+            ref = [clean.decode(c) for c in chunks]
+            hit, bystander = client.open_stream("hit"), client.open_stream("bystander")
+            assert torch.equal(hit.decode(chunks[0]), ref[0])
+            bad = torch.full((D, 4), FLOAT32_EXTREME)
+            results = client.decode_batch([(hit, bad), (bystander, chunks[0])], return_exceptions=True)
+            assert isinstance(results[0], cerr.InvalidArgument) and "beyond the bound 10000" in str(results[0])
+            assert torch.equal(results[1], ref[0])
+            assert torch.equal(hit.decode(chunks[1]), ref[1])  # the same seq again, normal inputs
+            assert torch.equal(hit.decode(chunks[2]), ref[2])
+            tiny = client.open_stream("denormal").decode(torch.full((D, 4), DENORMAL))
+            assert bool(torch.isfinite(tiny).all())
+    finally:
+        running.stop()
+
+
+def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path):
+    """A family (the toy of test_family_toy) whose weights overflow float32 for latents of magnitude >= ~300, well
+    inside the input range: the chunk gets ``internal`` naming the seq, is counted, and the stream continues from
+    its last good state: its next chunk equals a clean stream's; a bystander in the same batch is bit-identical."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    import test_family_toy as toy  # noqa: PLC0415
+
+    folder = tmp_path / "hot"
+    folder.mkdir()
+    (folder / "config.json").write_text((toy.json.dumps({"toy_decoder": {"latent_dim": toy.LATENT_DIM,
+                                                                         "samples_per_frame": 8}})))
+    torch.manual_seed(7)
+    weights = toy.ToyDecoder(toy.LATENT_DIM, 8).state_dict()
+    weights = {k: (v * 1e36 if k == "mix.conv.weight" else v).contiguous() for k, v in weights.items()}
+    save_file(weights, str(folder / "model.safetensors"))
+    assert torch.equal(load_file(str(folder / "model.safetensors"))["mix.conv.weight"], weights["mix.conv.weight"])
+    running = toy.serve(tmp_path, folder, "cpu")
+    try:
+        with SidecarClient(running.server.address, timeout_s=60) as client:
+            gen = torch.Generator().manual_seed(9)
+            chunks = [torch.randn(toy.LATENT_DIM, n, generator=gen) for n in (3, 2, 4)]
+            hot = torch.full((toy.LATENT_DIM, 2), 1000.0)  # inside the bound; h = 1e36 x 1000 overflows
+            solo, clean, partner = (client.open_stream(name) for name in ("solo", "clean", "partner"))
+            ref = [solo.decode(c) for c in chunks]  # one stream alone: what "hit" must give after the hot chunk
+            assert torch.equal(clean.decode(chunks[0]), ref[0]) and torch.equal(partner.decode(chunks[0]), ref[0])
+            # the bystander's reference: the same batch company, with a normal chunk where the hot one will be
+            ref_pair = client.decode_batch([(partner, torch.ones(toy.LATENT_DIM, 2)), (clean, chunks[1])])[1]
+            hit, bystander = client.open_stream("hit"), client.open_stream("bystander")
+            assert torch.equal(hit.decode(chunks[0]), ref[0])
+            assert torch.equal(bystander.decode(chunks[0]), ref[0])
+            results = client.decode_batch([(hit, hot), (bystander, chunks[1])], return_exceptions=True)  # one batch
+            assert isinstance(results[0], cerr.SidecarError), results[0]
+            assert "seq 1 is not finite" in str(results[0]) and "continues from its last good state" in str(results[0])
+            assert torch.equal(results[1], ref_pair)  # bit-identical beside the hot row
+            assert torch.equal(hit.decode(chunks[1]), ref[1])  # seq 1 again, as if the hot chunk never came
+            assert torch.equal(hit.decode(chunks[2]), ref[2])
+            assert running.server.metrics.chunks_not_finite._value.get() == 1
+            assert all(bool(torch.isfinite(r).all()) for r in ref)
+    finally:
+        running.stop()
