@@ -90,21 +90,23 @@ class StateArena:
     def scatter(self, slots: Tensor, state: dict[str, Tensor], positions: Tensor,
                 keep: Tensor | None = None) -> Tensor:
         """Commit new state rows, except a row whose new state is not finite in the arena's dtype, or whose
-        ``keep`` ``[B]`` (bool) is False: that slot keeps its state and position (a poisoned chunk never reaches its
-        stream). Returns which rows were committed, ``[B]`` bool on the device. Graph-capturable (no host reads).
-        Padding rows must point at ``scratch_slot``."""
+        ``keep`` ``[B]`` (bool) is False: that row is written to ``scratch_slot`` instead, as a padding row is, so its
+        stream's slot keeps its state and position (a poisoned chunk never reaches its stream). Returns which rows
+        were committed, ``[B]`` bool on the device. Graph-capturable (no host reads). Padding rows must point at
+        ``scratch_slot``."""
         batch = slots.shape[0]
         for name, shape in self.shapes.items():  # (host-side: the flat copy would shift a wrong shape silently)
             if tuple(state[name].shape) != (batch, *shape):
                 raise ValueError(f"state entry {name!r}: expected shape {(batch, *shape)}, got "
                                  f"{tuple(state[name].shape)}")
         committed = torch.ones(batch, dtype=torch.bool, device=slots.device) if keep is None else keep  # [B]
+        rows = None
         if self.shapes:
             rows = torch.cat([state[name].reshape(batch, -1).to(self.flat.dtype) for name in self.shapes],
                              dim=1)  # [B, total]
             committed = committed & torch.isfinite(rows).all(dim=1)  # [B]
-            rows = torch.where(committed[:, None], rows, self.flat.index_select(0, slots))  # [B, total]
-            self.flat.index_copy_(0, slots, rows)
-        positions = torch.where(committed, positions, self.positions.index_select(0, slots))  # [B]
-        self.positions.index_copy_(0, slots, positions)
+        targets = torch.where(committed, slots, self.scratch_slot)  # [B]: a refused row lands in the scratch slot
+        if rows is not None:
+            self.flat.index_copy_(0, targets, rows)
+        self.positions.index_copy_(0, targets, positions)
         return committed
