@@ -39,23 +39,29 @@ class Engine:
         return self.planner.plan(mode, row_frames, may_capture)
 
     def execute(self, plan: StepPlan, items: list[DecodeItem]) -> list[Tensor]:
-        """The audio of ``execute_checked`` (tests, offline decoding, benches)."""
-        return self.execute_checked(plan, items)[0]
+        """The audio of ``execute_checked``, the flags not read (tests, offline decoding, benches: no wait for the
+        device beyond what the audio's copy needs)."""
+        return self._execute(plan, items)[0]
 
-    @torch.inference_mode()
     def execute_checked(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], list[bool]]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
         valid until the next step; and per item whether it succeeded: False for a row whose audio or new state is
         not finite, whose stream kept its state (``forward.committed_rows``; reading the flags waits for the
         device). ``items`` are the plan's rows, or some of them (rows refused after planning: the plan's bucket and
         frames still hold the rest)."""
+        audios, committed = self._execute(plan, items)
+        return audios, committed.tolist()
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], Tensor]:
+        """``execute_checked``'s audio, and its flags as a ``[B]`` bool tensor on the device (not read)."""
         if any((it.slot is not None) != plan.mode.stateful for it in items):
             raise ValueError(f"every row of a {plan.mode.name} step must {'' if plan.mode.stateful else 'not '}hold "
                              "a state slot")
         bucket = plan.bucket
         if bucket is not None and (not plan.capture_first or self.graphs.capture(bucket)):
             audios = self.graphs.replay(bucket, items)
-            return audios, self.graphs.rows_committed(bucket, len(items))
+            return audios, self.graphs.committed_flags(bucket, len(items))
         if self.graphs is not None and self.metrics is not None:
             self.metrics.graph_misses.labels(component=plan.mode.name, reason=plan.reason).inc()
         frames = max(it.num_frames for it in items)  # (rows refused after planning shorten an eager step)
@@ -69,7 +75,7 @@ class Engine:
         return self.execute(self.plan(mode, [it.num_frames for it in items], may_capture), items)
 
     def _eager(self, stateful: bool, items: list[DecodeItem], frames: int,
-               slices: tuple[tuple[int, int], ...]) -> tuple[list[Tensor], list[bool]]:
+               slices: tuple[tuple[int, int], ...]) -> tuple[list[Tensor], Tensor]:
         batch, model = len(items), self.model
         staged = model.input.staged_dtype(model.dtype)
         inputs = torch.zeros((batch, model.num_channels, frames), dtype=staged)  # [B, C, T] right-padded
@@ -86,4 +92,4 @@ class Engine:
         committed = committed_rows(model, self.arena if stateful else None, wav, num_frames, slots, state,
                                    positions)  # [B]
         audios = rows_audio(wav, items, model.samples_per_frame)
-        return audios, committed.tolist()
+        return audios, committed  # [B]

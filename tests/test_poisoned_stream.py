@@ -45,7 +45,7 @@ def _run_routine(model, arena: StateArena, items: list[DecodeItem]) -> tuple[lis
     routine.copy_in(4, frames, items)  # two padding rows on the scratch slot
     with torch.inference_mode():
         wav = routine.forward(4, frames)
-    return routine.copy_out(wav, items), routine.rows_committed(len(items))
+    return routine.copy_out(wav, items), routine.committed[:len(items)].tolist()
 
 
 def _step(path: str, engine: Engine, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[bool]]:

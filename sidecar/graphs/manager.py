@@ -260,9 +260,10 @@ class GraphManager:
         state.replays.inc()
         return outputs
 
-    def rows_committed(self, key: BucketKey, num_rows: int) -> list[bool]:
-        """After ``replay(key, items)``: which of its ``num_rows`` rows succeeded (finite audio and new state)."""
-        return self.routines[key.mode].rows_committed(num_rows)
+    def committed_flags(self, key: BucketKey, num_rows: int) -> Tensor:
+        """After ``replay(key, items)``: which of its ``num_rows`` rows succeeded (finite audio and new state),
+        ``[num_rows]`` bool on the device, valid until the next replay."""
+        return self.routines[key.mode].committed[:num_rows]
 
     def summary(self) -> list[dict]:
         return [{"mode": s.key.mode, "bucket": s.key.label, "status": s.status, "reason": s.reason,

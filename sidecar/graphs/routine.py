@@ -107,10 +107,6 @@ class StreamRoutine:
         self.committed[:batch].copy_(committed)
         return wav  # [B, T * U]
 
-    def rows_committed(self, num_rows: int) -> list[bool]:
-        """Which of the last replay's first ``num_rows`` rows succeeded (waits for the device)."""
-        return self.committed[:num_rows].tolist()
-
     def copy_out(self, wav: Tensor, items: list[DecodeItem]) -> list[Tensor]:
         """Exact samples per row: host rows are copied out of graph-owned memory before returning; device rows
         are views the caller must consume before the next replay."""
