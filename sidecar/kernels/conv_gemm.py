@@ -157,20 +157,29 @@ def conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, al
     return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
 
 
-@conv_snake.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None, beta: Tensor | None,
-      log_params: bool, config: list[int]) -> Tensor:
+def fake_output(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
+    """The meta output ``[B, C_out, T]`` of a conv op of this form (``conv_snake``, ``conv_gemm_cl``'s op)."""
     check_shapes(x, weight, bias, dilation)
     return x.new_empty((x.shape[0], weight.shape[0], x.shape[2] - (weight.shape[2] - 1) * dilation))
 
 
-
-@register_flop_formula(torch.ops.code2wav.conv_snake)
-def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+def conv_flops(w_shape, out_shape) -> int:
     """Multiply-adds of the conv (what ``FlopCounterMode`` counts for cuDNN's), so the bench's FLOP count and compute
     ceiling do not depend on the form a conv runs in."""
     c_out, c_in, ksize = w_shape
     return 2 * out_shape[0] * c_out * out_shape[2] * c_in * ksize
+
+
+@conv_snake.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None, beta: Tensor | None,
+      log_params: bool, config: list[int]) -> Tensor:
+    return fake_output(x, weight, bias, dilation)
+
+
+@register_flop_formula(torch.ops.code2wav.conv_snake)
+def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return conv_flops(w_shape, out_shape)
+
 
 def kernel_weight(weight: Tensor) -> Tensor:
     """``weight`` ``[C_out, C_in, K]`` stored tap-major (``[K, C_out, C_in]`` in memory, returned as a

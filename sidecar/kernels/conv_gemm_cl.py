@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .conv_gemm import check_shapes, reference
+from .conv_gemm import check_shapes, conv_flops, fake_output, kernel_weight, reference
 
 try:  # optional, as for snake.py
     import triton
@@ -65,11 +65,6 @@ CONFIGS = (
 def channels_last(x: Tensor) -> bool:
     """Whether ``x`` ``[B, C, L]`` has each column's channels contiguous (what the kernel reads)."""
     return x.stride(1) == 1 or x.shape[1] == 1
-
-
-def kernel_weight(weight: Tensor) -> Tensor:
-    """``weight`` ``[C_out, C_in, K]`` stored tap-major (``[K, C_out, C_in]`` contiguous), as ``conv_gemm``'s."""
-    return weight.detach().permute(2, 0, 1).contiguous().permute(1, 2, 0)  # [C_out, C_in, K] view
 
 
 if triton is not None:
@@ -157,15 +152,12 @@ def conv_snake_cl(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int,
 @conv_snake_cl.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None, beta: Tensor | None,
       log_params: bool, config: list[int]) -> Tensor:
-    check_shapes(x, weight, bias, dilation)
-    return x.new_empty((x.shape[0], weight.shape[0], x.shape[2] - (weight.shape[2] - 1) * dilation))
+    return fake_output(x, weight, bias, dilation)
 
 
 @register_flop_formula(torch.ops.code2wav.conv_snake_cl)
 def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    """The conv's multiply-adds, as ``FlopCounterMode`` counts cuDNN's (the ceiling does not depend on the form)."""
-    c_out, c_in, ksize = w_shape
-    return 2 * out_shape[0] * c_out * out_shape[2] * c_in * ksize
+    return conv_flops(w_shape, out_shape)
 
 
 def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
