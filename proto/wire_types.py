@@ -142,40 +142,38 @@ class Bool(WireType):
         self.parse = parse
 
 
-class PositiveFloat(WireType):
+class _FiniteFloat(WireType):
+    """A finite number at or above ``0`` (``allow_zero``) or above it (an integer is read as a float); always sent as
+    a float. The two subclasses below name the bound."""
+
+    type_doc = "float"
+    encode = float
+    allow_zero = False
+
+    def __init__(self) -> None:
+        allow_zero, bound = self.allow_zero, ">= 0" if self.allow_zero else "> 0"
+
+        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> float:
+            name = field_name(path, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                invalid(f"{name} must be a number, got {type_name(value)}")
+            number = float(value)
+            if not math.isfinite(number) or number < 0.0 or (number == 0.0 and not allow_zero):
+                invalid(f"{name} must be a finite number {bound}, got {value!r}")
+            return number
+        self.parse = parse
+
+
+class PositiveFloat(_FiniteFloat):
     """A finite number > 0 (an integer is read as a float); always sent as a float."""
 
-    type_doc, limits_doc = "float", "finite, > 0"
-    encode = float
-
-    def __init__(self) -> None:
-        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> float:
-            name = field_name(path, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                invalid(f"{name} must be a number, got {type_name(value)}")
-            number = float(value)
-            if not math.isfinite(number) or number <= 0.0:
-                invalid(f"{name} must be a finite number > 0, got {value!r}")
-            return number
-        self.parse = parse
+    limits_doc = "finite, > 0"
 
 
-class NonNegativeFloat(WireType):
+class NonNegativeFloat(_FiniteFloat):
     """A finite number >= 0 (an integer is read as a float); always sent as a float."""
 
-    type_doc, limits_doc = "float", "finite, >= 0"
-    encode = float
-
-    def __init__(self) -> None:
-        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> float:
-            name = field_name(path, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                invalid(f"{name} must be a number, got {type_name(value)}")
-            number = float(value)
-            if not math.isfinite(number) or number < 0.0:
-                invalid(f"{name} must be a finite number >= 0, got {value!r}")
-            return number
-        self.parse = parse
+    limits_doc, allow_zero = "finite, >= 0", True
 
 
 class Choice(WireType):
