@@ -88,14 +88,6 @@ def layers(module: nn.Module, prefix: str = "", groups: list | None = None) -> l
     return found
 
 
-def _position(root: nn.Module, path: str) -> int:
-    """Where ``path`` comes in ``root``'s module order (a group before its layers)."""
-    for i, (name, _) in enumerate(root.named_modules()):
-        if name == path:
-            return i
-    return -1
-
-
 def _nbytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -240,7 +232,8 @@ def profile_layers(model, batch: int, num_frames: int, steps: int = 3, warmup: i
     # a layer never called is left out (its work is fused into a neighbour's kernel, e.g. a Snake into the next
     # conv's input); a group is a row of its own work (what it ran between and instead of its layers' calls: a
     # residual unit's 1x1 GEMM, a transformer's layers run by the block itself), where it has any
-    named = sorted([(n, m) for n, m in leaves + groups if n in fired], key=lambda nm: _position(model.module, nm[0]))
+    order = {name: i for i, (name, _) in enumerate(model.module.named_modules())}  # a group before its layers
+    named = sorted([(n, m) for n, m in leaves + groups if n in fired], key=lambda nm: order[nm[0]])
     group_names = {n for n, _ in groups}
     own_flops, own_nbytes = _own_work(named, group_names, hooks)
     per_layer, inside = _attributed(prof, gpu)

@@ -35,16 +35,21 @@ def test_the_layers_cover_every_weight_once_and_do_not_nest(model_path):
     assert set(owned) == {id(p) for p in model.module.parameters()}  # and every weight in some layer
 
 
-@pytest.mark.parametrize("model_path", [TINY, VOXCPM2_TINY], ids=["qwen3-tts", "voxcpm2"])
-def test_the_layer_flops_add_up_to_the_step(model_path):
-    model = load_model(str(model_path), torch.device("cpu"), "float32")
-    p = profile_layers(model, batch=2, num_frames=4, steps=1, warmup=1)
+def _step_flops(model) -> float:
+    """An independent count: ``FlopCounterMode`` over one whole 2 x 4 step (after an uncounted one)."""
     with torch.inference_mode():
         step = staged_step(model, 2, 4)
         step()
         with FlopCounterMode(display=False) as counter:
             step()
-    assert sum(r.gflop for r in p.layers) * 1e9 == pytest.approx(counter.get_total_flops(), rel=1e-9)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("model_path", [TINY, VOXCPM2_TINY], ids=["qwen3-tts", "voxcpm2"])
+def test_the_layer_flops_add_up_to_the_step(model_path):
+    model = load_model(str(model_path), torch.device("cpu"), "float32")
+    p = profile_layers(model, batch=2, num_frames=4, steps=1, warmup=1)
+    assert sum(r.gflop for r in p.layers) * 1e9 == pytest.approx(_step_flops(model), rel=1e-9)
     assert p.unit == "operator" and p.peak_tflops is None and p.total_us > 0
     # on the CPU every operator is a layer's, or a group's own work (a transformer's rotary set-up): no time outside
     assert math.isclose(sum(r.share for r in p.layers), 1.0, rel_tol=1e-6) and p.unattributed_us < 1e-6 * p.total_us
@@ -84,12 +89,7 @@ def test_a_block_that_runs_its_layers_work_itself_gets_an_own_work_row(monkeypat
         if hasattr(sub, "kernels_on"):
             sub.kernels_on = True
     p = profile_layers(model, batch=2, num_frames=4, steps=1, warmup=1)
-    with torch.inference_mode():
-        step = staged_step(model, 2, 4)
-        step()
-        with FlopCounterMode(display=False) as counter:
-            step()
-    assert sum(r.gflop for r in p.layers) * 1e9 == pytest.approx(counter.get_total_flops(), rel=1e-9)
+    assert sum(r.gflop for r in p.layers) * 1e9 == pytest.approx(_step_flops(model), rel=1e-9)
     own = [r for r in p.layers if r.kind.endswith(", own work") and r.gflop > 0]
     assert own and any("ResidualUnit" in r.kind for r in own), [(r.name, r.kind, r.gflop) for r in p.layers]
     assert any(r.endswith(".block.2") or ".conv2" in r for r in p.not_called), p.not_called  # the 1x1 conv's layer
