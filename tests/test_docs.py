@@ -1,6 +1,6 @@
 """The docs stay true to the code and to the runs their figures come from.
 
-- Every relative link (and ``#anchor``) in README.md and the Markdown docs resolves.
+- (Every relative link and ``#anchor`` resolves: ``tests/test_docs_hygiene.py``, with this module's ``_anchors``.)
 - Import names are the installed ``code2wav.*`` ones: no ``from client``/``import proto``/``python -m sidecar``,
   no shared-folder variable or sibling-folder path; every ``from code2wav.x import y`` in a doc imports.
 - Every ``code2wav-sidecar <command> --flag`` quoted exists in that command's ``--help`` (the real CLI, run).
@@ -65,22 +65,8 @@ def _anchors(path: Path) -> set[str]:
     return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", _without_fences(path.read_text()), re.M)}
 
 
-# ------------------------------------------------------------------------------------------------ links, imports
-@pytest.mark.parametrize("doc", ALL_MARKDOWN, ids=_rel)
-def test_relative_links_resolve(doc):
-    broken = []
-    for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", _without_fences(doc.read_text())):
-        if re.match(r"[a-z]+:", target):
-            continue  # http(s), mailto
-        path_part, _, anchor = target.partition("#")
-        resolved = (doc.parent / path_part).resolve() if path_part else doc
-        if not resolved.exists():
-            broken.append(f"{target}: no such file")
-        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
-            broken.append(f"{target}: no heading #{anchor} in {resolved.name}")
-    assert broken == []
-
-
+# ------------------------------------------------------------------------------------------------ imports
+# (relative links and their anchors: tests/test_docs_hygiene.py, over every Markdown file)
 _OLD_NAMES = re.compile(r"^\s*from (client|proto|sidecar|loadgen)[. ]|^\s*import (client|proto|sidecar|loadgen)\b"
                         r"|python -m (client|proto|sidecar|loadgen)\b|CODE2WAV_[S]HARED|\.\./[s]hared", re.M)  # [x]: no self-match
 

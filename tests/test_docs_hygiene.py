@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from test_docs import _anchors, _without_fences
 
 MARKDOWN = sorted({ROOT / "README.md", ROOT / "proto" / "README.md", ROOT / "tests" / "data" / "README.md",
                    *(ROOT / "docs").rglob("*.md"), *(ROOT / "deploy").rglob("*.md")})
@@ -35,15 +36,6 @@ def _found(pattern: re.Pattern, text: str) -> list[str]:
     return [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in pattern.finditer(text)]
 
 
-def _prose(text: str) -> str:
-    return re.sub(r"^```\w*\n.*?^```", "", text, flags=re.M | re.S)
-
-
-def _slug(heading: str) -> str:
-    text = re.sub(r"[`*_\[\]()]", "", heading.strip().lower())
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-
-
 @pytest.mark.parametrize("path", MARKDOWN + RESULTS, ids=_rel)
 def test_no_machine_paths_and_no_tracker_numbers(path):
     text = path.read_text(errors="replace")
@@ -55,17 +47,15 @@ def test_no_machine_paths_and_no_tracker_numbers(path):
 def test_links_and_quoted_paths_resolve(doc):
     text = doc.read_text()
     broken = []
-    for target in LINK.findall(_prose(text)):
+    for target in LINK.findall(_without_fences(text)):
         if re.match(r"[a-z]+:", target):
             continue  # http(s), mailto
         part, _, anchor = target.partition("#")
         resolved = (doc.parent / part).resolve() if part else doc
         if not resolved.exists():
             broken.append(f"link {target}: no such file")
-        elif anchor and resolved.suffix == ".md":
-            headings = re.findall(r"^#{1,6} (.+)$", _prose(resolved.read_text()), re.M)
-            if anchor not in {_slug(h) for h in headings}:
-                broken.append(f"link {target}: no heading #{anchor}")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"link {target}: no heading #{anchor}")
     for quoted in REPO_PATH.findall(text):
         path = quoted.rstrip("/.")
         if any(c in path for c in "*<>") or (ROOT / path).exists():
