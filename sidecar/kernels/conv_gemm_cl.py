@@ -24,13 +24,11 @@ where the block divides ``C_in``. Float32 is not offered (IEEE float32 on tensor
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .conv_gemm import check_shapes, conv_flops, fake_output, kernel_weight, reference
+from .conv_gemm import ConvGemmTile, check_shapes, conv_flops, fake_output, kernel_weight, reference
 
 try:  # optional, as for snake.py
     import triton
@@ -41,23 +39,13 @@ else:
     from .snake_math import sine_for, snake_apply, snake_scale_inv
 
 
-class ConvClTile(NamedTuple):
-    """A tile shape and launch setting: output columns x output channels per tile, input channels per step."""
-
-    block_t: int
-    block_co: int
-    block_ci: int
-    num_warps: int
-    num_stages: int
-
-
-CONFIGS = (
-    ConvClTile(128, 128, 64, 8, 3),
-    ConvClTile(128, 64, 64, 4, 4),
-    ConvClTile(64, 128, 64, 4, 4),
-    ConvClTile(128, 256, 64, 8, 3),
-    ConvClTile(256, 128, 64, 8, 3),
-    ConvClTile(128, 128, 32, 4, 4),
+CONFIGS = (  # ConvGemmTile fields: output channels, columns per tile, input channels per step, warps, stages
+    ConvGemmTile(128, 128, 64, 8, 3),
+    ConvGemmTile(64, 128, 64, 4, 4),
+    ConvGemmTile(128, 64, 64, 4, 4),
+    ConvGemmTile(256, 128, 64, 8, 3),
+    ConvGemmTile(128, 256, 64, 8, 3),
+    ConvGemmTile(128, 128, 32, 4, 4),
 )
 """Candidates (wgmma wants 64-row multiples and 4 or 8 warps); the choice keeps the fastest per shape."""
 
@@ -111,7 +99,7 @@ if triton is not None:
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
-            beta: Tensor | None, log_params: bool, config: ConvClTile) -> Tensor:
+            beta: Tensor | None, log_params: bool, config: ConvGemmTile) -> Tensor:
     batch, c_in, num_in = x.shape
     c_out, _, ksize = weight.shape
     num_cols_out = num_in - (ksize - 1) * dilation
@@ -142,10 +130,10 @@ def conv_snake_cl(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int,
     """``y`` ``[B, C_out, T]`` contiguous: ``x`` ``[B, C_in, P + T]`` (channels-last is read in place, another layout
     is copied first), ``weight`` ``[C_out, C_in, K]`` (``kernel_weight``'s layout, else made), ``bias`` ``[C_out]`` or
     None, ``alpha``/``beta`` ``[C_out]`` the Snake after the conv (``alpha`` None: none), ``config`` the five fields
-    of a ``ConvClTile``."""
+    of a ``ConvGemmTile``."""
     check_shapes(x, weight, bias, dilation)
     if x.is_cuda and triton is not None:
-        return _launch(x, weight, bias, dilation, alpha, beta, log_params, ConvClTile(*config))
+        return _launch(x, weight, bias, dilation, alpha, beta, log_params, ConvGemmTile(*config))
     return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
 
 
@@ -162,7 +150,7 @@ def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
 
 def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
                     beta: Tensor | None, log_params: bool,
-                    config: ConvClTile = ConvClTile(16, 16, 16, 1, 1)) -> Tensor:
+                    config: ConvGemmTile = ConvGemmTile(16, 16, 16, 1, 1)) -> Tensor:
     """The Triton kernel on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton was
     imported), for the CPU tests (small tiles: many programs, partial tiles at every edge)."""
     check_shapes(x, weight, bias, dilation)
