@@ -13,7 +13,9 @@ The rules, in order:
    capacity being open streams + free slots by its load report (``proto.Load``); so a sidecar with half the
    slots gets half the streams. A sidecar that reports no load (an older server) counts the streams this pool
    placed there, against the mean capacity of the others (``NOMINAL_CAPACITY`` when none reports).
-4. Ties: more free slots first, then the one chosen least recently (round robin among equal sidecars).
+4. Ties: more free slots first, then the one chosen least recently (round robin among equal sidecars), then a
+   per-pool random order (``salt``): many runners' pools that see the same reports (all sidecars idle, at start
+   or after a restart) do not all pick the same sidecar for their first streams.
 
 A full sidecar stays a candidate, last: its report may be stale, and its ``busy`` answer (the pool then tries
 the next) is the truth.
@@ -21,6 +23,7 @@ the next) is the truth.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -64,8 +67,16 @@ def _free(candidate: Candidate, default_capacity: float) -> float:
     return candidate.load.free_slots - candidate.placed_since_report
 
 
-def rank(candidates: Sequence[Candidate]) -> list[str]:
-    """The candidates' keys, best first (the module's rules); sidecars that take no streams are left out."""
+def _tie_order(key: str, salt: int) -> bytes:
+    """The last tie-break: a pool's own order of the sidecars (the key itself when ``salt`` is 0)."""
+    if not salt:
+        return key.encode()
+    return hashlib.blake2b(key.encode(), digest_size=8, salt=salt.to_bytes(8, "little")).digest()
+
+
+def rank(candidates: Sequence[Candidate], salt: int = 0) -> list[str]:
+    """The candidates' keys, best first (the module's rules); sidecars that take no streams are left out.
+    ``salt``: the pool's own random number, fixed for its life (rule 4's last tie-break; 0: by key)."""
     usable = [c for c in candidates if c.takes_streams and not (c.load is not None and c.load.draining)]
     reported = [c.load.capacity_slots for c in candidates if c.load is not None]
     default_capacity = float(sum(reported) / len(reported)) if reported else float(NOMINAL_CAPACITY)
@@ -74,6 +85,7 @@ def rank(candidates: Sequence[Candidate]) -> list[str]:
         free = _free(candidate, default_capacity)
         full = free <= 0
         tier = 2 if full else (0 if candidate.local_gpu else 1)
-        return (tier, utilisation(candidate, default_capacity), -free, candidate.last_chosen, candidate.key)
+        return (tier, utilisation(candidate, default_capacity), -free, candidate.last_chosen,
+                _tie_order(candidate.key, salt))
 
     return [candidate.key for candidate in sorted(usable, key=order)]

@@ -64,6 +64,16 @@ def test_a_sidecar_without_load_reports_counts_this_pools_streams():
                  Candidate("new", True, _load(30, 10), 0, False)]) == ["old", "new"]
 
 
+def test_pools_with_their_own_salts_break_a_tie_between_idle_sidecars_differently():
+    idle = [Candidate(key, True, _load(0, 40), 0, False) for key in ("a", "b", "c")]
+    assert rank(idle) == ["a", "b", "c"]  # salt 0: by key
+    firsts = collections.Counter(rank(idle, salt=salt)[0] for salt in range(1, 301))
+    assert set(firsts) == {"a", "b", "c"} and min(firsts.values()) >= 60, firsts  # about 100 each
+    assert rank(idle, salt=7) == rank(idle, salt=7)  # one pool's order is fixed
+    busier = [Candidate("a", True, _load(1, 39), 0, False), *idle[1:]]  # no tie: the salt does not matter
+    assert {rank(busier, salt=salt)[-1] for salt in range(1, 50)} == {"a"}
+
+
 def test_pool_addresses():
     assert parse_pool_address("ipc:///a.sock") == PoolAddress(addresses=("ipc:///a.sock",))
     assert parse_pool_address("ipc:///a.sock, tcp://10.0.0.2:5555").addresses == ("ipc:///a.sock",
