@@ -68,7 +68,11 @@ def tiny_model():
 
 def start_sidecar(tmp_path: Path, *extra: str, model: str = str(TINY)) -> SpawnedSidecar:
     """A real ``python -m code2wav.sidecar serve`` on the tiny golden model, CPU, ipc:// socket under ``tmp_path``."""
-    return spawn_sidecar("--model", model, "--device", "cpu", "--max-streams", "64", *extra, workdir=tmp_path)
+    # on a GPU, the first start on a bare machine compiles and times the conv forms (about 60-100 s measured on an
+    # H100 for the default model; later starts read the kernel-choice and Triton caches)
+    timeout_s = 300.0 if any(arg.startswith("cuda") for arg in extra) else 120.0
+    return spawn_sidecar("--model", model, "--device", "cpu", "--max-streams", "64", *extra, workdir=tmp_path,
+                         timeout_s=timeout_s)
 
 
 @pytest.fixture

@@ -87,6 +87,12 @@ def _clean_run(model, path: str, good: list[torch.Tensor], bystander: list[torch
     return out_b, out_p
 
 
+def _total(counter) -> float:
+    """A labelled prometheus Counter's sum over its labels."""
+    return sum(sample.value for metric in counter.collect() for sample in metric.samples
+               if sample.name.endswith("_total"))
+
+
 def _check_not_poisoned(model, path: str, good, bad, bystander) -> None:
     out_b, out_p, ok_bad, before, after = _poisoned_run(model, path, good, bad, bystander)
     ref_b, ref_p = _clean_run(model, path, good, bystander)
@@ -179,10 +185,12 @@ def test_server_refuses_extreme_latents_and_the_stream_goes_on(tmp_path):
         running.stop()
 
 
-def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path, device):
     """A family (the toy of test_family_toy) whose weights overflow float32 for latents of magnitude >= ~300, well
     inside the input range: the chunk gets ``internal`` naming the seq, is counted, and the stream continues from
-    its last good state: its next chunk equals a clean stream's; a bystander in the same batch is bit-identical."""
+    its last good state: its next chunk equals a clean stream's; a bystander in the same batch is bit-identical.
+    On CUDA the steps are the family's captured graphs (b1, b2 x 1, 8 frames): the check and the commit replayed."""
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     import test_family_toy as toy  # noqa: PLC0415
@@ -196,7 +204,7 @@ def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path):
     weights = {k: (v * 1e36 if k == "mix.conv.weight" else v).contiguous() for k, v in weights.items()}
     save_file(weights, str(folder / "model.safetensors"))
     assert torch.equal(load_file(str(folder / "model.safetensors"))["mix.conv.weight"], weights["mix.conv.weight"])
-    running = toy.serve(tmp_path, folder, "cpu")
+    running = toy.serve(tmp_path, folder, device)
     try:
         with SidecarClient(running.server.address, timeout_s=60) as client:
             gen = torch.Generator().manual_seed(9)
@@ -218,5 +226,8 @@ def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path):
             assert torch.equal(hit.decode(chunks[2]), ref[2])
             assert running.server.metrics.chunks_not_finite._value.get() == 1
             assert all(bool(torch.isfinite(r).all()) for r in ref)
+            if device == "cuda":  # every step above was a graph replay
+                metrics = running.server.metrics
+                assert _total(metrics.graph_misses) == 0 and _total(metrics.graph_replays) >= 8
     finally:
         running.stop()
