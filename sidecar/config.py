@@ -52,6 +52,11 @@ class SchedulerConfig(_Section):
     batch_window_us: int = Field(200, ge=0, description="how long a lone chunk waits for company "
                                  "(none when every open stream has a chunk queued)")
     max_pending_chunks: int = Field(4096, ge=1, description="queued chunks beyond this get a busy error")
+    # at most 2: the graph routines stage a step's inputs in one of 2 pinned sets (graphs/routine.py)
+    max_steps_in_flight: Annotated[int, Field(ge=1, le=2)] | Literal["auto"] = Field(
+        "auto", description="steps queued on the device at once: 2 = the next batch (of other streams) is staged and "
+        "launched while a step runs, for steps whose chunks travel as inline bytes both ways; 1 = each step alone; "
+        "auto = 2 on CUDA, 1 on CPU (where a step is computed as it is launched)")
 
 
 class EngineConfig(_Section):
@@ -161,6 +166,13 @@ def busy_poll_s(cfg: ServerConfig, device_type: str) -> float:
     if cfg.busy_poll_us == "auto":
         return AUTO_BUSY_POLL_US / 1e6 if device_type == "cuda" else 0.0
     return cfg.busy_poll_us / 1e6
+
+
+def steps_in_flight(cfg: ServerConfig, device_type: str) -> int:
+    """``scheduler.max_steps_in_flight`` with ``auto`` resolved for the device."""
+    if cfg.scheduler.max_steps_in_flight == "auto":
+        return 2 if device_type == "cuda" else 1
+    return cfg.scheduler.max_steps_in_flight
 
 
 def cpu_threads(cfg: ServerConfig, device_type: str) -> int | None:

@@ -10,10 +10,13 @@ finite (the others keep their state and are reported as failed).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .forward import committed_rows, forward_in_slices, rows_audio, rows_options, rows_state
+from .forward import (committed_rows, forward_in_slices, rows_audio, rows_options, rows_state,
+                      start_host_copy)
 from .graphs.manager import GraphManager
 from .models import LoadedModel
 from .modes import StreamMode, mode_for
@@ -21,7 +24,22 @@ from .state_store import StateArena
 from .step_plan import StepPlan, StepPlanner, eager_slices
 from .work import DecodeItem
 
-__all__ = ["Engine", "DecodeItem", "StepPlan"]
+__all__ = ["Engine", "DecodeItem", "LaunchedStep", "StepPlan"]
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (``Engine.launch``): what ``Engine.finish`` reads once the device is done."""
+
+    items: list[DecodeItem]
+    wav: Tensor  # [B, T * U] on the device: a graph's output is overwritten by the next replay
+    host: Tensor | None  # [rows, T * U] the host rows' audio, being copied (pinned); None: no host rows
+    flags: Tensor  # [rows] bool: which rows committed (a pinned copy being made, on CUDA)
+    done: torch.cuda.Event | None  # recorded after the copies; None: done already (the CPU)
+
+    def ready(self) -> bool:
+        """The device finished the step and its copies (never waits)."""
+        return self.done is None or self.done.query()
 
 
 class Engine:
@@ -41,27 +59,50 @@ class Engine:
     def execute(self, plan: StepPlan, items: list[DecodeItem]) -> list[Tensor]:
         """The audio of ``execute_checked``, the flags not read (tests, offline decoding, benches: no wait for the
         device beyond what the audio's copy needs)."""
-        return self._execute(plan, items)[0]
+        step = self.launch(plan, items)
+        if step.host is None:  # every row stays on the device: views, no wait
+            return rows_audio(step.wav, items, self.model.samples_per_frame)
+        return self.finish(step)[0]
 
     def execute_checked(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], list[bool]]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
         valid until the next step; and per item whether it succeeded: False for a row whose audio or new state is
-        not finite, whose stream kept its state (``forward.committed_rows``; reading the flags waits for the
-        device). ``items`` are the plan's rows, or some of them (rows refused after planning: the plan's bucket and
-        frames still hold the rest)."""
-        audios, committed = self._execute(plan, items)
-        return audios, committed.tolist()
+        not finite, whose stream kept its state (``forward.committed_rows``). Waits for the device. ``items`` are
+        the plan's rows, or some of them (rows refused after planning: the plan's bucket and frames still hold the
+        rest)."""
+        return self.finish(self.launch(plan, items))
+
+    def launch(self, plan: StepPlan, items: list[DecodeItem]) -> LaunchedStep:
+        """Queue the step on the device and the copies of its host rows' audio and its flags to the host, without
+        waiting for the device (on the CPU the step is done when this returns). ``finish`` takes the results."""
+        wav, committed = self._execute(plan, items)  # [B, T * U], [rows]
+        host = start_host_copy(wav, items)  # [rows, T * U] or None
+        if wav.device.type != "cuda":
+            return LaunchedStep(items, wav, host, committed, None)
+        flags = torch.empty(len(items), dtype=torch.bool, pin_memory=True)  # [rows]
+        flags.copy_(committed[: len(items)], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(items, wav, host, flags, done)
+
+    def finish(self, step: LaunchedStep) -> tuple[list[Tensor], list[bool]]:
+        """``execute_checked``'s results of a launched step, waiting for the device if it is not done yet. Device
+        rows are views of the step's output: valid only if no later step was launched meanwhile."""
+        if step.done is not None:
+            step.done.synchronize()
+        return rows_audio(step.wav, step.items, self.model.samples_per_frame, step.host), step.flags.tolist()
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], Tensor]:
-        """``execute_checked``'s audio, and its flags as a ``[B]`` bool tensor on the device (not read)."""
+    def _execute(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[Tensor, Tensor]:
+        """Run (queue) the step: its audio ``[B, T * U]`` (a graph's output, or the eager forward's) and its flags
+        ``[rows]`` bool, both on the device, not read."""
         if any((it.slot is not None) != plan.mode.stateful for it in items):
             raise ValueError(f"every row of a {plan.mode.name} step must {'' if plan.mode.stateful else 'not '}hold "
                              "a state slot")
         bucket = plan.bucket
         if bucket is not None and (not plan.capture_first or self.graphs.capture(bucket)):
-            audios = self.graphs.replay(bucket, items)
-            return audios, self.graphs.committed_flags(bucket, len(items))
+            wav = self.graphs.launch(bucket, items)  # [Bb, T * U]
+            return wav, self.graphs.committed_flags(bucket, len(items))
         if self.graphs is not None and self.metrics is not None:
             self.metrics.graph_misses.labels(component=plan.mode.name, reason=plan.reason).inc()
         frames = max(it.num_frames for it in items)  # (rows refused after planning shorten an eager step)
@@ -75,7 +116,7 @@ class Engine:
         return self.execute(self.plan(mode, [it.num_frames for it in items], may_capture), items)
 
     def _eager(self, stateful: bool, items: list[DecodeItem], frames: int,
-               slices: tuple[tuple[int, int], ...]) -> tuple[list[Tensor], Tensor]:
+               slices: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
         batch, model = len(items), self.model
         staged = model.input.staged_dtype(model.dtype)
         inputs = torch.zeros((batch, model.num_channels, frames), dtype=staged)  # [B, C, T] right-padded
@@ -91,5 +132,4 @@ class Engine:
         # commit: only after the forward succeeded, and only rows whose audio and new state are finite
         committed = committed_rows(model, self.arena if stateful else None, wav, num_frames, slots, state,
                                    positions)  # [B]
-        audios = rows_audio(wav, items, model.samples_per_frame)
-        return audios, committed  # [B]
+        return wav, committed  # [B, T * U], [B]

@@ -73,14 +73,31 @@ def committed_rows(model: LoadedModel, arena: StateArena | None, wav: Tensor, nu
     return arena.scatter(slots, state, positions, finite)  # [B]
 
 
-def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int) -> list[Tensor]:
-    """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: copied to the host, or for
-    ``out_device`` rows a view of ``wav`` (valid until the next forward overwrites it).
+def start_host_copy(wav: Tensor, items: list[DecodeItem]) -> Tensor | None:
+    """Start copying the rows of ``items`` out of ``wav`` ``[B, T * U]`` to the host, without waiting for the device:
+    into pinned memory on CUDA (the copy is queued behind the step), ``wav`` itself on the CPU. None when every row's
+    audio stays on the device. The rows are the host's once the device reached the copy (``rows_audio``)."""
+    if all(it.out_device for it in items):
+        return None
+    rows = wav[: len(items)]  # [rows, T * U]
+    if rows.device.type != "cuda":
+        return rows
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)  # [rows, T * U]
+    host.copy_(rows, non_blocking=True)
+    return host
+
+
+def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int,
+               host: Tensor | None = None) -> list[Tensor]:
+    """Row ``b``'s samples ``[skip_b * U, n_b * U)`` of ``wav`` ``[B, T * U]``: on the host, or for ``out_device``
+    rows a view of ``wav`` (valid until the next forward overwrites it). ``host``: the rows already copied by
+    ``start_host_copy`` (the copy complete); None: copied here, synchronously.
 
     A host row owns its memory, exactly its own samples: its stream keeps it for an idempotent resend, up to the
     TTL when the client vanished, and a view would keep the whole padded batch ``[B, T * U]`` alive with it."""
     spf = samples_per_frame
-    host = None if all(it.out_device for it in items) else wav[: len(items)].cpu()  # [rows, T * U]; synchronous
+    if host is None and not all(it.out_device for it in items):
+        host = wav[: len(items)].cpu()  # [rows, T * U]; synchronous
     return [wav[b, it.skip_frames * spf: it.num_frames * spf] if it.out_device
             else _owned(host[b, it.skip_frames * spf: it.num_frames * spf]) for b, it in enumerate(items)]
 

@@ -92,6 +92,8 @@ class Metrics:
         self.shutdown_unsent = Counter(p + "shutdown_replies_unsent", "Replies handed to the socket after the stop "
                                        "signal that may not have been sent: the socket still held queued replies "
                                        "when shutdown_timeout_s ran out (at most this many were dropped)", registry=r)
+        self.steps_overlapped = Counter(p + "steps_overlapped", "Steps launched while another step was still in "
+                                        "flight on the device (scheduler.max_steps_in_flight 2)", registry=r)
         self.chunks_not_finite = Counter(p + "chunks_not_finite", "Chunks whose audio or new decoder state came out "
                                          "non-finite (NaN/inf): answered internal, not committed", registry=r)
         self.chunks = Counter(p + "chunks", "Chunks decoded successfully", ["model", "mode"], registry=r)

@@ -10,6 +10,9 @@
   pure latency. The queued streams counted may include some being closed (a departed client's, detached and
   freed in slices a loop turn later): then a batch runs before its window ends, never after it.
 - Draining (the server is stopping): queued chunks run now, without waiting for company.
+- Steps in flight (the stepper launches the next step while the last one still runs on the device): the streams
+  with a chunk in such a step are ``busy``; their queued chunks wait for it (their state is not committed yet) and
+  count neither for a full batch nor for the window. Nobody else can join when every open stream is queued or busy.
 
 The numbers are a ``BatchPolicy``, decided once at start-up by ``batch_policy`` (the configured values, the batch
 size capped to what the captured graphs serve) and never changed afterwards.
@@ -59,17 +62,31 @@ class Scheduler:
         self._queued_per_stream[id(job.stream)] += 1
         return True
 
-    def seconds_until_ready(self, now_s: float, num_open_streams: int | None = None) -> float | None:
-        """None when nothing is queued; 0 when a batch should run now; else how long to wait for company.
-        ``num_open_streams``: streams that may send chunks (None: unknown); when every one of them has a chunk
-        queued already, no other stream can join the batch and it runs now."""
-        if not self._queue:
+    def seconds_until_ready(self, now_s: float, num_open_streams: int | None = None,
+                            busy: frozenset[int] | set[int] = frozenset()) -> float | None:
+        """None when nothing is queued that may run (``busy``: ``id(stream)`` of streams in a step in flight);
+        0 when a batch should run now; else how long to wait for company. ``num_open_streams``: streams that may
+        send chunks (None: unknown); when every one of them has a chunk queued or is busy, no other stream can
+        join the batch and it runs now."""
+        oldest = self._oldest(busy)
+        if oldest is None:
             return None
-        if len(self._queue) >= self.policy.max_batch_size or self.draining:
+        counts = self._queued_per_stream
+        launchable = len(self._queue) - sum(counts.get(key, 0) for key in busy) if busy else len(self._queue)
+        if launchable >= self.policy.max_batch_size or self.draining:
             return 0.0
-        if num_open_streams is not None and len(self._queued_per_stream) >= num_open_streams:
-            return 0.0
-        return max(0.0, self._queue[0].arrived_s + self.policy.batch_window_s - now_s)
+        if num_open_streams is not None:
+            waiting = len(counts) - sum(1 for key in busy if key in counts) + len(busy)
+            if waiting >= num_open_streams:
+                return 0.0
+        return max(0.0, oldest.arrived_s + self.policy.batch_window_s - now_s)
+
+    def _oldest(self, busy: frozenset[int] | set[int]) -> ChunkJob | None:
+        """The oldest queued chunk whose stream is not busy."""
+        for job in self._queue:
+            if id(job.stream) not in busy:
+                return job
+        return None
 
     def _forget(self, jobs) -> None:
         """Count ``jobs`` (just taken out of the queue) out of the per-stream counts."""
@@ -80,13 +97,14 @@ class Scheduler:
             if counts[key] <= 0:
                 del counts[key]
 
-    def take_batch(self) -> list[ChunkJob]:
-        """Remove and return the next batch (FIFO, one key, one chunk per stream)."""
-        if not self._queue:
+    def take_batch(self, busy: frozenset[int] | set[int] = frozenset()) -> list[ChunkJob]:
+        """Remove and return the next batch (FIFO, one key, one chunk per stream, no stream in ``busy``)."""
+        oldest = self._oldest(busy)
+        if oldest is None:
             return []
-        key, max_batch_size = self._queue[0].batch_key, self.policy.max_batch_size
+        key, max_batch_size = oldest.batch_key, self.policy.max_batch_size
         batch: list[ChunkJob] = []
-        seen: set[int] = set()
+        seen: set[int] = set(busy)
         kept: deque[ChunkJob] = deque()
         while self._queue:
             job = self._queue.popleft()

@@ -30,7 +30,7 @@ import zmq
 
 from . import bootstrap
 from .auth import start_client_auth
-from .config import ServerConfig, busy_poll_s, cpu_threads
+from .config import ServerConfig, busy_poll_s, cpu_threads, steps_in_flight
 from .connlog import shutdown_summary
 from .engine import Engine
 from .loop_io import SocketLoop
@@ -85,7 +85,7 @@ class Server:
         self.transport = bootstrap.build_transport(cfg, self._zmq)
         self.io = SocketLoop(self.transport, self.sessions, self._pool, self.metrics, busy_poll_s(cfg, device.type))
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
-                               cfg.codes_event_timeout_s)
+                               cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type))
         self.ready = True
         self.metrics.ready.set(1)
 

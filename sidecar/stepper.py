@@ -1,16 +1,26 @@
-"""The stepper: form batches, run them on the engine, reply. One step at a time.
+"""The stepper: form batches, run them on the engine, reply.
 
-A step whose every chunk writes its audio into a client's CUDA IPC region does not wait for the device (its
-replies name events instead), so it is launched from the loop thread itself, with no thread hand-off on the
-latency path, and its replies leave at once. After any step that wrote into client regions the stepper waits
-for the device to finish it before the next batch is formed, so batches fill while the device works and a
-step never starts while the last one still reads its inputs. Any other step waits for the device (audio copied
-to the host), so it runs in the worker thread, and receiving and replying go on meanwhile. No step runs on the
-loop thread while a region is being opened or closed in the worker.
+Two kinds of step:
 
-With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows, after a
-CUDA IPC step it polls the device's completion the same way, and a batch whose CUDA IPC codes events are not
-all complete yet polls them for a moment (``CODES_GRACE_S``) before it puts those chunks back for the next step.
+- **Pipelined** (inline bytes both ways, the plan's bucket captured, ``max_steps_in_flight`` > 1: on CUDA): the
+  worker thread queues the step on the device and the copies of its audio and flags into pinned host memory, and
+  the stepper goes on at once: the next batch (of other streams: a stream with a chunk in flight is ``busy`` for the
+  scheduler) is staged and queued while this one runs, so the device does not idle between steps while chunks
+  wait. A waiter thread sleeps in the step's completion event; the worker then takes the rows out and the replies
+  leave. At most ``max_steps_in_flight`` steps (2: the graph routines' staging sets) are in flight.
+- **Alone** (anything else: CUDA IPC inputs or outputs, a capture first, eager on the CPU): it waits for the steps in
+  flight, then runs as before. A step whose every chunk writes its audio into a client's CUDA IPC region does not
+  wait for the device (its replies name events instead), so it is launched from the loop thread itself, with no
+  thread hand-off on the latency path. After any step that wrote into client regions the stepper waits for the
+  device to finish it before the next batch is formed, so a step never starts while the last one still reads its
+  inputs. Any other alone step waits for the device (audio copied to the host), so it runs in the worker thread,
+  and receiving and replying go on meanwhile. No step runs on the loop thread while a region is being opened or
+  closed in the worker.
+
+With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows and no step
+is in flight (a poll would take the GIL from the worker staging the next step), after a CUDA IPC step it polls the
+device's completion the same way, and a batch whose CUDA IPC codes events are not all complete yet polls them for a
+moment (``CODES_GRACE_S``) before it puts those chunks back for the next step.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import torch
 
 from code2wav.proto import ErrorCode
 
-from .engine import Engine
+from .engine import Engine, LaunchedStep
 from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_audio
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -61,7 +71,8 @@ class LoopIO(Protocol):
 
 class Stepper:
     def __init__(self, engine: Engine, sessions: Sessions, scheduler: Scheduler, metrics: Metrics,
-                 pool: concurrent.futures.Executor, io: LoopIO, codes_event_timeout_s: float) -> None:
+                 pool: concurrent.futures.Executor, io: LoopIO, codes_event_timeout_s: float,
+                 max_steps_in_flight: int = 1) -> None:
         self.engine = engine
         self.sessions = sessions
         self.scheduler = scheduler
@@ -69,16 +80,22 @@ class Stepper:
         self.pool = pool
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
-        self.busy = False  # a step is in flight
+        self.max_steps_in_flight = max_steps_in_flight  # 1: every step alone (the CPU)
+        self.in_flight = 0  # steps launched and not finished
+        self._busy: set[int] = set()  # id(stream) of the streams with a chunk in a step in flight
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-wait") \
+            if max_steps_in_flight > 1 else None
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def idle(self) -> bool:
         """Nothing queued and no step in flight (the server may stop)."""
-        return not len(self.scheduler) and not self.busy
+        return not len(self.scheduler) and not self.in_flight
 
     def seconds_until_ready(self, now_s: float) -> float | None:
-        """The scheduler's answer, told how many streams could still add a chunk (the open ones)."""
-        return self.scheduler.seconds_until_ready(now_s, len(self.sessions.streams))
+        """The scheduler's answer, told how many streams could still add a chunk (the open ones) and which are
+        busy in a step in flight."""
+        return self.scheduler.seconds_until_ready(now_s, len(self.sessions.streams), self._busy)
 
     def batch_ready(self) -> bool:
         return self.seconds_until_ready(time.monotonic()) == 0
@@ -86,26 +103,85 @@ class Stepper:
     async def run(self) -> None:
         """The step loop: until cancelled."""
         io = self.io
-        while True:
-            now = time.monotonic()
-            wait_s = self.seconds_until_ready(now)
-            if wait_s is None or wait_s > 0:
-                if now < io.poll_until:  # traffic flows: poll, and take what arrives on this thread
-                    await io.poll(self.batch_ready, io.poll_until if wait_s is None else now + wait_s)
-                    continue
-                await io.wait_for_work(wait_s)
-                continue
-            await self.step(self.scheduler.take_batch())
-
-    async def step(self, batch: list) -> None:
-        """Plan the batch once (``step_plan``), run it where the plan allows (the loop thread, or the worker), reply."""
-        io, chunks, streams = self.io, self.sessions.chunks, self.sessions.streams
-        mode = batch[0].stream.mode
-        series = self.metrics.mode_series(batch[0].stream.model, mode.name)
-        now = time.monotonic()
-        self.busy = True  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
         try:
-            plan = self.engine.plan(mode, [job.decoded_frames for job in batch])
+            while True:
+                if self.in_flight >= self.max_steps_in_flight:
+                    await io.wait_for_work(None)  # a step finishing wakes it
+                    continue
+                now = time.monotonic()
+                wait_s = self.seconds_until_ready(now)
+                if wait_s is None or wait_s > 0:
+                    if not self.in_flight and now < io.poll_until:  # traffic flows: poll, take what arrives here
+                        await io.poll(self.batch_ready, io.poll_until if wait_s is None else now + wait_s)
+                        continue
+                    await io.wait_for_work(wait_s)
+                    continue
+                batch = self.scheduler.take_batch(self._busy)
+                try:
+                    plan = self.engine.plan(batch[0].stream.mode, [job.decoded_frames for job in batch])
+                except Exception as exc:  # a bug must not stop the loop: the batch's chunks get internal errors
+                    self._failed(batch, exc)
+                    self._after_step(batch, time.monotonic())
+                    continue
+                if self.pipelined(batch, plan):
+                    self._start(batch, plan)
+                elif self.in_flight:  # it runs alone: once the steps in flight are done
+                    self.scheduler.requeue(batch)
+                    await io.wait_for_work(None)
+                else:
+                    await self.step(batch, plan)
+        finally:
+            if self._waiter is not None:
+                self._waiter.shutdown(wait=False)
+
+    def pipelined(self, batch: list, plan: StepPlan) -> bool:
+        """Policy: a step may run beside another one in flight when its chunks travel as inline bytes both ways (no
+        client region to read or write) and its plan captures nothing first (a capture holds the worker for up to
+        seconds and must not overlap a replay)."""
+        return (self.max_steps_in_flight > 1 and not plan.capture_first
+                and all(job.audio_out is None and job.ipc_codes is None for job in batch))
+
+    def _start(self, batch: list, plan: StepPlan) -> None:
+        if self.in_flight:
+            self.metrics.steps_overlapped.inc()
+        self.in_flight += 1
+        self._busy.update(id(job.stream) for job in batch)
+        task = asyncio.get_running_loop().create_task(self._pipelined_step(batch, plan), name="step")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _pipelined_step(self, batch: list, plan: StepPlan) -> None:
+        """Launch on the worker, sleep in the device's completion on the waiter thread, take the rows out on the
+        worker, reply. The next step may be launched meanwhile."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        try:
+            launched = await loop.run_in_executor(self.pool, self._launch, batch, plan)
+            if not launched.ready():
+                await loop.run_in_executor(self._waiter, launched.done.synchronize)
+            audios, committed = await loop.run_in_executor(self.pool, self.engine.finish, launched)
+            done, audios, refused = self.checked(batch, audios, committed)
+        except Exception as exc:
+            self._failed(batch, exc)
+        else:
+            self._settle(done, audios, refused, [])
+        finally:
+            self.in_flight -= 1
+            self._busy.difference_update(id(job.stream) for job in batch)
+        self._after_step(batch, now)
+        self.io.wake()  # the step loop looks at the queue again: these streams may run, a slot is free
+
+    def _launch(self, batch: list, plan: StepPlan) -> LaunchedStep:
+        """Worker thread: the batch's items (reading stream state no other thread writes while the chunks are in
+        the engine), queued on the device."""
+        return self.engine.launch(plan, self.sessions.chunks.build_items(batch))
+
+    async def step(self, batch: list, plan: StepPlan) -> None:
+        """A step alone: run it where the plan allows (the loop thread, or the worker), reply."""
+        io = self.io
+        now = time.monotonic()
+        self.in_flight += 1  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
+        try:
             pending = incomplete_codes_events(batch)  # the step's one query per codes event
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)
@@ -116,36 +192,64 @@ class Stepper:
                 done, audios, refused, deferred = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self.engine_step, batch, pending, plan)
         except Exception as exc:
-            log.exception("engine step failed for a batch of %d %s chunks", len(batch), mode.name)
-            for job in batch:
-                chunks.fail(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
+            self._failed(batch, exc)
         else:
-            for job, code, message in refused:
-                chunks.fail(job, code, message)
-            if deferred:  # codes still being written by the client: first in line for the next step
-                self.scheduler.requeue(deferred)
-                self.metrics.ipc_codes_deferred.inc(len(deferred))
-                if not done:
-                    await asyncio.sleep(DEFERRED_RETRY_S)
-            wrote_regions = any(job.audio_out is not None for job in done)  # (completing a job clears it)
-            for job, audio in zip(done, audios):
-                chunks.complete(job, audio)
-            if wrote_regions:  # the step may still be running: the replies leave now, and the next batch
-                # forms in the queue until the device is done
-                io.flush()
-                await self.device_done()
-            step_s = time.monotonic() - now
-            series.step_seconds.observe(step_s)
-            self.sessions.note_step(step_s)
+            if deferred and not done:
+                self._settle(done, audios, refused, deferred)
+                await asyncio.sleep(DEFERRED_RETRY_S)
+            else:
+                wrote_regions = any(job.audio_out is not None for job in done)  # (completing a job clears it)
+                self._settle(done, audios, refused, deferred)
+                if wrote_regions:  # the step may still be running: the replies leave now, and the next batch
+                    # forms in the queue until the device is done
+                    io.flush()
+                    await self.device_done()
         finally:
-            self.busy = False
+            self.in_flight -= 1
+        self._after_step(batch, now)
+
+    def _failed(self, batch: list, exc: Exception) -> None:
+        log.error("engine step failed for a batch of %d %s chunks", len(batch), batch[0].stream.mode.name,
+                  exc_info=exc)
+        for job in batch:
+            self.sessions.chunks.fail(job, ErrorCode.INTERNAL, f"decode failed: {type(exc).__name__}: {exc}")
+
+    def _settle(self, done: list, audios: list, refused: list, deferred: list) -> None:
+        """A step's outcomes into the sessions: refused chunks fail, deferred ones go back first in line, the
+        decoded ones complete (their replies queued)."""
+        chunks = self.sessions.chunks
+        for job, code, message in refused:
+            chunks.fail(job, code, message)
+        if deferred:  # codes still being written by the client: first in line for the next step
+            self.scheduler.requeue(deferred)
+            self.metrics.ipc_codes_deferred.inc(len(deferred))
+        for job, audio in zip(done, audios):
+            chunks.complete(job, audio)
+
+    def _after_step(self, batch: list, started_s: float) -> None:
+        """Metrics, slots of streams closed meanwhile, the replies out."""
+        series = self.metrics.mode_series(batch[0].stream.model, batch[0].stream.mode.name)
+        step_s = time.monotonic() - started_s
+        series.step_seconds.observe(step_s)
+        self.sessions.note_step(step_s)
         self.metrics.queue_depth.set(len(self.scheduler))  # counted after the launch: off the latency path
         for job in batch:
-            self.metrics.batch_wait.observe(now - job.arrived_s)
+            self.metrics.batch_wait.observe(started_s - job.arrived_s)
         series.batch_size.observe(len(batch))
-        streams.release_in_flight(batch)
-        io.flush()
-        io.poll_until = time.monotonic() + io.busy_poll_s
+        self.sessions.streams.release_in_flight(batch)
+        self.io.flush()
+        self.io.poll_until = time.monotonic() + self.io.busy_poll_s
+
+    def checked(self, batch: list, audios: list, committed: list[bool]) -> tuple[list, list, list]:
+        """Split a step's jobs by their rows' commit flags: ``(done, their audio, refused)``; a row whose audio or
+        new state was not finite was not committed (its stream keeps its last good state) and its chunk is refused."""
+        if all(committed):
+            return batch, audios, []
+        refused = [(job, ErrorCode.INTERNAL, NOT_FINITE_MESSAGE.format(seq=job.seq))
+                   for job, ok in zip(batch, committed) if not ok]
+        self.metrics.chunks_not_finite.inc(committed.count(False))
+        return ([job for job, ok in zip(batch, committed) if ok], [a for a, ok in zip(audios, committed) if ok],
+                refused)
 
     async def device_done(self) -> None:
         """Wait for the work queued on the engine stream so far: polled with busy polling, else in the worker."""
@@ -178,12 +282,8 @@ class Stepper:
         if not done:
             return done, [], refused, deferred
         audios, committed = self.engine.execute_checked(plan, self.sessions.chunks.build_items(done))
-        if not all(committed):  # audio or new state not finite: the stream keeps its last good state
-            refused += [(job, ErrorCode.INTERNAL, NOT_FINITE_MESSAGE.format(seq=job.seq))
-                        for job, ok in zip(done, committed) if not ok]
-            audios = [audio for audio, ok in zip(audios, committed) if ok]
-            done = [job for job, ok in zip(done, committed) if ok]
-            self.metrics.chunks_not_finite.inc(committed.count(False))
+        done, audios, not_finite = self.checked(done, audios, committed)  # not finite: not committed
+        refused += not_finite
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
             audios = store_audio(done, audios)

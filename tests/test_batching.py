@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from code2wav.client import SidecarClient
@@ -20,8 +21,12 @@ TOL = 1e-5
 WORKER = Path(__file__).with_name("client_worker.py")
 
 
-def test_streams_from_several_processes_equal_decoding_alone(tmp_path, golden_cases):
-    running = start_sidecar(tmp_path)
+PIPELINED = "scheduler:\n  max_steps_in_flight: 2\n"  # (auto is 1 on the CPU: here the pipelined stepper's logic)
+
+
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
+def test_streams_from_several_processes_equal_decoding_alone(tmp_path, golden_cases, steps_in_flight):
+    running = start_sidecar(tmp_path) if steps_in_flight == 1 else _start_with_config(tmp_path, PIPELINED)
     try:
         procs = []
         for p in range(3):
@@ -44,18 +49,27 @@ def test_streams_from_several_processes_equal_decoding_alone(tmp_path, golden_ca
         batches = _metric(text, "code2wav_sidecar_batch_size_count")
         chunks = _metric(text, "code2wav_sidecar_batch_size_sum")
         assert chunks / batches > 1.0  # chunks of different streams and processes shared forwards
+        overlapped = _metric(text, "code2wav_sidecar_steps_overlapped_total")
+        assert overlapped == 0 if steps_in_flight == 1 else overlapped > 0, overlapped
     finally:
         running.stop()
 
 
-def test_pipelined_chunks_keep_per_stream_order(sidecar, golden_cases):
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
+def test_pipelined_chunks_keep_per_stream_order(tmp_path, golden_cases, steps_in_flight):
+    """Ten chunks of a stream in flight at once: with two steps in flight a stream's next chunk still waits for
+    the step that holds its previous one (its state), so the audio is exact."""
+    sidecar = start_sidecar(tmp_path) if steps_in_flight == 1 else _start_with_config(tmp_path, PIPELINED)
     codes, full = golden_cases["codes"], golden_cases["full"][:, 0]
-    with SidecarClient(sidecar.address, timeout_s=30) as client:
-        a, b = client.open_stream("a"), client.open_stream("b")
-        fa = [a.submit(codes[0, :, s:s + 4], final=(s == 36)) for s in range(0, 40, 4)]  # ten in flight at once
-        fb = [b.submit(codes[1, :, s:s + 8], final=(s == 32)) for s in range(0, 40, 8)]
-        out_a = torch.cat([f.result(30) for f in fa])
-        out_b = torch.cat([f.result(30) for f in fb])
+    try:
+        with SidecarClient(sidecar.address, timeout_s=30) as client:
+            a, b = client.open_stream("a"), client.open_stream("b")
+            fa = [a.submit(codes[0, :, s:s + 4], final=(s == 36)) for s in range(0, 40, 4)]  # ten in flight at once
+            fb = [b.submit(codes[1, :, s:s + 8], final=(s == 32)) for s in range(0, 40, 8)]
+            out_a = torch.cat([f.result(30) for f in fa])
+            out_b = torch.cat([f.result(30) for f in fb])
+    finally:
+        sidecar.stop()
     assert (out_a - full[0]).abs().max().item() <= TOL
     assert (out_b - full[1]).abs().max().item() <= TOL
 

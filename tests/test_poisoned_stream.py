@@ -185,12 +185,14 @@ def test_server_refuses_extreme_latents_and_the_stream_goes_on(tmp_path):
         running.stop()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path, device):
+@pytest.mark.parametrize(("device", "steps_in_flight"), [("cpu", 1), ("cpu", 2),
+                                                         pytest.param("cuda", "auto", marks=pytest.mark.cuda)])
+def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path, device, steps_in_flight):
     """A family (the toy of test_family_toy) whose weights overflow float32 for latents of magnitude >= ~300, well
     inside the input range: the chunk gets ``internal`` naming the seq, is counted, and the stream continues from
     its last good state: its next chunk equals a clean stream's; a bystander in the same batch is bit-identical.
-    On CUDA the steps are the family's captured graphs (b1, b2 x 1, 8 frames): the check and the commit replayed."""
+    On CUDA the steps are the family's captured graphs (b1, b2 x 1, 8 frames): the check and the commit replayed,
+    pipelined (``auto``: two steps in flight); on the CPU with two steps in flight the pipelined stepper's logic."""
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     import test_family_toy as toy  # noqa: PLC0415
@@ -204,7 +206,7 @@ def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path, 
     weights = {k: (v * 1e36 if k == "mix.conv.weight" else v).contiguous() for k, v in weights.items()}
     save_file(weights, str(folder / "model.safetensors"))
     assert torch.equal(load_file(str(folder / "model.safetensors"))["mix.conv.weight"], weights["mix.conv.weight"])
-    running = toy.serve(tmp_path, folder, device)
+    running = toy.serve(tmp_path, folder, device, scheduler={"max_steps_in_flight": steps_in_flight})
     try:
         with SidecarClient(running.server.address, timeout_s=60) as client:
             gen = torch.Generator().manual_seed(9)

@@ -107,6 +107,26 @@ def test_remove_stream_keeps_others_in_order():
     assert [(j.stream.stream_id, j.seq) for j in sched.take_batch()] == [("b", 0)]
 
 
+def test_streams_in_a_step_in_flight_wait_for_it_and_count_for_nothing():
+    """The step launched last still runs: its streams (busy) keep their queued chunks; the rest batch without them."""
+    sched = Scheduler(BatchPolicy(max_batch_size=2, batch_window_s=0.010, max_pending_chunks=100))
+    a, b, c = _stream("a"), _stream("b"), _stream("c")
+    sched.submit(_job(a, 1, arrived_s=1.000))  # a/0 and b/0 are in the step in flight
+    sched.submit(_job(b, 1, arrived_s=1.001))
+    busy = {id(a), id(b)}
+    assert sched.seconds_until_ready(1.002, num_open_streams=3, busy=busy) is None  # nothing may run yet
+    assert sched.take_batch(busy) == [] and len(sched) == 2
+    sched.submit(_job(c, 0, arrived_s=1.003))
+    # two queued (a full batch of 2) but only c may run: the window, from c's arrival, not a's
+    assert sched.seconds_until_ready(1.004, num_open_streams=4, busy=busy) == pytest.approx(0.009)
+    # every open stream is queued or busy: nobody else can join, c runs now
+    assert sched.seconds_until_ready(1.004, num_open_streams=3, busy=busy) == 0.0
+    assert [(j.stream.stream_id, j.seq) for j in sched.take_batch(busy)] == [("c", 0)]
+    # the step finished: a and b are free again, FIFO as always
+    assert sched.seconds_until_ready(1.004, num_open_streams=3) == 0.0  # a full batch
+    assert [(j.stream.stream_id, j.seq) for j in sched.take_batch()] == [("a", 1), ("b", 1)]
+
+
 def test_arena_slots_scratch_and_reuse():
     arena = StateArena({"x": (2, 3)}, num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
     assert arena.bytes_per_stream == 6 * 4 + 8

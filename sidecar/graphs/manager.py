@@ -251,14 +251,19 @@ class GraphManager:
         return state.status == "captured"
 
     def replay(self, key: BucketKey, items: list) -> list:
-        """Replay ``key``'s graph for ``items`` (the plan's bucket: captured, or captured just now)."""
+        """Replay ``key``'s graph for ``items`` (the plan's bucket: captured, or captured just now) and take each
+        row's audio out (host rows copied, synchronously; device rows are views valid until the next replay)."""
+        return self.routines[key.mode].copy_out(self.launch(key, items), items)
+
+    def launch(self, key: BucketKey, items: list) -> Tensor:
+        """Queue ``key``'s replay for ``items`` on the device, without waiting. Returns the graph's output ``[B,
+        T * U]``: overwritten by a later replay (of any bucket: they share one pool), so what is read of it must be
+        queued before that one (copies queued on the same stream are)."""
         state = self.buckets[key]
-        routine = self.routines[key.mode]
-        routine.copy_in(key.batch, key.frames, items)
+        self.routines[key.mode].copy_in(key.batch, key.frames, items)
         state.graph.replay()
-        outputs = routine.copy_out(state.output, items)  # copied out before any later replay
         state.replays.inc()
-        return outputs
+        return state.output
 
     def committed_flags(self, key: BucketKey, num_rows: int) -> Tensor:
         """After ``replay(key, items)``: which of its ``num_rows`` rows succeeded (finite audio and new state),

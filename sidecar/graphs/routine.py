@@ -19,6 +19,9 @@ from ..state_store import StateArena
 from ..work import DecodeItem
 from .plan import time_slices
 
+STAGING_BUFFERS = 2
+"""Pinned staging sets per routine: a step can be staged while the one before it still runs on the device."""
+
 
 class StreamRoutine:
     def __init__(self, model: LoadedModel, arena: StateArena | None, max_batch: int, max_frames: int) -> None:
@@ -40,11 +43,14 @@ class StreamRoutine:
         self._defaults = [opt.default for opt in model.contract.stream_options]
         self._option_names = [opt.name for opt in model.contract.stream_options]
         # flat, so that a bucket's inputs are staged contiguous ([B, C, T] of any T): a strided host source
-        # would make the copy in go through a pageable temporary, synchronously
-        self._inputs_host = torch.zeros(max_batch * channels * max_frames, dtype=staged, pin_memory=pin)
+        # would make the copy in go through a pageable temporary, synchronously. Two sets, used in turn (copy_in)
+        self._inputs_host = [torch.zeros(max_batch * channels * max_frames, dtype=staged, pin_memory=pin)
+                             for _ in range(STAGING_BUFFERS)]
         self._channels = channels
         # num_frames, slots, then one row per option
-        self._meta_host = torch.zeros((2 + len(self._option_names), max_batch), dtype=torch.long, pin_memory=pin)
+        self._meta_host = [torch.zeros((2 + len(self._option_names), max_batch), dtype=torch.long, pin_memory=pin)
+                           for _ in range(STAGING_BUFFERS)]
+        self._turn = 0  # the staging set the next copy_in fills
 
     def prime(self, batch: int, frames: int) -> None:
         """Safe inputs for warm-up and capture: every row on the scratch slot, zero inputs, default options."""
@@ -55,13 +61,16 @@ class StreamRoutine:
             self.options[name][:batch].fill_(default)
 
     def copy_in(self, batch: int, frames: int, items: list[DecodeItem]) -> None:
-        """Stage a batch through pinned host buffers (non-blocking copies): callers start a step only once the
-        device finished the previous one (the server's step loop waits for it), so those buffers are free.
+        """Stage a batch through pinned host buffers (non-blocking copies), the ``STAGING_BUFFERS`` sets in turn: a
+        set is free again once the device finished the step that staged it, which the callers guarantee by never
+        having more steps in flight than there are sets (the server's stepper: ``MAX_STEPS_IN_FLIGHT``).
 
         A handful of tensor ops whatever the batch (no per-row indexing: at 64 rows that loop cost about 0.45 ms
         of host time per step, with the device idle, docs/design-notes.md, "Batch 1: norms, gate and state joins as ops")."""
-        host = self._inputs_host[:batch * self._channels * frames].view(batch, self._channels, frames)  # [B, C, T]
-        meta = self._meta_host[:, :batch]  # [2 + O, B] (each row contiguous)
+        turn, self._turn = self._turn, (self._turn + 1) % STAGING_BUFFERS
+        flat = self._inputs_host[turn][:batch * self._channels * frames]
+        host = flat.view(batch, self._channels, frames)  # [B, C, T]
+        meta = self._meta_host[turn][:, :batch]  # [2 + O, B] (each row contiguous)
         rows = len(items)
         num_frames = [item.num_frames for item in items]
         longest = max(num_frames)
