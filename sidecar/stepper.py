@@ -136,9 +136,12 @@ class Stepper:
 
     def pipelined(self, batch: list, plan: StepPlan) -> bool:
         """Policy: a step may run beside another one in flight when its chunks travel as inline bytes both ways (no
-        client region to read or write) and its plan captures nothing first (a capture holds the worker for up to
-        seconds and must not overlap a replay)."""
+        client region to read or write), its plan captures nothing first (a capture holds the worker for up to
+        seconds and must not overlap a replay), and some other open stream could send a chunk meanwhile (else
+        nothing could overlap it, and a step alone replies without the waiter thread's hand-off: one stream's
+        latency)."""
         return (self.max_steps_in_flight > 1 and not plan.capture_first
+                and (self.in_flight > 0 or len(self.sessions.streams) > len(batch))
                 and all(job.audio_out is None and job.ipc_codes is None for job in batch))
 
     def _start(self, batch: list, plan: StepPlan) -> None:
