@@ -29,6 +29,8 @@ def test_the_callers_gpu_comes_first_by_cuda_ipc_then_the_others_inline(tmp_path
     (tmp_path / "cpu").mkdir()
     on_gpu = start_sidecar(tmp_path / "gpu", "--device", "cuda", "--max-streams", "8")
     on_cpu = start_sidecar(tmp_path / "cpu", "--device", "cpu", "--max-streams", "64")  # no CUDA IPC there
+    # the references first: once the pool's streams fill the GPU's sidecar (8 slots) it has no slot for them
+    expected = [_inline_audio(on_gpu.address, _gpu_codes(golden_cases, number)) for number in range(2)]
     pool = SidecarPool([on_cpu.address, on_gpu.address], timeout_s=60, device=torch.device("cuda", 0))
     try:
         local = [pool.open_stream(f"g{number}") for number in range(8)]
@@ -37,8 +39,8 @@ def test_the_callers_gpu_comes_first_by_cuda_ipc_then_the_others_inline(tmp_path
             wav = stream.decode(_gpu_codes(golden_cases, number))  # one at a time: each chunk decoded alone
             assert wav.is_cuda
             torch.cuda.synchronize()
-            torch.testing.assert_close(wav.cpu(), _inline_audio(on_gpu.address, _gpu_codes(golden_cases, number)),
-                                       rtol=0, atol=1e-6)  # as tests/test_cuda_ipc.py holds IPC to inline
+            torch.testing.assert_close(wav.cpu(), expected[number % 2], rtol=0,
+                                       atol=1e-6)  # as tests/test_cuda_ipc.py holds IPC to inline
         stats = pool.ipc_stats
         assert stats["ipc_chunks"] == 8 and not [k for k in stats if k.startswith("inline_fallback")], stats
         spilled = pool.open_stream("spill")  # the GPU's sidecar is full: the other one takes it, inline
