@@ -94,13 +94,20 @@ def p99_recovery(latencies: list[list[float]], t0_wall: float, killed: int, kill
 def _group(results: list[dict]) -> dict:
     return {"streams": len(results), "chunks_compared": sum(r["chunks_compared"] for r in results),
             "bit_identical_chunks": sum(r["bit_identical_chunks"] for r in results),
-            "max_abs_diff": max((r["max_abs_diff"] for r in results), default=0.0)}
+            "max_abs_diff": max((r["max_abs_diff"] for r in results), default=0.0),
+            "min_snr_db": min((r["min_snr_db"] for r in results), default=float("inf"))}
+
+
+def _within(result: dict, atol: float | None, min_snr_db: float | None) -> bool:
+    return (atol is None or result["max_abs_diff"] <= atol) and (min_snr_db is None or result["min_snr_db"] >= min_snr_db)
 
 
 def audio_check(results: list[dict], t0_wall: float, killed: int, kill_t_s: float, ready_t_s: float | None,
-                atol: float) -> dict:
-    """The reference decode's results (``soak_check.py``) by group; ``within_atol``: every chunk compared is
-    within ``atol``; ``incomplete_on_survivors``: survivors' streams with a chunk that got no audio."""
+                atol: float | None, min_snr_db: float | None) -> dict:
+    """The reference decode's results (``soak_check.py``) by group; ``within_tolerance``: every chunk compared
+    is within ``atol`` and at least ``min_snr_db`` (None: not judged by it); ``incomplete_on_survivors``:
+    survivors' streams with a chunk that got no audio. (JSON writes an infinite SNR, all bit-identical, as
+    Infinity.)"""
     kill_wall = t0_wall + kill_t_s
     survivors = [r for r in results if r["sidecar"] != killed]
     on_killed = [r for r in results if r["sidecar"] == killed]
@@ -111,8 +118,8 @@ def audio_check(results: list[dict], t0_wall: float, killed: int, kill_t_s: floa
         "killed_up_to_kill": _group([r for r in on_killed if r not in restarted]),
         "restarted": _group(restarted),
     }
-    return {"atol": atol, **groups,
-            "within_atol": all(r["max_abs_diff"] <= atol for r in results),
+    return {"atol": atol, "min_snr_db": min_snr_db, **groups,
+            "within_tolerance": all(_within(r, atol, min_snr_db) for r in results),
             "incomplete_on_survivors": [r["stream_id"] for r in survivors if r["chunks_compared"] < r["chunks_sent"]]}
 
 
@@ -131,14 +138,14 @@ def verdict(pool: dict) -> dict[str, bool]:
         marks["placed_on_restarted"] = pool["placements"]["after_restart"][killed] > 0
     if pool.get("audio_check"):
         check = pool["audio_check"]
-        marks["audio_within_atol"] = check["within_atol"] and check["survivors_open_across_kill"]["streams"] > 0
+        marks["audio_within_tolerance"] = check["within_tolerance"] and check["survivors_open_across_kill"]["streams"] > 0
         marks["survivors_streams_complete"] = not check["incomplete_on_survivors"]
     return marks
 
 
 def pool_section(count: int, killed: int, per_client: dict[str, dict], lived: set[str], latencies: list[list[float]],
                  t0_wall: float, duration_s: float, kill: dict, restart: dict, check: list[dict] | None,
-                 atol: float) -> dict:
+                 atol: float | None, min_snr_db: float | None) -> dict:
     """The report's ``pool`` part and its ``verdict``."""
     ready_t_s = restart.get("ready_t_s")
     pool = {"sidecars": count, "killed_sidecar": killed, "kill_t_s": kill["t_s"], "restart": restart or None,
@@ -147,6 +154,6 @@ def pool_section(count: int, killed: int, per_client: dict[str, dict], lived: se
             "slips_by_window": slips_by_window(per_client, t0_wall),
             "p99_recovery": p99_recovery(latencies, t0_wall, killed, kill["t_s"], restart.get("t_s", duration_s))}
     if check is not None:
-        pool["audio_check"] = audio_check(check, t0_wall, killed, kill["t_s"], ready_t_s, atol)
+        pool["audio_check"] = audio_check(check, t0_wall, killed, kill["t_s"], ready_t_s, atol, min_snr_db)
     pool["verdict"] = verdict(pool)
     return pool

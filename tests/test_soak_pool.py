@@ -29,7 +29,7 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
     out, work = tmp_path / "soak.json", tmp_path / "work"
     cmd = [sys.executable, "-m", "code2wav.loadgen.soak", "--model", str(TINY), "--device", "cpu",
            "--dtype", "float32", "--duration-s", "46", "--clients", "3", "--streams-per-client", "2",
-           "--frame-rate-hz", "50", "--chunk-frames", "10", "--stream-frames", "60", "--kill-every-s", "0",
+           "--frame-rate-hz", "50", "--chunk-frames", "10", "--stream-frames", "150", "--kill-every-s", "0",
            "--timeout-s", "5", "--sidecars", "3", "--kill-sidecar-at-s", str(KILL_T_S), "--restart-killed-at-s",
            str(RESTART_T_S), "--check-slots", "2", "--sidecar-arg=--max-streams", "--sidecar-arg=64",
            "--workdir", str(work), "--out", str(out)]
@@ -58,7 +58,8 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
     assert recovery["baseline_p99_ms"] > 0 and [w["start_s"] for w in recovery["windows"]] == [0.0, 10.0], recovery
     assert recovery["recovered_after_s"] <= RECOVERY_LIMIT_S, recovery
     check = pool["audio_check"]
-    assert check["atol"] == 1e-5 and check["within_atol"] and check["incomplete_on_survivors"] == []
+    assert check["atol"] == 1e-5 and check["min_snr_db"] is None  # float32 on CPU: judged by the largest difference
+    assert check["within_tolerance"] and check["incomplete_on_survivors"] == []
     assert check["survivors_open_across_kill"]["streams"] >= 1 and check["killed_up_to_kill"]["streams"] >= 1
     assert check["restarted"]["streams"] >= 1
     assert check["survivors"]["chunks_compared"] > 200 and check["survivors"]["max_abs_diff"] <= 1e-5
@@ -79,6 +80,7 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
         reference.stop()
     (result,) = json.loads((tmp_path / "changed.json").read_text())
     assert 1e-4 - 1e-5 <= result["max_abs_diff"] <= 1e-4 + 1e-5, result
+    assert 30.0 < result["min_snr_db"] < 120.0, result  # one sample off by 1e-4: a finite ratio, however high
     assert result["chunks_compared"] == len(victim["codes"]) and result["reference_sidecar"] == 0
     assert pool["verdict"] == {mark: True for mark in pool["verdict"]} and len(pool["verdict"]) == 8
     assert done.returncode == 0, done.stderr[-3000:]
