@@ -98,7 +98,8 @@ def compare_stream(client, record: dict, stream_id: str) -> dict:
     result = {"stream_id": record["stream_id"], "sidecar": record["sidecar"], "t_open": record["t_open"],
               "t_last_sent": record["t_sent"][-1] if record["t_sent"] else record["t_open"],
               "chunks_sent": len(record["codes"]), "chunks_compared": decoded, "bit_identical_chunks": 0,
-              "max_abs_diff": 0.0, "min_snr_db": float("inf"), "first_error": next((e for e in record["errors"] if e is not None), None)}
+              "max_abs_diff": 0.0, "min_snr_db": float("inf"),
+              "first_error": next((e for e in record["errors"] if e is not None), None)}
     if decoded == 0:
         return result
     stream = client.open_stream(stream_id)

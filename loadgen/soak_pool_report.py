@@ -39,7 +39,8 @@ def by_sidecar(per_client: dict[str, dict], lived: set[str], count: int) -> list
             for code, number in counts["failed"].items():
                 total["failed"][code] = total["failed"].get(code, 0) + number
             if name in lived:
-                total["lost"] += counts["sent"] - counts["decoded"] - counts["bad_audio"] - sum(counts["failed"].values())
+                outcomes = counts["decoded"] + counts["bad_audio"] + sum(counts["failed"].values())
+                total["lost"] += counts["sent"] - outcomes
     return totals
 
 
@@ -99,7 +100,8 @@ def _group(results: list[dict]) -> dict:
 
 
 def _within(result: dict, atol: float | None, min_snr_db: float | None) -> bool:
-    return (atol is None or result["max_abs_diff"] <= atol) and (min_snr_db is None or result["min_snr_db"] >= min_snr_db)
+    return ((atol is None or result["max_abs_diff"] <= atol)
+            and (min_snr_db is None or result["min_snr_db"] >= min_snr_db))
 
 
 def audio_check(results: list[dict], t0_wall: float, killed: int, kill_t_s: float, ready_t_s: float | None,
@@ -125,7 +127,8 @@ def audio_check(results: list[dict], t0_wall: float, killed: int, kill_t_s: floa
 
 def verdict(pool: dict) -> dict[str, bool]:
     """Each pass mark of the pool soak (all True: it passed)."""
-    killed, survivors = pool["killed_sidecar"], [s for i, s in enumerate(pool["by_sidecar"]) if i != pool["killed_sidecar"]]
+    killed = pool["killed_sidecar"]
+    survivors = [counts for index, counts in enumerate(pool["by_sidecar"]) if index != killed]
     marks = {
         "survivors_lost_0": all(s["lost"] == 0 for s in survivors),
         "survivors_failed_0": all(not s["failed"] and s["bad_audio"] == 0 for s in survivors),
@@ -138,7 +141,8 @@ def verdict(pool: dict) -> dict[str, bool]:
         marks["placed_on_restarted"] = pool["placements"]["after_restart"][killed] > 0
     if pool.get("audio_check"):
         check = pool["audio_check"]
-        marks["audio_within_tolerance"] = check["within_tolerance"] and check["survivors_open_across_kill"]["streams"] > 0
+        across = check["survivors_open_across_kill"]["streams"]
+        marks["audio_within_tolerance"] = check["within_tolerance"] and across > 0  # and the kill had some to test
         marks["survivors_streams_complete"] = not check["incomplete_on_survivors"]
     return marks
 

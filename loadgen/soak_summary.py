@@ -61,8 +61,9 @@ def pool_lines(pool: dict) -> list[str]:
         groups = "; ".join(f"{name}: {g['streams']} streams, {g['chunks_compared']} chunks, "
                            f"{g['bit_identical_chunks']} bit-identical, max |diff| {g['max_abs_diff']:.3g}, "
                            f"min SNR {g['min_snr_db']:.1f} dB" for name, g in check.items() if isinstance(g, dict))
+        incomplete = len(check["incomplete_on_survivors"])
         lines.append(f"audio against a decode alone (atol {check['atol']}, min SNR {check['min_snr_db']} dB): "
-                     f"{groups}; survivors' streams with a chunk without audio: {len(check['incomplete_on_survivors'])}")
+                     f"{groups}; survivors' streams with a chunk without audio: {incomplete}")
     verdict = pool["verdict"]
     lines.append(("PASS " if all(verdict.values()) else "FAIL ") + json.dumps(verdict))
     return lines

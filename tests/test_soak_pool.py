@@ -86,3 +86,51 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = summary_lines(report, min_chunks=10)
     assert lines[-1].startswith("PASS ") and any(line.startswith("new streams by sidecar: ") for line in lines)
+
+
+def test_the_pool_verdict_fails_on_each_fault_it_judges():
+    """The marks from synthetic outcomes: a survivor's failed or lost chunk, a stream placed on the killed sidecar
+    while it was down, a survivors' p99 still high 10 s after the kill, audio out of tolerance: each one fails."""
+    from code2wav.loadgen.soak_pool_report import audio_check, p99_recovery, verdict
+
+    t0 = 1000.0  # wall time of the soak's start; the kill at 30 s
+    steady = [[t0 + t / 10, 0.010, t % 3] for t in range(0, 600)]  # 10 ms every 0.1 s over 60 s, on all three
+    slow_until = [[t0 + 30 + t / 10, 0.200, 0] for t in range(0, 150)]  # sidecar 0 at 200 ms for 15 s after it
+    quick = p99_recovery(steady, t0, killed=1, kill_t_s=30.0, until_t_s=60.0)
+    assert quick["baseline_p99_ms"] == 10.0 and quick["bound_ms"] == 35.0 and quick["recovered_after_s"] == 0.0
+    late = p99_recovery(steady + slow_until, t0, killed=1, kill_t_s=30.0, until_t_s=60.0)
+    assert late["recovered_after_s"] == 20.0  # the window 10-20 s after the kill is still over the bound
+    # the killed sidecar's chunks do not count: 200 ms there changes nothing
+    assert p99_recovery(steady + [[t0 + 45, 0.2, 1]] * 50, t0, 1, 30.0, 60.0)["recovered_after_s"] == 0.0
+
+    def outcome(**over) -> dict:
+        return {"sent": 10, "decoded": 10, "bad_audio": 0, "failed": {}, "lost": 0, **over}
+
+    record = {"stream_id": "s", "sidecar": 0, "t_open": t0 + 20, "t_last_sent": t0 + 40, "chunks_sent": 5,
+              "chunks_compared": 5, "bit_identical_chunks": 4, "max_abs_diff": 5e-6, "min_snr_db": 100.0}
+    good = {"killed_sidecar": 1, "by_sidecar": [outcome(), outcome(decoded=8, failed={"stream_lost": 2}), outcome()],
+            "placements": {"before_kill": [3, 3, 3], "after_kill": [4, 0, 4], "after_restart": [1, 5, 1]},
+            "p99_recovery": quick, "restart": {"t_s": 60.0, "ready_t_s": 62.0},
+            "audio_check": audio_check([record], t0, 1, 30.0, 62.0, atol=1e-5, min_snr_db=None)}
+    assert all(verdict(good).values()) and len(verdict(good)) == 8
+    bad = {
+        "survivors_failed_0": {"by_sidecar": [outcome(decoded=9, failed={"deadline_exceeded": 1}),
+                                              *good["by_sidecar"][1:]]},
+        "survivors_lost_0": {"by_sidecar": [outcome(decoded=9, lost=1), *good["by_sidecar"][1:]]},
+        "killed_failed_only_stream_lost": {"by_sidecar": [outcome(), outcome(decoded=8, failed={"internal": 2}),
+                                                          outcome()]},
+        "no_placement_on_killed_while_down": {"placements": {**good["placements"], "after_kill": [4, 1, 4]}},
+        "placed_on_restarted": {"placements": {**good["placements"], "after_restart": [3, 0, 4]}},
+        "p99_recovered_within_10_s": {"p99_recovery": late},
+        "audio_within_tolerance": {"audio_check": audio_check([{**record, "max_abs_diff": 2e-5}], t0, 1, 30.0, 62.0,
+                                                              atol=1e-5, min_snr_db=None)},
+        "survivors_streams_complete": {"audio_check": audio_check([{**record, "chunks_compared": 4}], t0, 1, 30.0,
+                                                                  62.0, atol=1e-5, min_snr_db=None)},
+    }
+    for mark, change in bad.items():
+        marks = verdict({**good, **change})
+        assert [name for name, passed in marks.items() if not passed] == [mark], (mark, marks)
+    # bfloat16: judged by the ratio, not the difference
+    snr = audio_check([{**record, "max_abs_diff": 0.03, "min_snr_db": 27.0}], t0, 1, 30.0, 62.0, None, 20.0)
+    assert snr["within_tolerance"] and not audio_check([{**record, "min_snr_db": 3.0}], t0, 1, 30.0, 62.0, None,
+                                                       20.0)["within_tolerance"]
