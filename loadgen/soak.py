@@ -132,7 +132,8 @@ def run_soak(args: argparse.Namespace) -> dict:
             subprocess.Popen([sys.executable, "-c", SPAWN_PROBE], cwd=ROOT, env=_client_env())
             probes.append({"t_s": round(now - t0, 2)})
             next_probe += args.spawn_probe_every_s
-        if args.restart_sidecar_at_s is not None and not threads and now - t0 >= args.restart_sidecar_at_s:
+        if args.restart_sidecar_at_s is not None and not restart and now - t0 >= args.restart_sidecar_at_s:
+            restart["pending"] = True
             threads.append(threading.Thread(target=fleet.drain_and_restart, args=(0, t0, restart)))
             threads[-1].start()  # (sampling and kills go on meanwhile)
         if args.kill_sidecar_at_s is not None and not sidecar_kill and now - t0 >= args.kill_sidecar_at_s:
@@ -147,6 +148,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         time.sleep(0.05)
     for thread in threads:
         thread.join()
+    restart.pop("pending", None)
     restart_killed.pop("pending", None)
     for proc, _ in clients:
         proc.send_signal(signal.SIGTERM)
@@ -269,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.capacity_streams is None:
             return fail("give --streams-per-client, or --capacity-streams (and --fraction)")
         args.streams_per_client = max(1, round(args.capacity_streams * args.fraction / args.clients))
-    if args.kill_sidecar_at_s is not None and not 0 <= args.kill_sidecar < args.sidecars or (
-            args.kill_sidecar_at_s is not None and args.sidecars < 2):
+    if args.kill_sidecar_at_s is not None and not (args.sidecars >= 2 and args.kill_sidecar < args.sidecars):
         return fail("--kill-sidecar-at-s needs --sidecars 2 or more and --kill-sidecar below --sidecars")
     if args.restart_killed_at_s is not None and (args.kill_sidecar_at_s is None
                                                  or args.restart_killed_at_s <= args.kill_sidecar_at_s):
