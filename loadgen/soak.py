@@ -13,6 +13,13 @@ must be 0. The report (JSON): counts, p99 latency per 10 s window (all chunks; a
 in its first 15 s of sending and the rest), the sidecar's own means per window (arrival -> reply, engine step,
 batch wait, from ``/metrics``), the sidecar's RSS and GPU memory over time, the sidecar's time to ready after its
 restart. Each client process is ``loadgen/soak_client.py``.
+
+Faults across a pool: ``--sidecars 3 --kill-sidecar-at-s 60 --restart-killed-at-s 100 --check-slots 1`` starts
+three sidecars (``soak_sidecars.py``), each client process a ``SidecarPool`` over them, SIGKILLs one at 60 s and
+starts it again at 100 s; the report's ``pool`` part (``soak_pool_report.py``) gives the chunks by sidecar, the new
+streams per sidecar before the kill, after it and after the restart, the survivors' p99 after the kill against
+before, the recorded streams decoded again alone and compared (``soak_check.py``), and a ``verdict`` (the exit
+code is 1 unless every mark holds). ``.ci/gpu-phases/soak-pool`` runs it on the GPU machine.
 """
 
 from __future__ import annotations
@@ -32,36 +39,23 @@ from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, device_arg,
                                          output_file, run_guarded)
 from code2wav.sidecar.cli_help import DTYPE_CHOICES
 
+from .soak_check import reference_check
+from .soak_pool_report import pool_section
 from .soak_report import p99_windows, read_client, sent_failures, server_windows
-from .spawn import ROOT, spawn_sidecar
+from .soak_sidecars import SoakSidecars
+from .spawn import ROOT, SpawnedSidecar
 
 SAMPLE_EVERY_S = 1.0
 SERVER_EVERY = 5  # /metrics scraped every 5th sample (5 s): a scrape holds the sidecar's GIL for a few ms
 NEW_CLIENT_S = 15.0  # a client process's chunks in its first seconds of sending: reported apart (p99_by_window_new)
+CHECK_TOLERANCE = {"float32": (1e-5, None), "bfloat16": (None, 20.0), "float16": (None, 20.0)}
+"""(``--check-atol``, ``--check-min-snr-db``) by dtype: how far a chunk decoded in the soak's batches may be from
+the same chunk decoded alone. float32: the exact mode's 1e-5 (tests/test_streaming_kit.py; on CUDA 1e-4, as
+tests/test_cuda_graphs.py holds a graph's decode); bfloat16: 20 dB, 10 dB under the exact mode's distance from
+float32 (30 dB, docs/performance.md), far above a wrong stream's ~0 dB."""
 
 
 # ------------------------------------------------------------------ the driver
-def _rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _gpu_used_bytes() -> int | None:
-    """GPU memory in use on GPU 0 (nvidia-smi), or None without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=5, check=True).stdout
-        return int(float(out.split()[0])) * 2**20
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
 def _client_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
@@ -82,38 +76,31 @@ def _start_client(args: argparse.Namespace, address: str, workdir: Path, index: 
            "--timeout-s", str(args.timeout_s), "--seed", str(index * 1000 + generation)]
     if args.frame_rate_hz:
         cmd += ["--frame-rate-hz", str(args.frame_rate_hz)]
+    if args.check_slots:
+        cmd += ["--check-slots", str(args.check_slots), "--check-out", str(out.with_suffix(".check.pt"))]
     return subprocess.Popen(cmd, env=env, cwd=ROOT), out
-
-
-def _server_means(sidecar) -> dict[str, float] | None:
-    """Cumulative sums and counts of the sidecar's chunk latency (arrival -> reply), engine step and batch wait
-    (``/metrics``); means over an interval are differences of two samples. None if the sidecar does not answer
-    (down, draining, a cut-off reply): the soak goes on."""
-    from .drive import scrape_counters  # noqa: PLC0415
-
-    try:
-        return scrape_counters(sidecar.scrape(timeout_s=1.0))
-    except Exception:  # noqa: BLE001 - any failed scrape is a missing sample, never the end of the soak
-        return None
 
 
 def run_soak(args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="code2wav-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     sidecar_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *args.sidecar_arg]
-    holder = {"sidecar": spawn_sidecar(*sidecar_args, workdir=workdir)}
-    address = holder["sidecar"].address
+    fleet = SoakSidecars(sidecar_args, workdir, args.sidecars)
+    address = ",".join(fleet.addresses)  # several: each client process is a SidecarPool over all of them
     clients = [_start_client(args, address, workdir, i, 0) for i in range(args.clients)]
-    _wait_connected(clients, holder["sidecar"], timeout_s=300)  # the clock starts once every client is connected
+    _wait_connected(clients, fleet.running, timeout_s=300)  # the clock starts once every client is connected
     t0_wall, t0 = time.time(), time.monotonic()
-    print(f"soak: {args.clients} clients connected; the {args.duration_s:.0f} s clock starts", flush=True)
+    print(f"soak: {args.clients} clients connected to {args.sidecars} sidecar(s); the {args.duration_s:.0f} s clock "
+          "starts", flush=True)
     end_at = t0 + args.duration_s
     generations = [0] * args.clients
     outputs: list[Path] = [out for _, out in clients]
     killed: list[Path] = []
     samples, kills = [], []
     restart: dict = {}
-    restarter = None
+    sidecar_kill: dict = {}
+    restart_killed: dict = {}
+    threads: list[threading.Thread] = []
     next_kill = t0 + args.kill_every_s if args.kill_every_s else float("inf")
     # half a period in: with --kill-every-s of the same period, probes fall midway between kills
     next_probe = t0 + args.spawn_probe_every_s / 2 if args.spawn_probe_every_s else float("inf")
@@ -124,9 +111,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     while time.monotonic() < end_at:
         now = time.monotonic()
         if now >= next_sample:
-            samples.append({"t_s": round(now - t0, 2), "sidecar_rss_bytes": _rss_bytes(holder["sidecar"].proc.pid),
-                            "gpu_used_bytes": _gpu_used_bytes() if args.device != "cpu" else None,
-                            "server": _server_means(holder["sidecar"]) if len(samples) % SERVER_EVERY == 0 else None})
+            samples.append(fleet.sample(round(now - t0, 2), args.device != "cpu", len(samples) % SERVER_EVERY == 0))
             next_sample += SAMPLE_EVERY_S
         for index, (proc, out) in enumerate(clients):  # a client that died on its own is a finding, not a kill
             if proc.poll() is not None and not any(c["output"] == out.name for c in crashed):
@@ -147,20 +132,35 @@ def run_soak(args: argparse.Namespace) -> dict:
             subprocess.Popen([sys.executable, "-c", SPAWN_PROBE], cwd=ROOT, env=_client_env())
             probes.append({"t_s": round(now - t0, 2)})
             next_probe += args.spawn_probe_every_s
-        if args.restart_sidecar_at_s is not None and restarter is None and now - t0 >= args.restart_sidecar_at_s:
-            restarter = threading.Thread(target=_restart_sidecar, args=(holder, sidecar_args, workdir, t0, restart))
-            restarter.start()  # (sampling and kills go on meanwhile)
+        if args.restart_sidecar_at_s is not None and not restart and now - t0 >= args.restart_sidecar_at_s:
+            restart["pending"] = True
+            threads.append(threading.Thread(target=fleet.drain_and_restart, args=(0, t0, restart)))
+            threads[-1].start()  # (sampling and kills go on meanwhile)
+        if args.kill_sidecar_at_s is not None and not sidecar_kill and now - t0 >= args.kill_sidecar_at_s:
+            fleet.kill(args.kill_sidecar)
+            sidecar_kill.update({"t_s": round(time.monotonic() - t0, 3), "sidecar": args.kill_sidecar})
+            print(f"soak: sidecar {args.kill_sidecar} SIGKILLed at {sidecar_kill['t_s']} s", flush=True)
+        if sidecar_kill and args.restart_killed_at_s is not None and not restart_killed \
+                and now - t0 >= args.restart_killed_at_s:
+            restart_killed["pending"] = True
+            threads.append(threading.Thread(target=fleet.restart, args=(args.kill_sidecar, t0, restart_killed)))
+            threads[-1].start()
         time.sleep(0.05)
-    if restarter is not None:
-        restarter.join()
+    for thread in threads:
+        thread.join()
+    restart.pop("pending", None)
+    restart_killed.pop("pending", None)
     for proc, _ in clients:
         proc.send_signal(signal.SIGTERM)
     for proc, _ in clients:
         proc.wait(timeout=args.timeout_s + 60)
-    holder["sidecar"].stop()
+    check = (reference_check(fleet.addresses, fleet.alive(), outputs, workdir / "check.json", _client_env())
+             if args.check_slots else None)
+    fleet.stop()
     per_client = {str(path.name): read_client(path) for path in outputs}
     crashed_names = {c["output"] for c in crashed}  # died on their own: their chunks in flight are not "lost"
-    survivors = [per_client[p.name] for p in outputs if p not in killed and p.name not in crashed_names]
+    lived = {p.name for p in outputs if p not in killed and p.name not in crashed_names}
+    survivors = [per_client[name] for name in lived]
     failed: dict[str, int] = {}
     failed_unsent: dict[str, int] = {}
     for stats in per_client.values():
@@ -169,15 +169,15 @@ def run_soak(args: argparse.Namespace) -> dict:
         for code, count in stats["failed_unsent"].items():
             failed_unsent[code] = failed_unsent.get(code, 0) + count
     lost = sum(s["sent"] - s["decoded"] - s["bad_audio"] - sent_failures(s) for s in survivors)
-    latencies = [pair for stats in per_client.values() for pair in stats["latencies"]]
+    latencies = [entry for stats in per_client.values() for entry in stats["latencies"]]
     new, settled = [], []  # chunks a client process sent in its first NEW_CLIENT_S seconds of sending, the rest
     for stats in per_client.values():
-        first_sent = min((t_sent for t_sent, _ in stats["latencies"]), default=0.0)
-        for pair in stats["latencies"]:
-            (new if pair[0] - first_sent < NEW_CLIENT_S else settled).append(pair)
-    return {
+        first_sent = min((entry[0] for entry in stats["latencies"]), default=0.0)
+        for entry in stats["latencies"]:
+            (new if entry[0] - first_sent < NEW_CLIENT_S else settled).append(entry)
+    report = {
         "duration_s": args.duration_s, "clients": args.clients, "streams_per_client": args.streams_per_client,
-        "chunk_frames": args.chunk_frames, "device": args.device, "dtype": args.dtype,
+        "sidecars": args.sidecars, "chunk_frames": args.chunk_frames, "device": args.device, "dtype": args.dtype,
         "sent": sum(s["sent"] for s in per_client.values()),
         "decoded": sum(s["decoded"] for s in per_client.values()),
         "failed": failed, "failed_unsent": failed_unsent, "bad_audio": sum(s["bad_audio"] for s in per_client.values()),
@@ -189,39 +189,38 @@ def run_soak(args: argparse.Namespace) -> dict:
         "p99_by_window": p99_windows(latencies, t0_wall),
         "p99_by_window_settled": p99_windows(settled, t0_wall), "p99_by_window_new": p99_windows(new, t0_wall),
         "server_by_window": server_windows(samples),
-        "memory": [{k: v for k, v in s.items() if k != "server"} for s in samples], "workdir": str(workdir),
+        "memory": [{k: v for k, v in s.items() if k not in ("server", "servers")} for s in samples],
+        "workdir": str(workdir),
     }
+    if args.sidecars > 1:
+        report["server_by_window_by_sidecar"] = [
+            server_windows([{"t_s": s["t_s"], "server": s["servers"][index]} for s in samples])
+            for index in range(args.sidecars)]
+    if sidecar_kill:
+        report["pool"] = pool_section(args.sidecars, args.kill_sidecar, per_client, lived, latencies, t0_wall,
+                                      args.duration_s, sidecar_kill, restart_killed, check, args.check_atol,
+                                      args.check_min_snr_db)
+    return report
 
 
-def _wait_connected(clients: list[tuple[subprocess.Popen, Path]], sidecar, timeout_s: float) -> None:
+def _wait_connected(clients: list[tuple[subprocess.Popen, Path]], sidecars: list[SpawnedSidecar],
+                    timeout_s: float) -> None:
     """Until every client process has written its first line (connected); a client that exits first, or a start
     past ``timeout_s``, ends the soak here (it would measure fewer clients than asked)."""
     deadline = time.monotonic() + timeout_s
     while not all(out.exists() and out.stat().st_size for _, out in clients):
         dead = [f"{out.name} (exit code {proc.returncode})" for proc, out in clients if proc.poll() is not None]
-        if sidecar.proc.poll() is not None:
-            dead.append(f"the sidecar (exit code {sidecar.proc.returncode}; its log: {sidecar.log_path})")
+        dead += [f"a sidecar (exit code {s.proc.returncode}; its log: {s.log_path})" for s in sidecars
+                 if s.proc.poll() is not None]
         if dead or time.monotonic() > deadline:
             for proc, _ in clients:
                 proc.kill()
                 proc.wait()
-            sidecar.stop()
+            for sidecar in sidecars:
+                sidecar.stop()
             raise SystemExit("soak: client processes did not connect: "
                              + (", ".join(dead) or f"not all within {timeout_s:.0f} s"))
         time.sleep(0.1)
-
-
-def _restart_sidecar(holder: dict, sidecar_args: list[str], workdir: Path, t0: float, report: dict) -> None:
-    """SIGTERM the sidecar (it drains), start it again on the same address; fills ``report``."""
-    t_term = time.monotonic()
-    old = holder["sidecar"]
-    old.proc.send_signal(signal.SIGTERM)
-    exit_code = old.proc.wait(timeout=120)
-    t_down = time.monotonic()
-    holder["sidecar"] = spawn_sidecar(*sidecar_args, workdir=workdir)
-    report.update({"t_s": round(t_term - t0, 2), "drain_s": round(t_down - t_term, 3), "exit_code": exit_code,
-                   "time_to_ready_s": round(time.monotonic() - t_down, 3),
-                   "down_s": round(time.monotonic() - t_term, 3)})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,6 +246,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn-probe-every-s", type=float_above(0, inclusive=True), default=0.0,
                    help="start a process that only imports what a client imports, this often, the first after half "
                         "of it (0: never); the report's spawn_probes says when, to compare with the kills' windows")
+    p.add_argument("--sidecars", type=int_at_least(1), default=1, help="sidecars to start (several: each client "
+                   "process is a SidecarPool over all of them)")
+    p.add_argument("--kill-sidecar-at-s", type=float_above(0), default=None, help="SIGKILL one sidecar once (with "
+                   "--sidecars 2 or more); the report's `pool` part says what it did to the others")
+    p.add_argument("--kill-sidecar", type=int_at_least(0), default=1, help="which sidecar (index) to SIGKILL")
+    p.add_argument("--restart-killed-at-s", type=float_above(0), default=None, help="start the killed sidecar again "
+                   "(same address)")
+    p.add_argument("--check-slots", type=int_at_least(0), default=0, help="each client process records the streams "
+                   "of its first K slots; at the end they are decoded again, alone, and compared (soak_check.py)")
+    p.add_argument("--check-atol", type=float_above(0, inclusive=True), default=None, help="the largest difference "
+                   "allowed there (default: float32's 1e-5 on CPU, 1e-4 on CUDA; none in bfloat16/float16)")
+    p.add_argument("--check-min-snr-db", type=float, default=None, help="the lowest signal-to-difference ratio "
+                   "allowed there (default: 20 dB in bfloat16/float16; none in float32)")
     p.add_argument("--sidecar-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", type=output_file(), default=None, help="write the report here (JSON)")
@@ -259,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.capacity_streams is None:
             return fail("give --streams-per-client, or --capacity-streams (and --fraction)")
         args.streams_per_client = max(1, round(args.capacity_streams * args.fraction / args.clients))
+    if args.kill_sidecar_at_s is not None and not (args.sidecars >= 2 and args.kill_sidecar < args.sidecars):
+        return fail("--kill-sidecar-at-s needs --sidecars 2 or more and --kill-sidecar below --sidecars")
+    if args.restart_killed_at_s is not None and (args.kill_sidecar_at_s is None
+                                                 or args.restart_killed_at_s <= args.kill_sidecar_at_s):
+        return fail("--restart-killed-at-s needs --kill-sidecar-at-s, and a later time")
+    atol, min_snr_db = CHECK_TOLERANCE[args.dtype]
+    if atol is not None and args.device != "cpu":
+        atol = 1e-4
+    args.check_atol = atol if args.check_atol is None else args.check_atol
+    args.check_min_snr_db = min_snr_db if args.check_min_snr_db is None else args.check_min_snr_db
     return run_guarded("soak", lambda: _run(args))
 
 
@@ -269,8 +291,11 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text)
     summary = {k: report[k] for k in ("sent", "decoded", "failed", "bad_audio", "lost", "crashed_clients",
                                       "sidecar_restart")}
+    if "pool" in report:
+        summary["pool_verdict"] = report["pool"]["verdict"]
     print(json.dumps(summary))
-    return 0 if report["lost"] == 0 and report["bad_audio"] == 0 and not report["crashed_clients"] else 1
+    passed = all(report["pool"]["verdict"].values()) if "pool" in report else True
+    return 0 if report["lost"] == 0 and report["bad_audio"] == 0 and not report["crashed_clients"] and passed else 1
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ WINDOW_S = 10.0
 def read_client(path: Path) -> dict:
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     last = lines[-1] if lines else {"sent": 0, "decoded": 0, "bad_audio": 0, "failed": {}, "failed_unsent": {}}
-    latencies = [pair for line in lines for pair in line["latencies"]]
+    latencies = [entry for line in lines for entry in line["latencies"]]  # (wall time sent, seconds, sidecar)
     return {"exited": bool(lines) and last.get("kind") == "exit", "sent": last["sent"], "decoded": last["decoded"],
             "bad_audio": last["bad_audio"], "failed": last["failed"], "failed_unsent": last["failed_unsent"],
-            "latencies": latencies}
+            "by_sidecar": last.get("by_sidecar", {}), "latencies": latencies,
+            "placements": [entry for line in lines for entry in line.get("placements", [])],
+            "slips": [t_wall for line in lines for t_wall in line.get("slips", [])]}
 
 
 def server_windows(samples: list[dict]) -> list[dict]:
@@ -40,9 +42,10 @@ def server_windows(samples: list[dict]) -> list[dict]:
                 for name, (n, total) in totals[index].items()}} for index in sorted(totals)]
 
 
-def p99_windows(latencies: list[tuple[float, float]], t0: float) -> list[dict]:
+def p99_windows(latencies: list[list[float]], t0: float) -> list[dict]:
+    """``latencies``: (wall time sent, seconds, ...) per decoded chunk; p99 per WINDOW_S from ``t0``."""
     windows: dict[int, list[float]] = {}
-    for t_sent, seconds in latencies:
+    for t_sent, seconds, *_ in latencies:
         windows.setdefault(int((t_sent - t0) // WINDOW_S), []).append(seconds)
     report = []
     for index in sorted(windows):

@@ -40,6 +40,32 @@ def summary_lines(report: dict, min_chunks: int = 100, every_s: float = 60.0) ->
                           f"{'-' if gpu is None else f'{gpu / GIB:.2f}'} GiB")
             next_t = sample["t_s"] + every_s
     lines += ["memory: " + "; ".join(memory)] if memory else []
+    return lines + (pool_lines(report["pool"]) if "pool" in report else [])
+
+
+def pool_lines(pool: dict) -> list[str]:
+    """The pool soak's part (``soak_pool_report.py``): the kill, chunks and new streams by sidecar, the survivors'
+    p99 after the kill, the audio check, the verdict."""
+    restart = pool.get("restart") or {}
+    lines = [f"pool: {pool['sidecars']} sidecars; sidecar {pool['killed_sidecar']} SIGKILLed at {pool['kill_t_s']} s"
+             + (f", started again at {restart['t_s']} s, ready at {restart['ready_t_s']} s" if restart else "")]
+    lines.append("chunks by sidecar: " + json.dumps(pool["by_sidecar"]))
+    lines.append("new streams by sidecar: " + json.dumps(pool["placements"]))
+    recovery = pool["p99_recovery"]
+    lines.append(f"survivors' p99 by {recovery.get('window_s', '-')} s window from the kill (start s, ms): "
+                 f"{[(w['start_s'], w['p99_ms']) for w in recovery['windows']]}; baseline {recovery['baseline_p99_ms']}"
+                 f" ms, bound {recovery.get('bound_ms')} ms, recovered after {recovery['recovered_after_s']} s")
+    lines.append("schedule slips by 10 s window (start s, count): " + str(pool["slips_by_window"]))
+    if "audio_check" in pool:
+        check = pool["audio_check"]
+        groups = "; ".join(f"{name}: {g['streams']} streams, {g['chunks_compared']} chunks, "
+                           f"{g['bit_identical_chunks']} bit-identical, max |diff| {g['max_abs_diff']:.3g}, "
+                           f"min SNR {g['min_snr_db']:.1f} dB" for name, g in check.items() if isinstance(g, dict))
+        incomplete = len(check["incomplete_on_survivors"])
+        lines.append(f"audio against a decode alone (atol {check['atol']}, min SNR {check['min_snr_db']} dB): "
+                     f"{groups}; survivors' streams with a chunk without audio: {incomplete}")
+    verdict = pool["verdict"]
+    lines.append(("PASS " if all(verdict.values()) else "FAIL ") + json.dumps(verdict))
     return lines
 
 

@@ -80,6 +80,6 @@ def test_a_client_that_dies_before_connecting_stops_the_soak_with_its_exit_code(
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     (tmp_path / "c0.jsonl").write_text('{"kind": "ready"}\n')  # the live one has connected
     with pytest.raises(SystemExit, match=r"c1.jsonl \(exit code 3\)"):
-        _wait_connected([(alive, tmp_path / "c0.jsonl"), (dead, tmp_path / "c1.jsonl")], sidecar, timeout_s=20)
+        _wait_connected([(alive, tmp_path / "c0.jsonl"), (dead, tmp_path / "c1.jsonl")], [sidecar], timeout_s=20)
     # the other clients are killed and the sidecar stopped (the sleeping processes stand in for both)
     assert alive.wait(timeout=5) is not None and sidecar.proc.wait(timeout=20) is not None
