@@ -229,8 +229,8 @@ def test_capacity_is_the_largest_level_that_held():
 
 # ------------------------------------------------------------------------------------------------ GPU phases
 PHASES = ROOT / ".ci" / "gpu-phases"
-STANDING = {"ab", "bench", "capacity", "fidelity", "pool-capacity", "roofline", "soak-collect", "soak-short", "soak-start",
-            "voxcpm2"}
+STANDING = {"ab", "bench", "capacity", "fidelity", "pool-capacity", "roofline", "soak-collect", "soak-pool",
+            "soak-short", "soak-start", "voxcpm2"}
 
 
 def test_gpu_phases_are_standing_tools_with_real_flags():
