@@ -85,7 +85,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="code2wav-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     sidecar_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *args.sidecar_arg]
-    fleet = SoakSidecars(sidecar_args, workdir, args.sidecars)
+    fleet = SoakSidecars(sidecar_args, workdir, args.sidecars, {args.kill_sidecar: args.killed_sidecar_arg})
     address = ",".join(fleet.addresses)  # several: each client process is a SidecarPool over all of them
     clients = [_start_client(args, address, workdir, i, 0) for i in range(args.clients)]
     _wait_connected(clients, fleet.running, timeout_s=300)  # the clock starts once every client is connected
@@ -260,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check-min-snr-db", type=float, default=None, help="the lowest signal-to-difference ratio "
                    "allowed there (default: 20 dB in bfloat16/float16; none in float32)")
     p.add_argument("--sidecar-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
+    p.add_argument("--killed-sidecar-arg", action="append", default=[], help="extra `serve` argument of the sidecar "
+                   "--kill-sidecar names only, after the others (repeatable; e.g. a larger --max-streams: the pools "
+                   "place streams by capacity, so it carries more of them when it is killed)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", type=output_file(), default=None, help="write the report here (JSON)")
     return p

@@ -51,8 +51,10 @@ def server_means(sidecar: SpawnedSidecar) -> dict[str, float] | None:
 class SoakSidecars:
     """``count`` sidecars of ``serve_args``, started in parallel; ``running[i]`` is sidecar i's current process."""
 
-    def __init__(self, serve_args: list[str], workdir: Path, count: int) -> None:
+    def __init__(self, serve_args: list[str], workdir: Path, count: int,
+                 extra_args: dict[int, list[str]] | None = None) -> None:
         self.serve_args = serve_args
+        self.extra_args = extra_args or {}  # sidecar index -> its own extra serve arguments (after the common ones)
         self.folders = [workdir] if count == 1 else [workdir / f"s{index}" for index in range(count)]
         started: list[SpawnedSidecar | BaseException | None] = [None] * count
 
@@ -79,7 +81,8 @@ class SoakSidecars:
 
     def _spawn(self, index: int) -> SpawnedSidecar:
         self.folders[index].mkdir(parents=True, exist_ok=True)
-        return spawn_sidecar(*self.serve_args, workdir=self.folders[index], timeout_s=START_TIMEOUT_S)
+        return spawn_sidecar(*self.serve_args, *self.extra_args.get(index, []), workdir=self.folders[index],
+                             timeout_s=START_TIMEOUT_S)
 
     def alive(self) -> list[int]:
         return [index for index, sidecar in enumerate(self.running)
