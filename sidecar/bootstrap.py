@@ -135,7 +135,8 @@ def build_scheduler(cfg: ServerConfig, graphs: GraphManager | None) -> Scheduler
     largest = max((graphs.largest_captured_batch(m.name) for m in MODES.values() if m.stateful), default=0) \
         if graphs is not None else 0
     scfg = cfg.scheduler
-    policy = batch_policy(scfg.max_batch_size, scfg.batch_window_us, scfg.max_pending_chunks, largest)
+    policy = batch_policy(scfg.max_batch_size, scfg.batch_window_us, scfg.max_pending_chunks, largest,
+                          graphs.longest_captured_frames() if graphs is not None else None)
     if policy.max_batch_size < scfg.max_batch_size:
         log.info("scheduler.max_batch_size %d capped to the largest captured graph batch (%d)", scfg.max_batch_size,
                  policy.max_batch_size)

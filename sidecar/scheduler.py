@@ -3,6 +3,9 @@
 - One FIFO over all streams of all clients: the oldest chunk is always in the next batch, so nothing starves.
 - A batch holds chunks of one ``(model, mode)`` key (exact and window never mix), at most one chunk per
   stream (a stream's next chunk needs the state its previous chunk commits), at most ``max_batch_size``.
+- Long chunks batch apart: a chunk that decodes more frames than the mode's longest captured graph runs eager (a
+  failover's history replay, a client sending whole utterances); one such row in a batch would take every row of
+  it out of its graph into a slower eager step, so long chunks batch only with long chunks (``graph_frames``).
 - A bounded queue: past ``max_pending_chunks`` a chunk is refused at once (the caller answers busy).
 - Batching window: a batch that is not full waits until its oldest chunk is ``batch_window_s`` old, so a
   lone chunk is delayed by at most that; except when no company can come: every open stream (the caller's count)
@@ -32,16 +35,24 @@ class BatchPolicy:
     max_batch_size: int  # chunks per step
     batch_window_s: float  # how long a lone chunk may wait for company
     max_pending_chunks: int  # queued chunks; past it a chunk is refused (busy)
+    # (mode, the longest chunk its graphs serve), sorted; empty: long and short chunks batch together
+    graph_frames: tuple[tuple[str, int], ...] = ()
+
+    def is_long(self, mode: str, decoded_frames: int) -> bool:
+        """A chunk past its mode's longest captured graph (it runs eager, so it batches with its kind only)."""
+        return any(name == mode and decoded_frames > frames for name, frames in self.graph_frames)
 
 
 def batch_policy(max_batch_size: int, batch_window_us: int, max_pending_chunks: int,
-                 largest_graph_batch: int = 0) -> BatchPolicy:
+                 largest_graph_batch: int = 0, graph_frames: dict[str, int] | None = None) -> BatchPolicy:
     """The policy from the configured values. ``largest_graph_batch``: the most rows a captured stateful graph
     serves whatever the chunk length (0: no graphs); batches stop there, since a larger batch would run eager (and
-    eager steps in a graph server measured many times slower than a replay)."""
+    eager steps in a graph server measured many times slower than a replay). ``graph_frames``: per mode, the
+    longest chunk a captured graph serves (long chunks batch apart)."""
     if largest_graph_batch:
         max_batch_size = min(max_batch_size, largest_graph_batch)
-    return BatchPolicy(max_batch_size, batch_window_us / 1e6, max_pending_chunks)
+    return BatchPolicy(max_batch_size, batch_window_us / 1e6, max_pending_chunks,
+                       tuple(sorted((graph_frames or {}).items())))
 
 
 class Scheduler:
@@ -102,13 +113,15 @@ class Scheduler:
         oldest = self._oldest(busy)
         if oldest is None:
             return []
-        key, max_batch_size = oldest.batch_key, self.policy.max_batch_size
+        policy = self.policy
+        key, max_batch_size, long = oldest.batch_key, policy.max_batch_size, self._is_long(oldest)
         batch: list[ChunkJob] = []
         seen: set[int] = set(busy)
         kept: deque[ChunkJob] = deque()
         while self._queue:
             job = self._queue.popleft()
-            if len(batch) < max_batch_size and job.batch_key == key and id(job.stream) not in seen:
+            if (len(batch) < max_batch_size and job.batch_key == key and id(job.stream) not in seen
+                    and self._is_long(job) == long):
                 batch.append(job)
                 seen.add(id(job.stream))
             else:
@@ -119,6 +132,9 @@ class Scheduler:
         self._queue = kept
         self._forget(batch)
         return batch
+
+    def _is_long(self, job: ChunkJob) -> bool:
+        return bool(self.policy.graph_frames) and self.policy.is_long(job.stream.mode.name, job.decoded_frames)
 
     def requeue(self, jobs: list[ChunkJob]) -> None:
         """Put jobs taken by ``take_batch`` back at the front, in their order (their inputs were not ready)."""

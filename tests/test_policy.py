@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -125,6 +127,24 @@ def test_streams_in_a_step_in_flight_wait_for_it_and_count_for_nothing():
     # the step finished: a and b are free again, FIFO as always
     assert sched.seconds_until_ready(1.004, num_open_streams=3) == 0.0  # a full batch
     assert [(j.stream.stream_id, j.seq) for j in sched.take_batch()] == [("a", 1), ("b", 1)]
+
+
+def test_long_chunks_batch_apart_from_those_a_graph_serves():
+    """A failover's history replay (hundreds of frames) must not pull the chunks a graph serves into an eager step."""
+    from code2wav.sidecar.modes import mode_for  # noqa: PLC0415
+
+    sched = Scheduler(batch_policy(8, 0, 100, graph_frames={"exact": 25, "window": 50}))
+    exact = mode_for(True)
+    streams = [_stream(name) for name in "abcde"]
+    for stream in streams:
+        stream.mode = exact
+    lengths = {"a": 25, "b": 605, "c": 1, "d": 580, "e": 26}
+    for stream in streams:
+        sched.submit(dataclasses.replace(_job(stream), codes=torch.zeros(16, lengths[stream.stream_id])))
+    assert [j.stream.stream_id for j in sched.take_batch()] == ["a", "c"]  # the oldest is short: the short ones
+    assert [j.stream.stream_id for j in sched.take_batch()] == ["b", "d", "e"]  # then the long ones, 26 is long
+    assert sched.take_batch() == []
+    assert not batch_policy(8, 0, 100).is_long("exact", 10_000)  # no graphs: no split
 
 
 def test_arena_slots_scratch_and_reuse():

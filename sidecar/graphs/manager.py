@@ -236,6 +236,15 @@ class GraphManager:
             return 0
         return min(max((k.batch for k in captured if k.frames >= f), default=0) for f in frame_counts)
 
+    def longest_captured_frames(self) -> dict[str, int]:
+        """Per mode, the most frames a bucket captured (or to be captured on first use) serves: a longer chunk runs
+        eager, or in an extra bucket."""
+        longest: dict[str, int] = {}
+        for key, state in self.buckets.items():
+            if state.status in ("captured", "pending"):
+                longest[key.mode] = max(longest.get(key.mode, 0), key.frames)
+        return longest
+
     def is_captured(self, key: BucketKey) -> bool:
         state = self.buckets.get(key)
         return state is not None and state.status == "captured"
