@@ -1,5 +1,6 @@
-"""``InputHistory``: the last ``H`` input frames a pooled stream committed, kept on the host so that another sidecar
-can rebuild the stream's state by replaying them (``pool_stream.py``; proto/README.md, section 11).
+"""What a pooled stream keeps on the host so that another sidecar can take it over (``pool_stream.py``;
+proto/README.md, section 11): ``InputHistory``, the last ``H`` input frames it committed (replayed to rebuild its
+state), and a ``PendingChunk`` per chunk not acknowledged yet (sent again after the replay).
 
 ``H`` is the stream's history contract: ``welcome``'s ``history_frames`` for an ``exact`` stream (the frames that
 determine its decoder state), ``left_context_frames`` for a ``window`` stream (the kept context is its whole state).
@@ -14,12 +15,14 @@ lock guards it.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["InputHistory", "host_inputs"]
+__all__ = ["InputHistory", "PendingChunk", "host_inputs"]
 
 INT16_CODES_BELOW = 2 ** 15
 """Codes below this are kept as int16 (Qwen3-TTS: 2048), others as int32."""
@@ -86,3 +89,16 @@ class InputHistory:
         if not self._parts:
             return None
         return torch.cat(list(self._parts), dim=1)  # [C, kept]
+
+
+@dataclass(eq=False)
+class PendingChunk:
+    """A chunk the caller submitted whose audio has not reached it yet."""
+
+    inputs: torch.Tensor  # host copy [C, n], in the history's dtype
+    final: bool
+    context_frames: int
+    future: Future  # the caller's
+    timeout_s: float | None
+    audio: torch.Tensor | None = None  # its reply, while an earlier chunk's is still out
+    done: bool = False

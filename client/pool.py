@@ -203,6 +203,9 @@ class SidecarPool:
         """Block for a pooled stream's future (a move may come first: twice the timeout, and a grace)."""
         return self._wait(future, timeout_s)
 
+    def wait_s(self, timeout_s: float | None) -> float:
+        return (self.timeout_s if timeout_s is None else timeout_s) * 2 + WAIT_GRACE_S
+
     def failover_stats(self) -> dict:
         """What moves cost so far (``failover.FailoverStats.snapshot``): ``failovers``, ``drain_moves``,
         ``replay_frames``, ``replay_audio_s``, ``recovery_s_total``, ``recovery_s_max``, ``streams_lost``, and
@@ -242,7 +245,7 @@ class SidecarPool:
     def _wait(self, future: Future[Any], timeout_s: float | None) -> Any:
         if threading.current_thread().name == "code2wav-client-io":
             raise RuntimeError("blocking call from a future callback (a client I/O thread); use submit...()")
-        wait_s = (self.timeout_s if timeout_s is None else timeout_s) * 2 + WAIT_GRACE_S  # a retry may follow
+        wait_s = self.wait_s(timeout_s)  # a retry (or a move) may come first
         try:
             return future.result(wait_s)
         except concurrent.futures.TimeoutError:

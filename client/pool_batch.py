@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 from .client import BatchItem
 from .errors import InvalidArgument, SidecarError
 from .pool_member import PoolMember
-from .pool_stream import PendingChunk, PooledStream
+from .history import PendingChunk
+from .pool_stream import PooledStream
 from .sender import set_exception, set_result
 from .stream import Stream
 

@@ -49,9 +49,13 @@ class MoveService:
         def on_opened(done: Future) -> None:
             error = done.exception()
             if error is not None:
-                self.stats.lost()
-                log.warning("pool: stream %r lost its sidecar %s and no other took it (%s)", stream.stream_id,
-                            from_address, error)
+                if reason == "drain" and not stream.inner.lost:
+                    log.debug("pool: stream %r stays on draining %s for now: no other sidecar took it (%s)",
+                              stream.stream_id, from_address, error)
+                else:
+                    self.stats.lost()
+                    log.warning("pool: stream %r lost its sidecar %s and no other took it (%s)", stream.stream_id,
+                                from_address, error)
                 return on_done(None, None, error)
             inner, member = done.result()
             try:

@@ -23,31 +23,17 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
 
 from .errors import DeadlineExceeded, InvalidArgument, NotFound, SidecarError, StreamLost
 from .failover import give_up_error, sidecar_gone
-from .history import InputHistory, host_inputs
+from .history import InputHistory, PendingChunk, host_inputs
 from .sender import set_exception, set_result
 from .stream import Stream
 
-__all__ = ["PooledStream", "PendingChunk", "MoveHost"]
-
-
-@dataclass(eq=False)
-class PendingChunk:
-    """A chunk the caller submitted whose audio has not reached it yet."""
-
-    inputs: torch.Tensor  # host copy [C, n], in the history's dtype
-    final: bool
-    context_frames: int
-    future: Future  # the caller's
-    timeout_s: float | None
-    audio: torch.Tensor | None = None  # its reply, while an earlier chunk's is still out
-    done: bool = False
+__all__ = ["PooledStream", "MoveHost"]
 
 
 class MoveHost(Protocol):
@@ -57,6 +43,8 @@ class MoveHost(Protocol):
                    on_done: Callable[[Stream | None, Any, BaseException | None], None]) -> None: ...
 
     def wait(self, future: Future, timeout_s: float | None) -> Any: ...
+
+    def wait_s(self, timeout_s: float | None) -> float: ...
 
 
 class PooledStream:
@@ -76,6 +64,8 @@ class PooledStream:
         self._moving: str | None = None  # the reason of the move under way
         self._move_wanted: str | None = None  # a drain asked for: moves at the next chunk boundary
         self._lost: StreamLost | None = None
+        self._settled = threading.Event()  # no move under way (``finish`` waits for it)
+        self._settled.set()
         self._aborted = False
         self._num_acked = 0
 
@@ -131,11 +121,11 @@ class PooledStream:
                 try:
                     self.settle_with(chunk, self._inner, self._inner.submit(codes, final, context_frames,
                                                                              timeout_s=timeout_s))
-                except StreamLost as exc:  # its sidecar is gone and no chunk told us yet: move now
-                    self._start_move("failover", exc)
-                except SidecarError:
-                    self._pending.remove(chunk)
-                    raise
+                except SidecarError as exc:
+                    if not sidecar_gone(exc):
+                        self._pending.remove(chunk)
+                        raise
+                    self._start_move("failover", exc)  # its sidecar is gone and no chunk told us yet: move now
             return chunk.future
 
     def decode(self, codes: Any, final: bool = False, context_frames: int = 0, *,
@@ -211,33 +201,44 @@ class PooledStream:
     def _start_move(self, reason: str, cause: BaseException | None) -> None:
         """(Lock held.) Re-open elsewhere; ``_moved`` continues once the pool has a new sidecar's stream."""
         self._moving, self._move_wanted = reason, None
+        self._settled.clear()
         old = self._inner
         self._host.start_move(self, reason, self.history.first_frame, self.history.frames(),
                               lambda inner, member, error: self._moved(old, reason, inner, member, error, cause))
 
     def _moved(self, old: Stream, reason: str, inner: Stream | None, member: Any, error: BaseException | None,
                cause: BaseException | None) -> None:
-        """The pool re-opened the stream and sent its history (``inner``), or could not (``error``)."""
-        if error is not None:
+        """The pool re-opened the stream and sent its history (``inner``), or could not (``error``): then a failover
+        gives up (``StreamLost``), a drain stays on the draining sidecar, which still serves it (the monitor asks
+        again at its next look, until the grace ends)."""
+        if error is not None and (reason != "drain" or old.lost):
             return self._give_up(give_up_error(self.stream_id, error if cause is None else cause))
         with self._lock:
-            if self._aborted or self._lost is not None:
+            if error is None and (self._aborted or self._lost is not None):
                 inner.submit_abort()
-                return
-            self._inner, self.member, self._moving = inner, member, None
-            for chunk in list(self._pending):  # in order, after the replay (already sent)
-                chunk.done, chunk.audio = False, None
-                try:
-                    self.settle_with(chunk, inner, inner.submit(chunk.inputs, chunk.final, chunk.context_frames,
-                                                                timeout_s=chunk.timeout_s))
-                except SidecarError as exc:
-                    self.settle(chunk, inner, None, exc)
-        if reason == "drain" and not old.lost and not old.closed:
+            elif error is None:
+                self._inner, self.member = inner, member
+            self._moving = None
+            self._settled.set()
+            if not self._aborted and self._lost is None:
+                self._send_pending(self._inner)
+        if error is None and reason == "drain" and not old.lost and not old.closed:
             old.submit_abort()  # (best effort: its sidecar frees it at exit anyway)
+
+    def _send_pending(self, inner: Stream) -> None:
+        """(Lock held.) Send every waiting chunk to ``inner``, in order (after a move: right behind the replay)."""
+        for chunk in list(self._pending):
+            chunk.done, chunk.audio = False, None
+            try:
+                self.settle_with(chunk, inner, inner.submit(chunk.inputs, chunk.final, chunk.context_frames,
+                                                            timeout_s=chunk.timeout_s))
+            except SidecarError as exc:
+                self.settle(chunk, inner, None, exc)
 
     def _give_up(self, error: StreamLost) -> None:
         with self._lock:
             self._lost, self._moving = error, None
+            self._settled.set()
             failed = list(self._pending)
             self._pending.clear()
         for chunk in failed:
@@ -271,6 +272,7 @@ class PooledStream:
         """Close gracefully once the chunks in flight are done (they may move meanwhile)."""
         if self.closed:
             return
+        self._settled.wait(self._host.wait_s(timeout_s))  # a move under way ends first (its stream is the one)
         with self._lock:
             self.check_usable()
             waiting = [chunk.future for chunk in self._pending]

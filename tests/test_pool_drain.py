@@ -14,9 +14,10 @@ import threading
 import time
 from concurrent.futures import wait
 
+import pytest
 import torch
 
-from code2wav.client import SidecarPool
+from code2wav.client import SidecarPool, StreamLost
 from code2wav.sidecar.models import load_model
 from code2wav.sidecar.modes import get_mode
 from code2wav.sidecar.offline import decode_offline
@@ -109,3 +110,30 @@ def test_a_rolling_restart_of_every_sidecar_under_load_loses_no_stream(tmp_path)
         pool.close()
         for sidecar in running:
             sidecar.stop()
+
+
+def test_a_drain_with_nowhere_to_move_keeps_serving_until_the_grace_ends(tmp_path):
+    """A pool of one: the draining sidecar's stream has nowhere to go, so it stays and is still served through the
+    grace (not lost early); when the grace ends the sidecar drains and exits, and the stream ends with
+    ``StreamLost``."""
+    path = tmp_path / "short.yaml"
+    path.write_text("drain_grace_s: 3\n")
+    sidecar = _start(tmp_path / "only", 4, "--config", str(path))
+    codes = torch.randint(0, 64, (4, 40), generator=torch.Generator().manual_seed(1))  # [Q, T]
+    pool = SidecarPool(sidecar.address, timeout_s=30, failover_open_timeout_s=1.0)
+    try:
+        stream = pool.open_stream("s0")
+        stream.decode(codes[:, :4])
+        sidecar.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        time.sleep(1.0)  # the pool saw it draining by now, and found nowhere to move the stream
+        assert stream.decode(codes[:, 4:8]).numel() == 4 * 48  # still served during the grace
+        assert sidecar.proc.wait(timeout=30) == 0
+        assert 3.0 <= time.monotonic() - started
+        assert "1 of 1 streams still open" in sidecar.log()
+        with pytest.raises(StreamLost):
+            stream.decode(codes[:, 8:12])
+        assert pool.failover_stats()["streams_lost"] == 1 and pool.failover_stats()["drain_moves"] == 0
+    finally:
+        pool.close()
+        sidecar.stop()

@@ -63,19 +63,24 @@ def test_a_killed_sidecar_s_streams_move_and_their_audio_is_exact(tmp_path):
         streams = _open(pool, "s", NUM_STREAMS)
         victim = running[1]
         moved = {name for name, stream in streams.items() if pool.address_of(stream) == victim.address}
-        assert 20 <= len(moved) <= 40, len(moved)
+        assert 20 <= len(moved) <= 40, pool.members
         audio = collections.defaultdict(list)
         for index in range(KILL_AFTER):
             for name, wav in _one_by_one(streams, codes, index).items():
                 audio[name].append(wav)
-        in_flight = {name: stream.submit(_chunk(codes, name, KILL_AFTER)) for name, stream in streams.items()}
+        # the chunk in flight: half the streams one by one, half in one batch (a decode message per sidecar)
+        names = sorted(streams)
+        in_flight = {name: streams[name].submit(_chunk(codes, name, KILL_AFTER)) for name in names[::2]}
+        batched = pool.submit_batch([(streams[name], _chunk(codes, name, KILL_AFTER)) for name in names[1::2]])
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait()
         killed_at = time.monotonic()
-        done, _ = wait(list(in_flight.values()), timeout=60)
-        assert len(done) == NUM_STREAMS
+        done, _ = wait([*in_flight.values(), batched], timeout=120)
+        assert len(done) == len(in_flight) + 1
         for name, future in in_flight.items():
             audio[name].append(future.result())  # no stream sees an error
+        for name, wav in zip(names[1::2], batched.result(), strict=True):
+            audio[name].append(wav)
         recovered_s = time.monotonic() - killed_at
         for index in range(KILL_AFTER + 1, NUM_CHUNKS):
             for name, wav in _one_by_one(streams, codes, index).items():
@@ -98,9 +103,10 @@ def test_a_killed_sidecar_s_streams_move_and_their_audio_is_exact(tmp_path):
         # each moved stream replayed what it had committed (3 chunks: 30 frames), bounded by its history (25)
         assert stats["replay_frames"] == len(moved) * min(KILL_AFTER * CHUNK_FRAMES, HISTORY_FRAMES)
         assert {move["stream_id"] for move in stats["recent"]} == moved
-        assert stats["recovery_s_max"] <= recovered_s
+        assert stats["recovery_s_max"] <= recovered_s, (stats["recovery_s_max"], recovered_s)
         heartbeat_window_s = DEAD_AFTER_INTERVALS * HEARTBEAT_S + 2 * HEARTBEAT_S
-        assert recovered_s <= heartbeat_window_s + 10.0, recovered_s  # detection, then replay on a 2-core CPU
+        # detection, then re-open and replay of ~30 streams on a shared 2-core CPU (seen: 2-6 s)
+        assert recovered_s <= heartbeat_window_s + 30.0, recovered_s
     finally:
         pool.close()
         for sidecar in running:
