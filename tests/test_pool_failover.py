@@ -17,6 +17,8 @@ import torch
 
 from code2wav.client import SidecarPool, StreamLost
 from code2wav.client._liveness import DEAD_AFTER_INTERVALS
+from code2wav.loadgen.spawn import spawn_sidecar
+from conftest import VOXCPM2_TINY
 from test_pool import HEARTBEAT_S, TOL, _started
 
 NUM_STREAMS = 90
@@ -133,6 +135,44 @@ def test_a_stream_whose_sidecars_all_die_gets_stream_lost_not_a_hang(tmp_path):
         with pytest.raises(StreamLost):
             stream.submit(_chunk(codes, "s0", 2))
         assert pool.failover_stats()["streams_lost"] == 1
+    finally:
+        pool.close()
+        for sidecar in running:
+            sidecar.stop()
+
+
+def test_voxcpm2_streams_with_their_options_fail_over_exactly(tmp_path):
+    """Latents (VoxCPM2's AudioVAE, H = 24 frames on the tiny golden): the history keeps float32 latents and the
+    re-open carries the stream's ``sr_cond``; a killed sidecar's streams continue within the exact tolerance."""
+    running = []
+    for index in range(2):
+        (tmp_path / f"v{index}").mkdir()
+        running.append(spawn_sidecar("--model", str(VOXCPM2_TINY), "--device", "cpu", "--max-streams", "8",
+                                     workdir=tmp_path / f"v{index}"))
+    latents = torch.randn(4, 16, 60, generator=torch.Generator().manual_seed(3))  # [S, D, T]
+    rates = [16000, 48000, 32000, 24000]
+    pool = SidecarPool([sidecar.address for sidecar in running], timeout_s=30)
+    try:
+        def run(prefix: str, kill_after: int | None) -> list[torch.Tensor]:
+            streams = [pool.open_stream(f"{prefix}{n}", options={"sr_cond": rates[n]}) for n in range(4)]
+            out: list[list[torch.Tensor]] = [[] for _ in streams]
+            for index in range(6):
+                if index == kill_after:
+                    victim = next(s for s in running if s.address == pool.address_of(streams[0]))
+                    victim.proc.send_signal(signal.SIGKILL)
+                    victim.proc.wait()
+                for n, stream in enumerate(streams):
+                    out[n].append(stream.decode(latents[n, :, index * 10:(index + 1) * 10]))
+            return [torch.cat(parts) for parts in out]
+
+        reference = run("r", None)
+        got = run("s", 3)
+        for want, have in zip(reference, got, strict=True):
+            assert have.numel() == 60 * 240
+            assert (have - want).abs().max().item() <= TOL
+        stats = pool.failover_stats()
+        assert stats["failovers"] >= 1 and stats["streams_lost"] == 0
+        assert all(move["replay_frames"] == 24 for move in stats["recent"])  # 30 frames committed, H = 24 kept
     finally:
         pool.close()
         for sidecar in running:
