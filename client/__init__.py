@@ -11,12 +11,14 @@
 
     from code2wav.client import SidecarPool   # several sidecars: a list, or a DNS name (a headless Service)
     with SidecarPool("dns://code2wav-sidecar.tts.svc.cluster.local:5555") as pool:
-        s = pool.open_stream("req-1")    # on the least loaded sidecar (its own GPU's first); it stays there
+        s = pool.open_stream("req-1")    # on the least loaded sidecar (its own GPU's first); a PooledStream:
+        wav = s.decode(codes)            # it moves to another sidecar (history replay) if its own dies or drains
 """
 
 from .client import DEFAULT_ADDRESS, BatchItem, SidecarClient
 from .discovery import Resolver
 from .pool import SidecarPool
+from .pool_stream import PooledStream
 from .errors import (
     AlreadyExists,
     Busy,
@@ -40,6 +42,7 @@ __all__ = [
     "SidecarPool",
     "Resolver",
     "Stream",
+    "PooledStream",
     "DEFAULT_ADDRESS",
     "BatchItem",
     "CodesLike",

@@ -201,9 +201,11 @@ class SidecarClient:
         model: str | None = None,
         timeout_s: float | None = None,
         options: dict[str, int] | None = None,
+        start_frame: int = 0,
     ) -> Future[Stream]:
         """Open a stream. ``left_context_frames`` applies to ``window`` mode only; ``options``: the model's
-        ``stream_options`` (welcome), checked by the server."""
+        ``stream_options`` (welcome), checked by the server; ``start_frame`` (``exact``): the index of the stream's
+        first frame in its utterance (a pool's failover replay resumes there; proto/README.md, section 11)."""
         if mode not in STREAM_MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(STREAM_MODES)}; got {mode!r}")
         limits = self.limits
@@ -215,7 +217,10 @@ class SidecarClient:
             raise InvalidArgument(f"stream_id must be 1..{limits.max_id_len} UTF-8 bytes, got {stream_id!r}")
         request_id = self._conn.next_request_id()
         context = left_context_frames if mode == "window" else 0
-        frames = encode(OpenStream(request_id, stream_id, model, mode, context, dict(options or {})))
+        if start_frame < 0:
+            raise InvalidArgument(f"start_frame must be >= 0, got {start_frame}")
+        frames = encode(OpenStream(request_id, stream_id, model, mode, context, dict(options or {}),
+                                   start_frame if mode == "exact" else 0))
         future: Future[Stream] = Future()
 
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:

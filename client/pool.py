@@ -1,27 +1,28 @@
 """``SidecarPool``: one client over several sidecars (a list of addresses, or a DNS name such as a Kubernetes
-headless Service), with the single client's API: streams open on the best sidecar and stay there.
+headless Service), with the single client's API: streams open on the best sidecar and move only when it dies or
+drains (failover: ``pool_stream.PooledStream``, which replays the stream's last ``H`` input frames elsewhere).
 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 
     with SidecarPool("dns://code2wav-sidecar.tts.svc.cluster.local:5555", timeout_s=30) as pool:
-        s = pool.open_stream("req-1")              # placed by load (placement.py); the Stream is the sidecar's
-        wav = s.decode(codes)                      # goes to the sidecar that opened it, always
+        s = pool.open_stream("req-1")              # placed by load (placement.py), a PooledStream
+        wav = s.decode(codes)                      # to the sidecar it lives on; moved there, if it must, first
         outs = pool.decode_batch([(s1, c1), (s2, c2)])   # one decode message per sidecar involved
+        pool.failover_stats()                      # moves so far: failovers, drains, frames replayed, times
 
-Mechanism here, policy in ``placement.py``, addresses in ``discovery.py``, one sidecar in ``pool_member.py``, a
-batch over several sidecars in ``pool_batch.py``. A
-monitor thread pings every connected sidecar each ``refresh_s`` (the ``pong`` carries its load), re-resolves
-a DNS name each ``resolve_interval_s`` and connects the sidecars that appear or come back. A sidecar that stops
-answering heartbeats loses its streams at once (``StreamLost``, within ``DEAD_AFTER_INTERVALS`` heartbeat
-intervals) and takes no new ones until it answers again; one that restarted (a new boot epoch) takes new ones
-after its new handshake; one answering ``open_stream`` with ``busy`` or ``unavailable`` (draining) is skipped
-for the next best before the caller sees an error. One address is a pool of one.
+Mechanism here, policy in ``placement.py``, addresses in ``discovery.py``, one sidecar in ``pool_member.py``,
+opening on the best in ``pool_open.py``, a batch over several sidecars in ``pool_batch.py``, moves in
+``pool_moves.py``. A monitor thread pings every connected sidecar each ``refresh_s`` (the ``pong`` carries its
+load), re-resolves a DNS name each ``resolve_interval_s``, connects the sidecars that appear or come back, and moves
+the streams of a sidecar that stopped answering heartbeats (within ``DEAD_AFTER_INTERVALS`` intervals) or restarted
+(a new boot epoch), and, at their next chunk boundary, those of a draining one. A sidecar answering ``open_stream``
+with ``busy`` or ``unavailable`` (draining) is skipped for the next best before the caller sees an error. With
+``failover=False`` a dead sidecar's streams end with ``StreamLost``. One address is a pool of one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
@@ -35,10 +36,12 @@ from code2wav.proto import DEFAULT_LEFT_CONTEXT_FRAMES, Limits, ModelInfo, Welco
 
 from .client import BatchItem, SidecarClient
 from .discovery import PoolAddress, Resolver, parse_pool_address, system_resolver
-from .errors import AlreadyExists, Busy, DeadlineExceeded, SidecarError, Unavailable, not_running
-from .placement import rank
-from .pool_batch import submit_pooled_batch
+from .errors import AlreadyExists, DeadlineExceeded, Unavailable, not_running
+from .pool_batch import submit_pooled_batch, submit_pooled_streams
 from .pool_member import PoolMember, caller_gpu_uuid
+from .pool_moves import MoveService
+from .pool_open import Placer
+from .pool_stream import PooledStream
 from .sender import WAIT_GRACE_S, set_exception, set_result
 from .stream import Stream
 
@@ -52,10 +55,13 @@ class SidecarPool:
 
     def __init__(self, address: str | Sequence[str], *, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
                  refresh_s: float = 0.5, resolve_interval_s: float = 5.0, resolver: Resolver | None = None,
-                 device: torch.device | int | None = None, **client_options: Any) -> None:
+                 device: torch.device | int | None = None, failover: bool = True,
+                 failover_open_timeout_s: float = 5.0, **client_options: Any) -> None:
         """``address``: one address, several (a list or comma-separated) or ``dns://NAME:PORT``
         (``discovery.py``); ``resolver``: how a DNS name is resolved (default: the host's). ``device``: the
-        caller's GPU, preferred for CUDA IPC (default: the current CUDA device when CUDA is in use).
+        caller's GPU, preferred for CUDA IPC (default: the current CUDA device when CUDA is in use). ``failover``:
+        streams move to another sidecar when theirs dies or drains (``PooledStream``); a move's re-open waits at most
+        ``failover_open_timeout_s`` per sidecar tried.
         ``client_options`` go to each sidecar's ``SidecarClient`` (``curve_server_key``, ``cuda_ipc``, ...).
         Raises ``SidecarNotRunning`` when no sidecar of the pool answers within ``connect_timeout_s``."""
         self.spec: PoolAddress = parse_pool_address(address)
@@ -69,9 +75,12 @@ class SidecarPool:
                              streams_lost_when_dead=True)
         self._lock = threading.Lock()  # members, counters
         self._members: dict[str, PoolMember] = {}
-        self._home: weakref.WeakKeyDictionary[Stream, PoolMember] = weakref.WeakKeyDictionary()
-        self._by_id: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
-        self._choices = itertools.count(1)
+        self.failover = bool(failover)
+        self._placer = Placer(self._lock, self._members, self._gpu_uuid, self.address)
+        self._moves = MoveService(lambda *args: self._placer.place(*args, retry_all=True),
+                                  float(failover_open_timeout_s))
+        self._movable: weakref.WeakSet[PooledStream] = weakref.WeakSet()  # the pooled streams that may move
+        self._by_id: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._stop = threading.Event()
         self._next_resolve_s = 0.0
         self._refresh_members(time.monotonic())
@@ -89,9 +98,15 @@ class SidecarPool:
         with self._lock:
             return [member.status() for member in self._members.values()]
 
-    def address_of(self, stream: Stream) -> str:
-        """The address of the sidecar ``stream`` was opened on (where it stays)."""
-        return self._home[stream].address
+    def address_of(self, stream: Stream | PooledStream) -> str:
+        """The address of the sidecar ``stream`` lives on now (a ``PooledStream`` moves on failover or drain)."""
+        if isinstance(stream, PooledStream):
+            return stream.member.address
+        return self._member_of(stream).address
+
+    def _member_of(self, stream: Stream) -> PoolMember | None:
+        with self._lock:
+            return next((m for m in self._members.values() if stream in m.streams), None)
 
     @property
     def server_info(self) -> Welcome:
@@ -143,60 +158,59 @@ class SidecarPool:
                            left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES, model: str | None = None,
                            timeout_s: float | None = None, options: dict[str, int] | None = None) -> Future[Stream]:
         """Open a stream on the best sidecar (``placement.rank``); one that answers ``busy`` or ``unavailable``
-        is skipped for the next. The future raises the last such error when every sidecar refused."""
-        kwargs = dict(mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s,
-                      options=options)
+        is skipped for the next. The future raises the last such error when every sidecar refused. With
+        ``failover`` (the default) it gives a ``PooledStream``, which moves to another sidecar when its own dies or
+        drains (docs/client.md, "Failover and drain"); else the sidecar's ``Stream``, which stays there."""
+        kwargs = dict(mode=mode, left_context_frames=left_context_frames, model=model, options=options)
         future: Future[Stream] = Future()
-        tried: set[str] = set()
-        last_error: list[SidecarError] = []
         live = self._by_id.get(stream_id)
         if live is not None and not live.closed and not live.lost:  # as one client refuses it (docs/client.md)
             set_exception(future, AlreadyExists(f"stream {stream_id!r} is already open in this pool (finish, abort "
                                                 "or drop that Stream first)"))
             return future
 
-        def attempt() -> None:
+        def settled(done: Future) -> None:
+            if done.exception() is not None:
+                return set_exception(future, done.exception())
+            inner, member = done.result()
+            stream = self._pooled(inner, member, kwargs)
             with self._lock:
-                order = [key for key in rank([m.candidate(self._gpu_uuid) for m in self._members.values()])
-                         if key not in tried]
-                member = self._members.get(order[0]) if order else None
-                if member is not None:
-                    tried.add(member.address)
-                    member.placed += 1
-                    member.last_chosen = next(self._choices)
-            if member is None or member.client is None:
-                set_exception(future, last_error[-1] if last_error else Unavailable(
-                    f"no sidecar of the pool {self.address} takes streams now: {self._why_none()}"))
-                return
-            try:
-                inner = member.client.submit_open_stream(stream_id, **kwargs)
-            except SidecarError as exc:  # refused before sending (bad arguments): the same on every sidecar
-                self._unplace(member, refused=False)
-                set_exception(future, exc)
-                return
-            inner.add_done_callback(lambda done: settled(member, done))
+                self._by_id[stream_id] = stream
+                if isinstance(stream, PooledStream):
+                    self._movable.add(stream)
+            set_result(future, stream)
 
-        def settled(member: PoolMember, done: Future[Stream]) -> None:
-            error = done.exception()
-            if error is None:
-                stream = done.result()
-                with self._lock:
-                    member.streams.add(stream)
-                    self._home[stream] = member
-                    self._by_id[stream_id] = stream
-                set_result(future, stream)
-                return
-            retry = isinstance(error, (Busy, Unavailable)) and not isinstance(error, DeadlineExceeded)
-            self._unplace(member, refused=retry)
-            if not retry:
-                set_exception(future, error)
-                return
-            log.info("pool: %s refused stream %r (%s); trying the next sidecar", member.address, stream_id, error)
-            last_error.append(error)
-            attempt()
-
-        attempt()
+        self._placer.place(stream_id, kwargs, set(), timeout_s).add_done_callback(settled)
         return future
+
+    def _pooled(self, inner: Stream, member: PoolMember, kwargs: dict) -> Stream | PooledStream:
+        """The caller's handle: a ``PooledStream`` where failover is on and the stream's history is known (an
+        ``exact`` stream needs welcome's ``history_frames``; a ``window`` stream's is its left context)."""
+        info = member.client.server_info.model(inner.model)
+        history_frames = inner.left_context_frames if inner.mode == "window" else (
+            info.history_frames if info is not None else 0)
+        if not self.failover or (inner.mode == "exact" and history_frames == 0):
+            return inner
+        codebook_size = info.codebook_size if info is not None else None
+        return PooledStream(self, inner, member, kwargs, history_frames, codebook_size)
+
+    def start_move(self, stream: PooledStream, reason: str, start_frame: int, replay: torch.Tensor | None,
+                   on_done: Any) -> None:
+        """``PooledStream``'s way to move (``pool_moves.MoveService.start_move``)."""
+        self._moves.start_move(stream, reason, start_frame, replay, on_done)
+
+    def wait(self, future: Future[Any], timeout_s: float | None) -> Any:
+        """Block for a pooled stream's future (a move may come first: twice the timeout, and a grace)."""
+        return self._wait(future, timeout_s)
+
+    def wait_s(self, timeout_s: float | None) -> float:
+        return (self.timeout_s if timeout_s is None else timeout_s) * 2 + WAIT_GRACE_S
+
+    def failover_stats(self) -> dict:
+        """What moves cost so far (``failover.FailoverStats.snapshot``): ``failovers``, ``drain_moves``,
+        ``replay_frames``, ``replay_audio_s``, ``recovery_s_total``, ``recovery_s_max``, ``streams_lost``, and
+        ``recent`` (each move: reason, stream, from and to, frames replayed, ``recovery_s``)."""
+        return self._moves.stats.snapshot()
 
     def open_stream(self, stream_id: str, *, mode: str = "exact",
                     left_context_frames: int = DEFAULT_LEFT_CONTEXT_FRAMES, model: str | None = None,
@@ -217,7 +231,9 @@ class SidecarPool:
                      timeout_s: float | None = None) -> Future[list[Any]]:
         """The single client's ``submit_batch`` over a pool: one ``decode`` message per sidecar involved; the
         future gives the audio in the items' order (errors as there: the first once all are in, or in place)."""
-        return submit_pooled_batch(items, self._home.get, return_exceptions, timeout_s)
+        if items and isinstance(items[0][0], PooledStream):
+            return submit_pooled_streams(items, return_exceptions, timeout_s)
+        return submit_pooled_batch(items, self._member_of, return_exceptions, timeout_s)
 
     def decode_batch(self, items: Sequence[BatchItem], *, return_exceptions: bool = False,
                      timeout_s: float | None = None) -> list[Any]:
@@ -229,21 +245,11 @@ class SidecarPool:
     def _wait(self, future: Future[Any], timeout_s: float | None) -> Any:
         if threading.current_thread().name == "code2wav-client-io":
             raise RuntimeError("blocking call from a future callback (a client I/O thread); use submit...()")
-        wait_s = (self.timeout_s if timeout_s is None else timeout_s) * 2 + WAIT_GRACE_S  # a retry may follow
+        wait_s = self.wait_s(timeout_s)  # a retry (or a move) may come first
         try:
             return future.result(wait_s)
         except concurrent.futures.TimeoutError:
             raise DeadlineExceeded(f"no reply from the pool {self.address} within {wait_s:g}s") from None
-
-    def _unplace(self, member: PoolMember, refused: bool) -> None:
-        with self._lock:
-            member.placed -= 1
-            member.placed_at_report = min(member.placed_at_report, member.placed)
-            member.refused = member.refused or refused
-
-    def _why_none(self) -> str:
-        return "; ".join(f"{m.address}: " + ("answering" if m.answering else (m.last_error or "not answering"))
-                         for m in list(self._members.values())) or "no addresses"
 
     def _connect(self, address: str) -> SidecarClient:
         return SidecarClient(address, **self._options)
@@ -291,5 +297,8 @@ class SidecarPool:
                 for member in list(self._members.values()):
                     if member.client is not None and member.answering:
                         self._ping(member)
+                with self._lock:
+                    movable = list(self._movable)
+                self._moves.watch(movable)
             except Exception:  # the monitor must outlive any one sidecar's trouble
                 log.exception("pool monitor: refresh failed")

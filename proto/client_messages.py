@@ -59,6 +59,11 @@ class OpenStream:
         IntMap(MAX_STREAM_OPTIONS), default_factory=dict, omit_default=True,
         doc="the model's `stream_options` (welcome); an unknown name or a value outside the option's range is "
             "`invalid_argument` (the server checks); absent options take their default")
+    start_frame: int = wire(
+        Int(0), default=0, omit_default=True,
+        doc="`exact` mode: the stream's first frame is taken to be frame `start_frame` of its utterance (ignored in "
+            "`window`). A failover replay (section 11) sends the original index of its first replayed frame, so "
+            "positions count as they did on the first sidecar")
 
 
 @record("chunk", sender="client")

@@ -70,6 +70,10 @@ class ModelInfo:
     stream_options: tuple[StreamOptionInfo, ...] = wire(
         ArrayOf(StreamOptionInfo, MAX_MODEL_LIST), default=(),
         doc="what `open_stream.options` may set (stream option table below)")
+    history_frames: int = wire(
+        Int(0), default=0, omit_default=True,
+        doc="`H`: the last `H` input frames of an `exact` stream determine its state; replaying them into a "
+            "fresh stream rebuilds it (section 11). 0 or absent: not declared")
 
     @property
     def channels(self) -> int:

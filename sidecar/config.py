@@ -133,6 +133,10 @@ class ServerConfig(_Section):
                                       "socket stays open to send the replies still queued to connected clients; "
                                       "what is still queued then is dropped (a log line and "
                                       "code2wav_sidecar_shutdown_replies_unsent_total)")
+    drain_grace_s: float = Field(0.0, ge=0, description="on SIGTERM/SIGINT, how long open streams are still "
+                                 "served (new ones refused, the pong's load says draining) so a client pool can move "
+                                 "them to other sidecars at a chunk boundary; the drain starts once none is open or "
+                                 "this ran out; 0: at once")
     busy_poll_us: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="after any input or step, poll the socket (and the device, after a CUDA IPC step) "
         "without sleeping for this long: lower latency for one busy CPU core while traffic flows; 0 = always "

@@ -6,7 +6,9 @@ sessions, replies out, region opens/closes on the engine thread); the ``stepper`
 replies. The loop reads as: drain input -> step -> emit. This module wires them, reaps idle streams, and drains on
 stop.
 
-Signals (``run_server``): SIGTERM and SIGINT drain (queued chunks finish, new ones get ``unavailable``), then the
+Signals (``run_server``): SIGTERM and SIGINT first serve the open streams for up to ``drain_grace_s`` (new streams get
+``unavailable``, the load says ``draining``: a client pool moves its streams away at a chunk boundary, and the grace
+ends as soon as none is open), then drain (queued chunks finish, new ones get ``unavailable``), then the
 socket stays open until every reply still queued has been sent to its connected client, for up to
 ``shutdown_timeout_s`` (what is left then is dropped: a warning and ``shutdown_replies_unsent_total``), and the
 process exits 0. A second SIGTERM or SIGINT during that shutdown exits at once with 128 + the signal's number,
@@ -41,6 +43,9 @@ from .stepper import Stepper
 from .transport import Transport, check_bind_security
 
 log = logging.getLogger(__name__)
+
+GRACE_POLL_S = 0.02
+"""How often the drain grace looks whether every stream is gone."""
 
 
 class Server:
@@ -104,6 +109,8 @@ class Server:
         tasks = [asyncio.create_task(stepper.run(), name="step"),
                  asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
+        if self.cfg.drain_grace_s > 0:
+            await self._serve_grace(self.cfg.drain_grace_s)
         sent_at_stop = self.transport.num_sent
         sessions.drain()
         io.wake()
@@ -120,6 +127,22 @@ class Server:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.close(self.cfg.shutdown_timeout_s, sent_at_stop)
+
+    async def _serve_grace(self, grace_s: float) -> None:
+        """The drain grace: open streams are still served, new ones refused and the load says ``draining``, until
+        no stream is open (client pools moved them, at a chunk boundary) or ``grace_s`` ran out. Not ready meanwhile
+        (``/readyz``), so an orchestrator takes the sidecar out of its Service."""
+        sessions = self.sessions
+        sessions.stop_opening()
+        self.ready = False
+        self.metrics.ready.set(0)
+        started, num_open = time.monotonic(), len(sessions.streams)
+        log.info("drain grace: %d open streams may move to other sidecars for up to %gs (drain_grace_s); new "
+                 "streams are refused", num_open, grace_s)
+        while len(sessions.streams) and time.monotonic() - started < grace_s:
+            await asyncio.sleep(GRACE_POLL_S)
+        log.info("drain grace over after %.2fs: %d of %d streams still open (the drain ends them)",
+                 time.monotonic() - started, len(sessions.streams), num_open)
 
     def stop(self) -> None:
         self._stop.set()

@@ -61,6 +61,7 @@ class Sessions:
                              heartbeat_interval_s=cfg.heartbeat_interval_s, capabilities=capabilities)
         self.clients = ClientDirectory(terms, self.out, metrics, clock)
         self.clients.load_now = self.load
+        self.refusing_streams = False  # the drain grace (``stop_opening``): open streams are still served
         self.recent_step_s = 0.0  # Load.step_s: an exponential average of the engine steps' durations
         self.streams = StreamTable(model, arena, scheduler, self.out, metrics, self.regions.release, clock)
         self.chunks = ChunkFlow(model, self.streams, scheduler, self.regions, self.out, metrics,
@@ -79,7 +80,8 @@ class Sessions:
 
     @property
     def draining(self) -> bool:
-        return self.chunks.draining
+        """New streams are refused (the drain grace, then the drain): what the load reports."""
+        return self.refusing_streams or self.chunks.draining
 
     def load(self) -> proto.Load:
         """The load a ``pong`` and a ``welcome`` report (``proto.Load``): what a client pool places streams by."""
@@ -92,6 +94,11 @@ class Sessions:
         """An engine step took ``seconds``: folded into ``Load.step_s``."""
         previous = self.recent_step_s
         self.recent_step_s = seconds if previous == 0.0 else previous + STEP_AVERAGE_WEIGHT * (seconds - previous)
+
+    def stop_opening(self) -> None:
+        """The drain grace starts: new streams are refused (``unavailable``) and the load says ``draining``, while the
+        open ones are still served, so client pools move them elsewhere (``drain_grace_s``)."""
+        self.refusing_streams = True
 
     def drain(self) -> None:
         """The server is stopping: new streams and chunks are refused; queued ones run now, without waiting for

@@ -19,4 +19,5 @@ def model_entry(model: LoadedModel) -> proto.ModelInfo:
         input_kind=spec.kind, input_dtypes=spec.wire_dtypes, input_channels=spec.channels,
         input_range=None if valid_range is None else tuple(valid_range),
         stream_options=tuple(proto.StreamOptionInfo(o.name, o.low, o.high, o.default)
-                             for o in model.contract.stream_options))
+                             for o in model.contract.stream_options),
+        history_frames=model.contract.history_frames)

@@ -52,6 +52,11 @@ def test_kubernetes_decoder_pool_wiring(tmp_path):
     assert _mount_dir(sidecar, volumes, sec.curve_secret_key_file)["secret"]["secretName"] == "code2wav-curve-server"
     allowed = [m for m in sidecar["volumeMounts"] if m["mountPath"] == sec.curve_allowed_clients_dir]
     assert next(v for v in volumes if v["name"] == allowed[0]["name"])["secret"]["secretName"]
+    # a rolling update ends no stream: the drain grace lets the pools move every stream away, and the pod's grace
+    # period covers it, the drain and the reply linger, with a margin; SIGTERM starts it (no preStop delays it)
+    assert cfg.drain_grace_s >= 10
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= cfg.drain_grace_s + cfg.shutdown_timeout_s + 10
+    assert "lifecycle" not in sidecar
     # probes: ready = not draining (out of the DNS records), alive = /healthz
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}

@@ -131,10 +131,12 @@ def _decode_each(pool: SidecarPool, streams: dict[str, object], codes: torch.Ten
 
 
 def test_a_killed_sidecar_loses_only_its_streams_and_comes_back(tmp_path, golden_cases):
+    """Without failover (``failover=False``): the streams of a dead sidecar end (tests/test_pool_failover.py has the
+    default, where they move)."""
     running = _started(tmp_path, [40, 40, 40])
     addresses = [sidecar.address for sidecar in running]
     codes = golden_cases["codes"]
-    pool = SidecarPool(addresses, timeout_s=30)
+    pool = SidecarPool(addresses, timeout_s=30, failover=False)
     try:
         reference: dict[str, list[torch.Tensor]] = collections.defaultdict(list)  # the run without the fault
         clean = {f"r{number}": pool.open_stream(f"r{number}") for number in range(30)}

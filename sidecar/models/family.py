@@ -161,6 +161,9 @@ class Contract:
     samples_per_frame: int
     state: Mapping[str, StateSpec]
     stream_options: tuple[StreamOption, ...] = ()
+    history_frames: int = 0
+    """``H``: the recent input frames that determine an exact stream's state (``streaming/reach.py``); replaying them
+    into a fresh stream rebuilds it (a client pool's failover). 0: not declared (no exact failover)."""
 
     def check_options(self, given: Mapping[str, Any] | None) -> dict[str, int]:
         """A stream's option values: every option, the given ones validated, the rest at their default."""

@@ -11,6 +11,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..streaming import reach
+
 # Keys the upstream config carries that the decoder does not use. They are accepted and ignored; any other
 # unknown key is an error (a typo in a hand-written config must not pass silently).
 _IGNORED_KEYS = frozenset({"attention_dropout", "layer_scale_initial_scale"})
@@ -60,6 +62,22 @@ class DecoderConfig(BaseModel):
     @property
     def samples_per_frame(self) -> int:
         return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
+
+    @property
+    def history_frames(self) -> int:
+        """``H`` (``streaming/reach.py``): frames that determine a stream's state. The layers that look back, in
+        forward order: ``pre_conv`` (k3); the transformer layers, each query seeing ``sliding_window - 1`` earlier
+        positions (they compound: ``num_hidden_layers * (W - 1)``); per upsampling stage a transposed conv (kernel =
+        stride) and ConvNeXt's depthwise k7; ``decoder.0`` (k7); per decoder block a transposed conv (``2r``,
+        ``r``) and three residual k7 convs of dilation 1, 3, 9; the last conv (k7). 580 for the shipped config."""
+        layers = [reach.conv(3)] + [reach.attention(self.sliding_window - 1)] * self.num_hidden_layers
+        for ratio in self.upsampling_ratios:
+            layers += [reach.trans_conv(ratio, ratio), reach.conv(7)]
+        layers.append(reach.conv(7))
+        for rate in self.upsample_rates:
+            layers += [reach.trans_conv(2 * rate, rate), reach.conv(7, 1), reach.conv(7, 3), reach.conv(7, 9)]
+        layers.append(reach.conv(7))
+        return reach.history_frames(layers)
 
     @classmethod
     def from_checkpoint_dict(cls, decoder_config: dict) -> "DecoderConfig":

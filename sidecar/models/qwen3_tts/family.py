@@ -27,7 +27,7 @@ def contract_of(module: Qwen3TTSDecoder, sample_rate_hz: int) -> Contract:
     cfg = module.cfg
     return Contract(input=InputSpec("codes", cfg.num_quantizers, cfg.codebook_size), sample_rate_hz=sample_rate_hz,
                     samples_per_frame=cfg.samples_per_frame,
-                    state=state_specs(module.state_layout()))
+                    state=state_specs(module.state_layout()), history_frames=cfg.history_frames)
 
 
 class Qwen3TTSFamily:

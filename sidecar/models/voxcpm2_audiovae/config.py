@@ -12,6 +12,8 @@ import bisect
 import math
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..streaming import reach
+
 
 class AudioVAEConfig(BaseModel):
     """The fields of ``audio_vae_config``; defaults are the shipped VoxCPM2 values."""
@@ -94,13 +96,14 @@ class AudioVAEConfig(BaseModel):
 
     @property
     def history_frames(self) -> int:
-        """``ceil(H)``: latent frames of history an output frame depends on (20 for the shipped config)."""
-        reach = 6.0
-        rate = 1
-        for s in self.decoder_rates:
-            reach += 1.0 / rate + 78.0 / (rate * s)
-            rate *= s
-        return math.ceil(reach + 6.0 / rate)
+        """``H`` (``streaming/reach.py``): latent frames an output frame and a stream's state depend on. The
+        layers that look back, in forward order: ``model.0`` (depthwise k7); per block a transposed conv (``2s``,
+        ``s``) and three residual k7 convs of dilation 1, 3, 9; the last conv (k7). 20 for the shipped config."""
+        layers = [reach.conv(7)]
+        for stride in self.decoder_rates:
+            layers += [reach.trans_conv(2 * stride, stride), reach.conv(7, 1), reach.conv(7, 3), reach.conv(7, 9)]
+        layers.append(reach.conv(7))
+        return reach.history_frames(layers)
 
 
 SHIPPED = AudioVAEConfig()

@@ -35,7 +35,7 @@ def contract_of(module: VoxCPM2AudioVAEDecoder) -> Contract:
     return Contract(input=InputSpec("latents", cfg.latent_channels), sample_rate_hz=cfg.out_sample_rate,
                     samples_per_frame=cfg.samples_per_frame,
                     state=state_specs(module.state_layout()),
-                    stream_options=(sr_cond,))
+                    stream_options=(sr_cond,), history_frames=cfg.history_frames)
 
 
 class VoxCPM2AudioVAEFamily:
