@@ -22,21 +22,35 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["InputHistory", "PendingChunk", "host_inputs"]
+__all__ = ["InputHistory", "PendingChunk", "host_inputs", "settle_copies"]
 
 INT16_CODES_BELOW = 2 ** 15
 """Codes below this are kept as int16 (Qwen3-TTS: 2048), others as int32."""
 
 
 def host_inputs(codes: Any, input_kind: str, codebook_size: int | None) -> torch.Tensor:
-    """A host copy ``[C, n]`` of a chunk's inputs in the dtype the history keeps (one device-to-host copy for CUDA
-    inputs; the caller may reuse its buffer afterwards)."""
+    """A host copy ``[C, n]`` of a chunk's inputs in the dtype the history keeps; the caller may reuse its buffer
+    afterwards. CUDA inputs are copied into pinned memory without waiting: the copy is queued on the caller's
+    current stream ahead of what the chunk's send queues there (its CUDA IPC copy and event), so it is complete
+    once the sidecar has read the chunk; a move, which may read a copy sooner, synchronizes first
+    (``settle_copies``)."""
     tensor = codes.detach() if isinstance(codes, torch.Tensor) else torch.as_tensor(np.asarray(codes))
     if input_kind == "latents":
         dtype = torch.bfloat16 if tensor.dtype == torch.bfloat16 else torch.float32
     else:
         dtype = torch.int16 if codebook_size is not None and codebook_size <= INT16_CODES_BELOW else torch.int32
-    return tensor.to(device="cpu", dtype=dtype, copy=True).contiguous()  # [C, n]
+    if not tensor.is_cuda:
+        return tensor.to(device="cpu", dtype=dtype, copy=True).contiguous()  # [C, n]
+    converted = tensor.to(dtype).contiguous()  # [C, n] on the device, queued
+    host = torch.empty(converted.shape, dtype=dtype, pin_memory=True)  # [C, n]
+    host.copy_(converted, non_blocking=True)
+    return host
+
+
+def settle_copies() -> None:
+    """Wait for the device-to-host copies ``host_inputs`` queued (before a move reads kept inputs)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class InputHistory:

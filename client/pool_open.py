@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 from concurrent.futures import Future
 
@@ -33,6 +34,7 @@ class Placer:
         self._gpu_uuid = gpu_uuid
         self.address = address
         self._choices = itertools.count(1)
+        self._salt = secrets.randbits(63) or 1  # this pool's own order among tied sidecars (placement rule 4)
 
     def place(self, stream_id: str, kwargs: dict, tried: set[str], timeout_s: float | None,
               retry_all: bool = False) -> Future[tuple[Stream, PoolMember]]:
@@ -43,7 +45,8 @@ class Placer:
 
         def attempt() -> None:
             with self._lock:
-                order = [key for key in rank([m.candidate(self._gpu_uuid) for m in self._members.values()])
+                order = [key for key in rank([m.candidate(self._gpu_uuid) for m in self._members.values()],
+                                         self._salt)
                          if key not in tried]
                 member = self._members.get(order[0]) if order else None
                 if member is not None:

@@ -29,7 +29,7 @@ import torch
 
 from .errors import DeadlineExceeded, InvalidArgument, NotFound, SidecarError, StreamLost
 from .failover import give_up_error, sidecar_gone
-from .history import InputHistory, PendingChunk, host_inputs
+from .history import InputHistory, PendingChunk, host_inputs, settle_copies
 from .sender import set_exception, set_result
 from .stream import Stream
 
@@ -114,7 +114,8 @@ class PooledStream:
     def submit(self, codes: Any, final: bool = False, context_frames: int = 0, *,
                timeout_s: float | None = None) -> Future[torch.Tensor]:
         """As ``Stream.submit``; the chunk's inputs are also copied to the host (the history, and a resend on another
-        sidecar), so a CUDA chunk costs one device-to-host copy more than on a single client."""
+        sidecar), so a CUDA chunk costs one device-to-host copy more than on a single client (queued, not waited
+        for: ``history.host_inputs``)."""
         with self._lock:
             chunk = self.reserve(codes, final, context_frames, timeout_s)
             if self._moving is None:
@@ -202,6 +203,7 @@ class PooledStream:
         """(Lock held.) Re-open elsewhere; ``_moved`` continues once the pool has a new sidecar's stream."""
         self._moving, self._move_wanted = reason, None
         self._settled.clear()
+        settle_copies()  # the kept inputs of CUDA chunks are read now: their copies must be done
         old = self._inner
         self._host.start_move(self, reason, self.history.first_frame, self.history.frames(),
                               lambda inner, member, error: self._moved(old, reason, inner, member, error, cause))
