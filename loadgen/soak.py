@@ -78,6 +78,8 @@ def _start_client(args: argparse.Namespace, address: str, workdir: Path, index: 
         cmd += ["--frame-rate-hz", str(args.frame_rate_hz)]
     if args.check_slots:
         cmd += ["--check-slots", str(args.check_slots), "--check-out", str(out.with_suffix(".check.pt"))]
+    if args.no_failover:
+        cmd.append("--no-failover")
     return subprocess.Popen(cmd, env=env, cwd=ROOT), out
 
 
@@ -260,6 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check-min-snr-db", type=float, default=None, help="the lowest signal-to-difference ratio "
                    "allowed there (default: 20 dB in bfloat16/float16; none in float32)")
     p.add_argument("--sidecar-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
+    p.add_argument("--no-failover", action="store_true", help="the clients' pools without failover: the killed "
+                   "sidecar's streams end with stream_lost instead of moving to the others")
     p.add_argument("--killed-sidecar-arg", action="append", default=[], help="extra `serve` argument of the sidecar "
                    "--kill-sidecar names only, after the others (repeatable; e.g. a larger --max-streams: the pools "
                    "place streams by capacity, so it carries more of them when it is killed)")

@@ -39,6 +39,7 @@ class _Recorder:
         self.latencies: list[tuple[float, float, int]] = []  # (wall time sent, seconds, sidecar index), since flush
         self.placements: list[tuple[float, int]] = []  # (wall time opened, sidecar index), since the last flush
         self.slips: list[float] = []  # wall times a slot fell behind its schedule (a chunk not sent), since flush
+        self.failover = None  # the pool's failover_stats (a SidecarPool with failover): read at each flush
 
     def sent_to(self, sidecar: int) -> None:
         with self.lock:
@@ -74,11 +75,14 @@ class _Recorder:
             self.failed_unsent[_code(error)] = self.failed_unsent.get(_code(error), 0) + 1
 
     def flush(self, kind: str = "progress") -> None:
+        moves = self.failover() if self.failover is not None else None
+        if moves is not None and kind != "exit":  # each move's record only once, at exit (up to 4096)
+            moves = {name: value for name, value in moves.items() if name != "recent"}
         with self.lock:
             line = {"kind": kind, "t": time.time(), "sent": self.sent, "decoded": self.decoded,
                     "bad_audio": self.bad_audio, "failed": dict(self.failed), "failed_unsent": dict(self.failed_unsent),
                     "by_sidecar": json.loads(json.dumps(self.by_sidecar)), "latencies": self.latencies,
-                    "placements": self.placements, "slips": self.slips}
+                    "placements": self.placements, "slips": self.slips, "failover": moves}
             self.latencies, self.placements, self.slips = [], [], []
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -94,7 +98,7 @@ def _connect(args: argparse.Namespace, addresses: list[str], stop_at: float):
                 return SidecarClient(addresses[0], timeout_s=args.timeout_s, connect_timeout_s=2.0,
                                      client_id=f"soak-{args.seed}")
             return SidecarPool(addresses, timeout_s=args.timeout_s, connect_timeout_s=2.0,
-                               client_id=f"soak-{args.seed}")
+                               client_id=f"soak-{args.seed}", failover=not args.no_failover)
         except SidecarError:
             time.sleep(0.5)
     return None
@@ -117,8 +121,11 @@ def client_main(args: argparse.Namespace) -> int:
     if client is None:
         rec.flush("exit")
         return 1
+    pooled = isinstance(client, SidecarPool)
+    if pooled and not args.no_failover:
+        rec.failover = client.failover_stats
     rec.flush("ready")
-    home = (lambda s: addresses.index(client.address_of(s))) if isinstance(client, SidecarPool) else (lambda s: 0)
+    home = (lambda s: addresses.index(client.address_of(s))) if pooled else (lambda s: 0)
     checked = CheckedStreams()
     info = client.models[0]
     frame_rate_hz = args.frame_rate_hz or info.sample_rate / info.samples_per_frame
@@ -165,6 +172,7 @@ def client_main(args: argparse.Namespace) -> int:
                 rec.unsent(exc)  # sidecar went down, restart not seen yet); the soak drops the stream, no resend
                 slot["stream"] = None
                 continue
+            slot["sidecar"] = home(stream)  # (a stream that moved after a failover: its new sidecar)
             rec.sent_to(slot["sidecar"])
             t_sent, t0 = time.time(), time.monotonic()
             want = args.chunk_frames * info.samples_per_frame
@@ -211,6 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--check-slots", type=int, default=0, help="record the streams of this many slots (0: none)")
     c.add_argument("--check-out", default=None, help="where the recorded streams go at exit (torch.save)")
+    c.add_argument("--no-failover", action="store_true", help="a pool without failover (a killed sidecar's "
+                   "streams end with stream_lost)")
     return c
 
 

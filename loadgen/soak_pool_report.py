@@ -16,6 +16,11 @@ did to the others. Pure functions of what the soak collected; times are seconds 
   from the soak's start; latency is measured from the send, so a slip shows here, not in the p99.
 - ``audio_check``: the reference decode of ``soak_check.py``, by group (the survivors' streams, those of them open
   across the kill, the killed sidecar's streams up to the kill, the restarted one's).
+- ``failover`` (the clients' pools fail over, the default): the moves the kill caused, summed over the clients'
+  ``failover_stats``: streams moved, frames replayed, each move's ``recovery_s`` (its start to the replay's last
+  reply: what its chunk in flight waited on top of its decode) as p50/p99/max, the last move's end after the kill,
+  streams lost; and the p99 of every chunk (moved streams' included) in the windows before, during and after the
+  moves. With failover the killed sidecar's chunks in flight complete elsewhere: its ``failed`` must stay empty.
 """
 
 from __future__ import annotations
@@ -125,6 +130,31 @@ def audio_check(results: list[dict], t0_wall: float, killed: int, kill_t_s: floa
             "incomplete_on_survivors": [r["stream_id"] for r in survivors if r["chunks_compared"] < r["chunks_sent"]]}
 
 
+def failover(per_client: dict[str, dict], latencies: list[list[float]], t0_wall: float, kill_t_s: float) -> dict | None:
+    """The ``failover`` part (None: the clients' pools did not fail over)."""
+    stats = [c["failover"] for c in per_client.values() if c.get("failover") is not None]
+    if not stats:
+        return None
+    kill_wall = t0_wall + kill_t_s
+    moves = [m for s in stats for m in s.get("recent", []) if m["reason"] == "failover" and m["at_s"] >= kill_wall]
+    recovery = sorted(m["recovery_s"] for m in moves)
+    last_s = max((m["at_s"] - kill_wall for m in moves), default=0.0)
+
+    def p99(since_s: float, until_s: float) -> float | None:
+        values = [seconds for t_wall, seconds, *_ in latencies if since_s <= t_wall - t0_wall - kill_t_s < until_s]
+        return round(_p99_ms(values), 2) if len(values) >= MIN_WINDOW_CHUNKS else None
+    return {"failovers": sum(s["failovers"] for s in stats), "drain_moves": sum(s["drain_moves"] for s in stats),
+            "streams_lost": sum(s["streams_lost"] for s in stats), "moves_after_kill": len(moves),
+            "replay_frames": sum(m["replay_frames"] for m in moves),
+            "replay_audio_s": round(sum(m["replay_audio_s"] for m in moves), 1),
+            "recovery_s": {"p50": round(recovery[len(recovery) // 2], 3) if recovery else None,
+                           "p99": round(recovery[min(len(recovery) - 1, int(0.99 * len(recovery)))], 3)
+                           if recovery else None, "max": round(recovery[-1], 3) if recovery else None},
+            "last_move_after_kill_s": round(last_s, 2),
+            "p99_ms": {"before": p99(-BASELINE_S, 0.0), "during": p99(0.0, max(last_s, WINDOW_S)),
+                       "after": p99(max(last_s, WINDOW_S), max(last_s, WINDOW_S) + BASELINE_S)}}
+
+
 def verdict(pool: dict) -> dict[str, bool]:
     """Each pass mark of the pool soak (all True: it passed)."""
     killed = pool["killed_sidecar"]
@@ -139,6 +169,9 @@ def verdict(pool: dict) -> dict[str, bool]:
     }
     if pool.get("restart"):
         marks["placed_on_restarted"] = pool["placements"]["after_restart"][killed] > 0
+    if pool.get("failover") is not None:  # moved, not lost: nothing failed on the killed sidecar either
+        marks["failover_no_stream_lost"] = (pool["failover"]["streams_lost"] == 0
+                                            and not pool["by_sidecar"][killed]["failed"])
     if pool.get("audio_check"):
         check = pool["audio_check"]
         across = check["survivors_open_across_kill"]["streams"]
@@ -156,7 +189,8 @@ def pool_section(count: int, killed: int, per_client: dict[str, dict], lived: se
             "by_sidecar": by_sidecar(per_client, lived, count),
             "placements": placements(per_client, t0_wall, count, kill["t_s"], ready_t_s),
             "slips_by_window": slips_by_window(per_client, t0_wall),
-            "p99_recovery": p99_recovery(latencies, t0_wall, killed, kill["t_s"], restart.get("t_s", duration_s))}
+            "p99_recovery": p99_recovery(latencies, t0_wall, killed, kill["t_s"], restart.get("t_s", duration_s)),
+            "failover": failover(per_client, latencies, t0_wall, kill["t_s"])}
     if check is not None:
         pool["audio_check"] = audio_check(check, t0_wall, killed, kill["t_s"], ready_t_s, atol, min_snr_db)
     pool["verdict"] = verdict(pool)

@@ -17,7 +17,8 @@ def read_client(path: Path) -> dict:
             "bad_audio": last["bad_audio"], "failed": last["failed"], "failed_unsent": last["failed_unsent"],
             "by_sidecar": last.get("by_sidecar", {}), "latencies": latencies,
             "placements": [entry for line in lines for entry in line.get("placements", [])],
-            "slips": [t_wall for line in lines for t_wall in line.get("slips", [])]}
+            "slips": [t_wall for line in lines for t_wall in line.get("slips", [])],
+            "failover": last.get("failover")}  # the pool's failover_stats at its last flush (moves: at exit)
 
 
 def server_windows(samples: list[dict]) -> list[dict]:

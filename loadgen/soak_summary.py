@@ -56,6 +56,15 @@ def pool_lines(pool: dict) -> list[str]:
                  f"{[(w['start_s'], w['p99_ms']) for w in recovery['windows']]}; baseline {recovery['baseline_p99_ms']}"
                  f" ms, bound {recovery.get('bound_ms')} ms, recovered after {recovery['recovered_after_s']} s")
     lines.append("schedule slips by 10 s window (start s, count): " + str(pool["slips_by_window"]))
+    if pool.get("failover") is not None:
+        moved = pool["failover"]
+        lines.append(f"failover: {moved['moves_after_kill']} streams moved after the kill ({moved['failovers']} "
+                     f"failovers, {moved['drain_moves']} drain moves, {moved['streams_lost']} streams lost in all), "
+                     f"{moved['replay_frames']} frames replayed ({moved['replay_audio_s']} s of audio); recovery_s "
+                     f"p50/p99/max {moved['recovery_s']['p50']}/{moved['recovery_s']['p99']}/"
+                     f"{moved['recovery_s']['max']} s; last move {moved['last_move_after_kill_s']} s after the kill; "
+                     f"p99 of every chunk before/during/after the moves {moved['p99_ms']['before']}/"
+                     f"{moved['p99_ms']['during']}/{moved['p99_ms']['after']} ms")
     if "audio_check" in pool:
         check = pool["audio_check"]
         groups = "; ".join(f"{name}: {g['streams']} streams, {g['chunks_compared']} chunks, "

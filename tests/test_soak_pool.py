@@ -25,14 +25,18 @@ KILL_T_S, RESTART_T_S = 12.0, 32.0
 
 
 @pytest.mark.slow
-def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
+@pytest.mark.parametrize("failover", [False, True])
+def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path, failover):
+    """Without failover (``--no-failover``) the killed sidecar's chunks in flight end with ``stream_lost``; with it
+    (the pools' default) its streams move to the survivors and every chunk completes, the moved streams' audio
+    within the same tolerance of a decode alone (they are checked whole: no chunk without audio)."""
     out, work = tmp_path / "soak.json", tmp_path / "work"
     cmd = [sys.executable, "-m", "code2wav.loadgen.soak", "--model", str(TINY), "--device", "cpu",
            "--dtype", "float32", "--duration-s", "46", "--clients", "3", "--streams-per-client", "2",
            "--frame-rate-hz", "50", "--chunk-frames", "10", "--stream-frames", "150", "--kill-every-s", "0",
            "--timeout-s", "5", "--sidecars", "3", "--kill-sidecar-at-s", str(KILL_T_S), "--restart-killed-at-s",
            str(RESTART_T_S), "--check-slots", "2", "--sidecar-arg=--max-streams", "--sidecar-arg=64",
-           "--workdir", str(work), "--out", str(out)]
+           "--workdir", str(work), "--out", str(out), *([] if failover else ["--no-failover"])]
     # one torch thread per process: three sidecars and three clients share this machine's cores
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -49,6 +53,13 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
     killed = pool["by_sidecar"][1]
     assert set(killed["failed"]) <= {"stream_lost"} and killed["lost"] == 0, killed  # typed, never lost
     assert killed["decoded"] + killed["failed"].get("stream_lost", 0) == killed["sent"]
+    if failover:  # moved, not lost: every chunk sent to the killed sidecar completed on another one
+        moved = pool["failover"]
+        assert killed["failed"] == {} and moved["streams_lost"] == 0 and moved["moves_after_kill"] >= 1, moved
+        assert moved["replay_frames"] > 0 and 0 < moved["recovery_s"]["max"] < 10, moved
+        assert moved["p99_ms"]["before"] is not None, moved
+    else:
+        assert pool["failover"] is None
     assert report["lost"] == 0 and report["crashed_clients"] == [] and report["all_survivors_exited"]
     placed = pool["placements"]
     assert all(count > 0 for count in placed["before_kill"]), placed  # all three took streams
@@ -82,7 +93,7 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path):
     assert 1e-4 - 1e-5 <= result["max_abs_diff"] <= 1e-4 + 1e-5, result
     assert 30.0 < result["min_snr_db"] < 120.0, result  # one sample off by 1e-4: a finite ratio, however high
     assert result["chunks_compared"] == len(victim["codes"]) and result["reference_sidecar"] == 0
-    assert pool["verdict"] == {mark: True for mark in pool["verdict"]} and len(pool["verdict"]) == 8
+    assert pool["verdict"] == {mark: True for mark in pool["verdict"]} and len(pool["verdict"]) == 8 + failover
     assert done.returncode == 0, done.stderr[-3000:]
     lines = summary_lines(report, min_chunks=10)
     assert lines[-1].startswith("PASS ") and any(line.startswith("new streams by sidecar: ") for line in lines)
@@ -127,6 +138,12 @@ def test_the_pool_verdict_fails_on_each_fault_it_judges():
         "survivors_streams_complete": {"audio_check": audio_check([{**record, "chunks_compared": 4}], t0, 1, 30.0,
                                                                   62.0, atol=1e-5, min_snr_db=None)},
     }
+    moved = {"streams_lost": 0, "moves_after_kill": 2}
+    good_moved = {**good, "by_sidecar": [outcome(), outcome(), outcome()], "failover": moved}
+    assert all(verdict(good_moved).values()) and len(verdict(good_moved)) == 9
+    assert not verdict({**good_moved, "failover": {**moved, "streams_lost": 1}})["failover_no_stream_lost"]
+    assert not verdict({**good_moved, "by_sidecar": good["by_sidecar"]})["failover_no_stream_lost"]  # moved: no
+    # stream_lost on the killed sidecar either
     for mark, change in bad.items():
         marks = verdict({**good, **change})
         assert [name for name, passed in marks.items() if not passed] == [mark], (mark, marks)
