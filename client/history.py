@@ -22,35 +22,32 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["InputHistory", "PendingChunk", "host_inputs", "settle_copies"]
+__all__ = ["InputHistory", "PendingChunk", "host_inputs"]
 
 INT16_CODES_BELOW = 2 ** 15
 """Codes below this are kept as int16 (Qwen3-TTS: 2048), others as int32."""
 
 
-def host_inputs(codes: Any, input_kind: str, codebook_size: int | None) -> torch.Tensor:
-    """A host copy ``[C, n]`` of a chunk's inputs in the dtype the history keeps; the caller may reuse its buffer
-    afterwards. CUDA inputs are copied into pinned memory without waiting: the copy is queued on the caller's
-    current stream ahead of what the chunk's send queues there (its CUDA IPC copy and event), so it is complete
-    once the sidecar has read the chunk; a move, which may read a copy sooner, synchronizes first
-    (``settle_copies``)."""
-    tensor = codes.detach() if isinstance(codes, torch.Tensor) else torch.as_tensor(np.asarray(codes))
+def host_inputs(codes: Any, input_kind: str, codebook_size: int | None) -> tuple[torch.Tensor, Any]:
+    """A host copy ``[C, n]`` of a chunk's inputs in the dtype the history keeps, and for CUDA inputs the event
+    recorded after the copy (else None); the caller may reuse its buffer afterwards. CUDA inputs are copied into
+    pinned memory without waiting: the copy is queued on the caller's current stream ahead of what the chunk's send
+    queues there (its CUDA IPC copy and event), so it is complete once the sidecar has read the chunk; a move, which
+    may read the copy sooner, waits for its event first."""
+    tensor = codes.detach() if isinstance(codes, torch.Tensor) else torch.as_tensor(np.asarray(codes))  # [C, n]
     if input_kind == "latents":
         dtype = torch.bfloat16 if tensor.dtype == torch.bfloat16 else torch.float32
     else:
         dtype = torch.int16 if codebook_size is not None and codebook_size <= INT16_CODES_BELOW else torch.int32
     if not tensor.is_cuda:
-        return tensor.to(device="cpu", dtype=dtype, copy=True).contiguous()  # [C, n]
+        return tensor.to(device="cpu", dtype=dtype, copy=True).contiguous(), None  # [C, n]
     converted = tensor.to(dtype).contiguous()  # [C, n] on the device, queued
     host = torch.empty(converted.shape, dtype=dtype, pin_memory=True)  # [C, n]
     host.copy_(converted, non_blocking=True)
-    return host
-
-
-def settle_copies() -> None:
-    """Wait for the device-to-host copies ``host_inputs`` queued (before a move reads kept inputs)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    copied = torch.cuda.Event()
+    with torch.cuda.device(tensor.device):
+        copied.record()  # (the current stream of the inputs' device: where the copy was queued)
+    return host, copied
 
 
 class InputHistory:
@@ -95,7 +92,7 @@ class InputHistory:
             self._num_kept -= int(self._parts.popleft().shape[1])
         excess = self._num_kept - self.max_frames
         if excess > 0:  # trim the oldest part to what is still needed
-            self._parts[0] = self._parts[0][:, excess:].clone()
+            self._parts[0] = self._parts[0][:, excess:].clone()  # [C, kept]
             self._num_kept -= excess
 
     def frames(self) -> torch.Tensor | None:
@@ -110,6 +107,7 @@ class PendingChunk:
     """A chunk the caller submitted whose audio has not reached it yet."""
 
     inputs: torch.Tensor  # host copy [C, n], in the history's dtype
+    copied: Any  # for CUDA inputs, the event after their copy to ``inputs`` (None: on the host already)
     final: bool
     context_frames: int
     future: Future  # the caller's

@@ -66,9 +66,9 @@ class MoveService:
                 return on_done(None, None, exc)
             on_done(inner, member, None)
             num_frames = 0 if replay is None else int(replay.shape[1])
-            self._record_when_done(replies, MoveRecord(reason, stream.stream_id, from_address, member.address,
-                                                       num_frames, _audio_s(member, inner, num_frames),
-                                                       0.0, 0.0), started_s)
+            self._record_when_done(stream, inner, replies,
+                                   MoveRecord(reason, stream.stream_id, from_address, member.address, num_frames,
+                                              _audio_s(member, inner, num_frames), 0.0, 0.0), started_s)
 
         opened.add_done_callback(on_opened)
 
@@ -83,18 +83,23 @@ class MoveService:
             replies.append(inner.submit(piece, context_frames=int(piece.shape[1])))  # no audio comes back
         return replies
 
-    def _record_when_done(self, replies: list[Future], record: MoveRecord, started_s: float) -> None:
-        """Count the move once its replay's replies are in (a failed replay is not a move: the stream's waiting
-        chunks fail with it and start the next)."""
+    def _record_when_done(self, stream: PooledStream, inner: Stream, replies: list[Future], record: MoveRecord,
+                          started_s: float) -> None:
+        """Count the move once its replay's replies are in. A refused piece is not a move: the stream moves again
+        (``PooledStream.replay_failed``; the chunks sent behind it there are not accepted either)."""
         remaining = [len(replies)]
 
         def one_done(done: Future | None) -> None:
             if done is not None:
                 if done.exception() is not None:
+                    if remaining[0] > 0:
+                        remaining[0] = -1  # (once per move)
+                        stream.replay_failed(inner, done.exception())
                     return
                 remaining[0] -= 1
                 if remaining[0]:
                     return
+            stream.replayed()
             recovery_s = now_s() - started_s
             final = MoveRecord(record.reason, record.stream_id, record.from_address, record.to_address,
                                record.replay_frames, record.replay_audio_s, recovery_s, time.time())

@@ -29,11 +29,14 @@ import torch
 
 from .errors import DeadlineExceeded, InvalidArgument, NotFound, SidecarError, StreamLost
 from .failover import give_up_error, sidecar_gone
-from .history import InputHistory, PendingChunk, host_inputs, settle_copies
+from .history import InputHistory, PendingChunk, host_inputs
 from .sender import set_exception, set_result
 from .stream import Stream
 
 __all__ = ["PooledStream", "MoveHost"]
+
+MAX_FAILED_REPLAYS = 3
+"""Moves in a row whose replay a sidecar refused before the stream is given up (``StreamLost``)."""
 
 
 class MoveHost(Protocol):
@@ -67,6 +70,9 @@ class PooledStream:
         self._settled = threading.Event()  # no move under way (``finish`` waits for it)
         self._settled.set()
         self._aborted = False
+        self._finishing = False  # ``finish`` runs: no drain move starts (it would leave a stream open elsewhere)
+        self._resends: list[Future] = []  # chunks in doubt sent again by a move: ``submit_resend`` gives the last
+        self._failed_replays = 0  # consecutive moves whose replay a sidecar refused (MAX_FAILED_REPLAYS: lost)
         self._num_acked = 0
 
     # ------------------------------------------------------------------ the single client's Stream, read-only
@@ -138,12 +144,12 @@ class PooledStream:
         self.check_usable()
         if any(chunk.final for chunk in self._pending):
             raise InvalidArgument(f"stream {self.stream_id!r} already has a final chunk in flight")
-        inputs = host_inputs(codes, self.input_kind, self._codebook_size)  # [C, n]
+        inputs, copied = host_inputs(codes, self.input_kind, self._codebook_size)  # [C, n]
         if inputs.dim() != 2 or inputs.shape[0] != self.num_quantizers:
             raise InvalidArgument(f"{self.input_kind} must be [{self.num_quantizers}, n], got {tuple(inputs.shape)}")
         if not 0 <= context_frames <= inputs.shape[1]:
             raise InvalidArgument(f"context_frames must be in [0, {inputs.shape[1]}], got {context_frames}")
-        chunk = PendingChunk(inputs, final, context_frames, Future(), timeout_s)
+        chunk = PendingChunk(inputs, copied, final, context_frames, Future(), timeout_s)
         self._pending.append(chunk)
         return chunk
 
@@ -165,17 +171,24 @@ class PooledStream:
         with self._lock:
             if inner is not self._inner or chunk not in self._pending:
                 return  # a reply from a sidecar the stream left, or a chunk already settled
+            if self._moving is not None:  # from the sidecar being left: the move's history was taken without this
+                return  # chunk, which stays waiting and goes again to the new sidecar, whatever this reply said
             if error is None:
+                if self._in_doubt:  # a later chunk was accepted: the sidecar had committed those in doubt
+                    for doubtful in self._in_doubt:
+                        self.history.add(doubtful.inputs)
+                        self._num_acked += 1
+                    self._in_doubt.clear()
                 chunk.audio, chunk.done = audio, True
                 while self._pending and self._pending[0].done:
                     ready.append(self._pending.popleft())
                     self.history.add(ready[-1].inputs)
                     self._num_acked += 1
-                if self._move_wanted and not self._pending and self._moving is None and not self.closed:
+                if (self._move_wanted and not self._pending and not self._in_doubt and self._moving is None
+                        and not self.closed):
                     self._start_move(self._move_wanted, None)
-            elif sidecar_gone(error):
-                if self._moving is None:
-                    self._start_move("failover", error)
+            elif sidecar_gone(error) and not self._aborted:
+                self._start_move("failover", error)
             else:
                 self._pending.remove(chunk)
                 if isinstance(error, DeadlineExceeded):
@@ -194,6 +207,8 @@ class PooledStream:
         with self._lock:
             if self._moving is not None or self.closed or self._lost is not None:
                 return
+            if reason == "drain" and (self._finishing or self._in_doubt):
+                return  # it closes where it is; or a chunk is in doubt there (a deadline): resent there first
             if reason == "failover" or not self._pending:
                 self._start_move(reason, None)
             else:
@@ -203,7 +218,15 @@ class PooledStream:
         """(Lock held.) Re-open elsewhere; ``_moved`` continues once the pool has a new sidecar's stream."""
         self._moving, self._move_wanted = reason, None
         self._settled.clear()
-        settle_copies()  # the kept inputs of CUDA chunks are read now: their copies must be done
+        if self._in_doubt and reason == "failover":  # no reply came (deadline), their sidecar is gone: they go
+            for chunk in self._in_doubt:  # again, first; the callers' futures failed already: ``resend`` gives these
+                chunk.future = Future()
+            self._resends = [chunk.future for chunk in self._in_doubt]
+            self._pending.extendleft(reversed(self._in_doubt))
+            self._in_doubt = []
+        for chunk in self._pending:  # CUDA chunks' host copies are read from now on
+            if chunk.copied is not None:
+                chunk.copied.synchronize()
         old = self._inner
         self._host.start_move(self, reason, self.history.first_frame, self.history.frames(),
                               lambda inner, member, error: self._moved(old, reason, inner, member, error, cause))
@@ -237,6 +260,23 @@ class PooledStream:
             except SidecarError as exc:
                 self.settle(chunk, inner, None, exc)
 
+    def replay_failed(self, inner: Stream, error: BaseException) -> None:
+        """A sidecar refused a piece of the replay the stream moved there with (e.g. busy, in a mass failover):
+        the chunks sent behind it cannot be accepted there; the stream moves again, or after MAX_FAILED_REPLAYS
+        such moves in a row is lost."""
+        with self._lock:
+            if inner is not self._inner or self._moving is not None or self._aborted or self._lost is not None:
+                return
+            self._failed_replays += 1
+            if self._failed_replays < MAX_FAILED_REPLAYS:
+                return self._start_move("failover", error)
+        self._give_up(give_up_error(self.stream_id, error))
+
+    def replayed(self) -> None:
+        """The replay of the latest move was accepted whole."""
+        with self._lock:
+            self._failed_replays = 0
+
     def _give_up(self, error: StreamLost) -> None:
         with self._lock:
             self._lost, self._moving = error, None
@@ -252,6 +292,9 @@ class PooledStream:
         acknowledged."""
         with self._lock:
             self.check_usable()
+            if self._resends:  # a move sent the chunks in doubt again: the last one's audio
+                future, self._resends = self._resends[-1], []
+                return future
             doubtful, self._in_doubt = self._in_doubt, []
             inner = self._inner
         future = inner.submit_resend(timeout_s=timeout_s)
@@ -274,6 +317,8 @@ class PooledStream:
         """Close gracefully once the chunks in flight are done (they may move meanwhile)."""
         if self.closed:
             return
+        with self._lock:
+            self._finishing = True
         self._settled.wait(self._host.wait_s(timeout_s))  # a move under way ends first (its stream is the one)
         with self._lock:
             self.check_usable()
@@ -290,6 +335,11 @@ class PooledStream:
         with self._lock:
             self._aborted = True
             inner, moving = self._inner, self._moving
+            stranded = list(self._pending) if moving is not None or inner.lost else []  # no sidecar will answer them
+            for chunk in stranded:
+                self._pending.remove(chunk)
+        for chunk in stranded:
+            set_exception(chunk.future, NotFound(f"stream {self.stream_id!r} was aborted"))
         if moving is None and not inner.lost and not inner.closed:
             return inner.submit_abort(timeout_s=timeout_s)
         done: Future[None] = Future()

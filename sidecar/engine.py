@@ -67,10 +67,12 @@ class Engine:
     def execute_checked(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], list[bool]]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
         valid until the next step; and per item whether it succeeded: False for a row whose audio or new state is
-        not finite, whose stream kept its state (``forward.committed_rows``). Waits for the device. ``items`` are
+        not finite, whose stream kept its state (``forward.committed_rows``). Waits for the device (a step alone:
+        the host rows copied synchronously, no pinned staging or event, the lowest latency). ``items`` are
         the plan's rows, or some of them (rows refused after planning: the plan's bucket and frames still hold the
         rest)."""
-        return self.finish(self.launch(plan, items))
+        wav, committed = self._execute(plan, items)  # [B, T * U], [rows]: a step alone, so copied out now
+        return rows_audio(wav, items, self.model.samples_per_frame), committed[: len(items)].tolist()
 
     def launch(self, plan: StepPlan, items: list[DecodeItem]) -> LaunchedStep:
         """Queue the step on the device and the copies of its host rows' audio and its flags to the host, without

@@ -3,11 +3,12 @@
 Two kinds of step:
 
 - **Pipelined** (inline bytes both ways, the plan's bucket captured, ``max_steps_in_flight`` > 1: on CUDA): the
-  worker thread queues the step on the device and the copies of its audio and flags into pinned host memory, and
-  the stepper goes on at once: the next batch (of other streams: a stream with a chunk in flight is ``busy`` for the
-  scheduler) is staged and queued while this one runs, so the device does not idle between steps while chunks
-  wait. A waiter thread sleeps in the step's completion event; the worker then takes the rows out and the replies
-  leave. At most ``max_steps_in_flight`` steps (2: the graph routines' staging sets) are in flight.
+  worker thread queues the step on the device and the copies of its audio and flags into pinned host memory, and the
+  stepper goes on at once: the next batch (of other streams: a stream with a chunk in flight is ``busy`` for the
+  scheduler) is staged and queued while this one runs, so the device does not idle between steps while chunks wait.
+  A waiter thread waits in the step's completion event (CUDA spins there, without the GIL); the worker then takes
+  the rows out and the replies leave. At most ``max_steps_in_flight`` steps (2: the graph routines' staging sets)
+  are in flight.
 - **Alone** (anything else: CUDA IPC inputs or outputs, a capture first, eager on the CPU): it waits for the steps in
   flight, then runs as before. A step whose every chunk writes its audio into a client's CUDA IPC region does not
   wait for the device (its replies name events instead), so it is launched from the loop thread itself, with no
@@ -36,6 +37,7 @@ import torch
 from code2wav.proto import ErrorCode
 
 from .engine import Engine, LaunchedStep
+from .graphs.routine import STAGING_BUFFERS
 from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_audio
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -67,6 +69,7 @@ class LoopIO(Protocol):
     async def poll(self, done: Callable[[], bool], until_s: float) -> None: ...
     def flush(self) -> None: ...
     async def wait_for_work(self, timeout_s: float | None) -> None: ...
+    def wake(self) -> None: ...
 
 
 class Stepper:
@@ -80,6 +83,8 @@ class Stepper:
         self.pool = pool
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
+        if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
+            raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight  # 1: every step alone (the CPU)
         self.in_flight = 0  # steps launched and not finished
         self._busy: set[int] = set()  # id(stream) of the streams with a chunk in a step in flight
@@ -154,7 +159,7 @@ class Stepper:
         task.add_done_callback(self._tasks.discard)
 
     async def _pipelined_step(self, batch: list, plan: StepPlan) -> None:
-        """Launch on the worker, sleep in the device's completion on the waiter thread, take the rows out on the
+        """Launch on the worker, wait for the device's completion on the waiter thread, take the rows out on the
         worker, reply. The next step may be launched meanwhile."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()

@@ -21,7 +21,7 @@ def test_keeps_exactly_the_last_h_frames_for_any_chunking():
             start = 0
             while start < codes.shape[1]:
                 end = min(codes.shape[1], start + rng.choice([0, 1, 4, 25, 100, 600]))
-                kept.add(host_inputs(codes[:, start:end], "codes", 2048))
+                kept.add(host_inputs(codes[:, start:end], "codes", 2048)[0])
                 start = end
                 expected = codes[:, max(0, start - history_frames):start]
                 assert kept.num_frames == expected.shape[1] and kept.total_frames == start
@@ -35,12 +35,12 @@ def test_keeps_exactly_the_last_h_frames_for_any_chunking():
 
 def test_memory_per_stream_of_the_shipped_models():
     qwen3 = InputHistory(580)  # welcome's history_frames for Qwen3-TTS 12 Hz
-    qwen3.add(host_inputs(np.zeros((16, 1000), dtype=np.int64), "codes", 2048))
+    qwen3.add(host_inputs(np.zeros((16, 1000), dtype=np.int64), "codes", 2048)[0])
     assert qwen3.nbytes == 580 * 16 * 2 == 18_560
     voxcpm2 = InputHistory(20)  # VoxCPM2's AudioVAE
-    voxcpm2.add(host_inputs(torch.randn(64, 4, dtype=torch.float64), "latents", None))
-    voxcpm2.add(host_inputs(torch.randn(64, 30), "latents", None))
+    voxcpm2.add(host_inputs(torch.randn(64, 4, dtype=torch.float64), "latents", None)[0])
+    voxcpm2.add(host_inputs(torch.randn(64, 30), "latents", None)[0])
     assert voxcpm2.frames().dtype == torch.float32 and voxcpm2.nbytes == 20 * 64 * 4 == 5_120
     window = InputHistory(25)  # a window stream keeps its left context
-    window.add(host_inputs(torch.zeros(16, 25, dtype=torch.long), "codes", 2048))
+    window.add(host_inputs(torch.zeros(16, 25, dtype=torch.long), "codes", 2048)[0])
     assert window.nbytes == 25 * 16 * 2

@@ -63,12 +63,13 @@ class StreamRoutine:
     def copy_in(self, batch: int, frames: int, items: list[DecodeItem]) -> None:
         """Stage a batch through pinned host buffers (non-blocking copies), the ``STAGING_BUFFERS`` sets in turn: a
         set is free again once the device finished the step that staged it, which the callers guarantee by never
-        having more steps in flight than there are sets (the server's stepper: ``MAX_STEPS_IN_FLIGHT``).
+        having more steps in flight than there are sets (the server's stepper: ``scheduler.max_steps_in_flight``,
+        checked against ``STAGING_BUFFERS``).
 
         A handful of tensor ops whatever the batch (no per-row indexing: at 64 rows that loop cost about 0.45 ms
         of host time per step, with the device idle, docs/design-notes.md, "Batch 1: norms, gate and state joins as ops")."""
         turn, self._turn = self._turn, (self._turn + 1) % STAGING_BUFFERS
-        flat = self._inputs_host[turn][:batch * self._channels * frames]
+        flat = self._inputs_host[turn][:batch * self._channels * frames]  # [B * C * T]
         host = flat.view(batch, self._channels, frames)  # [B, C, T]
         meta = self._meta_host[turn][:, :batch]  # [2 + O, B] (each row contiguous)
         rows = len(items)
