@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 from code2wav.sidecar.cli_checks import (DEVICE_HELP, OneLineParser, device_arg, fail, float_above, int_at_least,
                                          output_file, run_guarded)
@@ -48,7 +49,7 @@ from .spawn import ROOT, SpawnedSidecar
 SAMPLE_EVERY_S = 1.0
 SERVER_EVERY = 5  # /metrics scraped every 5th sample (5 s): a scrape holds the sidecar's GIL for a few ms
 NEW_CLIENT_S = 15.0  # a client process's chunks in its first seconds of sending: reported apart (p99_by_window_new)
-CHECK_TOLERANCE = {"float32": (1e-5, None), "bfloat16": (None, 20.0), "float16": (None, 20.0)}
+CHECK_TOLERANCE = MappingProxyType({"float32": (1e-5, None), "bfloat16": (None, 20.0), "float16": (None, 20.0)})
 """(``--check-atol``, ``--check-min-snr-db``) by dtype: how far a chunk decoded in the soak's batches may be from
 the same chunk decoded alone. float32: the exact mode's 1e-5 (tests/test_streaming_kit.py; on CUDA 1e-4, as
 tests/test_cuda_graphs.py holds a graph's decode); bfloat16: 20 dB, 10 dB under the exact mode's distance from
