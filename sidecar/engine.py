@@ -59,10 +59,7 @@ class Engine:
     def execute(self, plan: StepPlan, items: list[DecodeItem]) -> list[Tensor]:
         """The audio of ``execute_checked``, the flags not read (tests, offline decoding, benches: no wait for the
         device beyond what the audio's copy needs)."""
-        step = self.launch(plan, items)
-        if step.host is None:  # every row stays on the device: views, no wait
-            return rows_audio(step.wav, items, self.model.samples_per_frame)
-        return self.finish(step)[0]
+        return rows_audio(self._execute(plan, items)[0], items, self.model.samples_per_frame)
 
     def execute_checked(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], list[bool]]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view

@@ -66,10 +66,16 @@ def _chunk(value: int) -> torch.Tensor:
     return torch.full((2, 5), value, dtype=torch.long)  # [Q, 5]
 
 
-def test_a_late_success_from_the_sidecar_being_left_does_not_skip_its_chunk():
+def _stream_with_history() -> tuple[PooledStream, FakeSidecarStream, FakePool]:
+    """A stream whose chunk 0 its sidecar acknowledged (5 frames of history)."""
     stream, old, pool = _stream()
     stream.submit(_chunk(0))
     old.sent[0][2].set_result(torch.zeros(5))
+    return stream, old, pool
+
+
+def test_a_late_success_from_the_sidecar_being_left_does_not_skip_its_chunk():
+    stream, old, pool = _stream_with_history()
     f1, _ = stream.submit(_chunk(1)), stream.submit(_chunk(2))
     old.sent[2][2].set_exception(Unavailable("shutting down"))  # chunk 2 refused: the move starts, chunk 1 pending
     _, start_frame, replay, on_done = pool.moves[0]
@@ -84,9 +90,7 @@ def test_a_late_success_from_the_sidecar_being_left_does_not_skip_its_chunk():
 
 
 def test_a_chunk_in_doubt_goes_again_after_a_failover_and_resend_gives_its_audio():
-    stream, old, pool = _stream()
-    stream.submit(_chunk(0))
-    old.sent[0][2].set_result(torch.zeros(5))
+    stream, old, pool = _stream_with_history()
     f1 = stream.submit(_chunk(1))
     old.sent[1][2].set_exception(DeadlineExceeded("no reply"))
     with pytest.raises(DeadlineExceeded):
@@ -133,9 +137,7 @@ def test_an_abort_during_a_move_fails_the_waiting_chunks_and_starts_no_move():
 
 
 def test_a_refused_replay_moves_again_then_gives_up():
-    stream, old, pool = _stream()
-    stream.submit(_chunk(0))
-    old.sent[0][2].set_result(torch.zeros(5))
+    stream, old, pool = _stream_with_history()
     f1 = stream.submit(_chunk(1))
     old.sent[1][2].set_exception(StreamLost("gone"))
     for attempt in range(MAX_FAILED_REPLAYS):
