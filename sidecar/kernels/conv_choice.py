@@ -5,7 +5,7 @@ kernels, cuBLAS over an im2col copy; cuDNN's frontend graph API was measured and
 Which is fastest depends on the shape, cuDNN's version and the GPU (on the H200, PyTorch's cuDNN call picked sm80
 kernels and layout conversions for several convs), so nothing is written down: ``ConvChoice`` times every offered
 form once per input shape (CUDA events on the input's device, minimum of ``TIMED_ITERS`` calls after one untimed,
-each queued behind a short GPU spin so that host overhead, which a captured graph does not have, stays out of the
+queued together behind a short GPU spin so that host overhead, which a captured graph does not have, stays out of the
 time), keeps the fastest and logs the choice with every form's time. Graph buckets are warmed up eagerly before
 capture, so their shapes are measured then, at start-up, and captured in the chosen form. A server attaches a
 ``ChoiceCache`` (``attach_choices``): a choice measured once on this GPU with these library versions is read back
@@ -15,7 +15,7 @@ Where no measurement may happen the conv runs cuDNN, and that fallback is logged
 exported as ``code2wav_sidecar_kernel_fallbacks_total``): a shape first seen inside a capture, shapes past
 ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes), a form that fails to compile or launch (left out). CPU
 tensors, ``torch.compile`` tracing and convs with padding or a stride use cuDNN without a choice to make. A new shape
-costs its first step the measurement: per conv and form one untimed call and three timed ones, each behind a 1 ms
+costs its first step the measurement: per conv and form one untimed call and three timed ones, behind one 1 ms
 spin (up to 14 forms: some tens of milliseconds per conv, plus Triton's compile the first time a kernel variant
 runs).
 
@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 TIMED_ITERS = 3
 """Timed calls per form (after one untimed): the minimum is kept."""
 HEAD_START_CYCLES = 2_000_000
-"""GPU clock cycles (about 1 ms) the stream spins before each timed call, so the call's host-side work (cuDNN's
-plan setup, Triton's launcher: tens of microseconds, none of it in a CUDA graph) is queued before the GPU gets
-there and the events time the device alone, as a captured graph runs it."""
+"""GPU clock cycles (about 1 ms) the stream spins before the timed calls, so their host-side work (cuDNN's plan
+setup, Triton's launcher: tens of microseconds each, none of it in a CUDA graph) is all queued before the GPU gets
+there and the events time the device alone, back to back, as a captured graph runs them. One spin per form, not
+per call: start-up measures every form of every conv at every bucket shape (docs/design-notes.md)."""
 MAX_MEASURED_SHAPES = 32
 """Shapes measured per conv; later new shapes (eager steps only: graph buckets are measured at start-up) keep cuDNN."""
 
@@ -57,16 +58,14 @@ def min_device_ms(fn, x: Tensor) -> float:
     """Minimum device time of ``fn(x)`` on ``x``'s device and its current stream (call it under
     ``torch.cuda.device(x.device)``), host overhead excluded (``HEAD_START_CYCLES``)."""
     fn(x)
-    times = []
-    for _ in range(TIMED_ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HEAD_START_CYCLES)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(TIMED_ITERS)]
+    torch.cuda._sleep(HEAD_START_CYCLES)
+    for start, end in events:
         start.record()
         fn(x)
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return min(times)
+    events[-1][1].synchronize()
+    return min(start.elapsed_time(end) for start, end in events)
 
 
 class KernelChoice:
