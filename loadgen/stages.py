@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 import time
 import urllib.request
@@ -88,6 +89,10 @@ def run(args) -> int:
     """``bench --stages``: spawn, measure each kind of inputs, print the tables, write ``--json``."""
     from code2wav.sidecar.models import configure_cuda, resolve_device
 
+    if args.address is not None:
+        print("error: --stages spawns its own sidecar (with trace_chunks on); it does not take --address",
+              file=sys.stderr)
+        return 2
     device = resolve_device(args.device)
     kinds = ["host", "device"] if device.type == "cuda" else ["host"]
     if device.type == "cuda":
@@ -99,7 +104,8 @@ def run(args) -> int:
     progress = Progress()
     progress.say(f"stages: spawning a sidecar with trace_chunks on ({args.model}, {device}, {args.dtype})")
     spawned = spawn_sidecar("--model", args.model, "--device", str(device), "--dtype", args.dtype,
-                            "--config", str(config), *args.serve_arg, workdir=workdir)
+                            "--config", str(config), *args.serve_arg, workdir=workdir,
+                            timeout_s=300.0 if device.type == "cuda" else 120.0)  # (a bare GPU host times conv forms)
     print(spawned.ready_line, flush=True)
     tables, interrupted = [], None
     try:

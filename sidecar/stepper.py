@@ -167,9 +167,7 @@ class Stepper:
             launched = await loop.run_in_executor(self.pool, self._launch, batch, plan)
             if not launched.ready():
                 await loop.run_in_executor(self._waiter, launched.done.synchronize)
-            audios, committed = await loop.run_in_executor(self.pool, self.engine.finish, launched)
-            if self.trace is not None:
-                self.trace.stamp(batch, "done_ns")
+            audios, committed = await loop.run_in_executor(self.pool, self._finish, batch, launched)
             done, audios, refused = split_committed(batch, audios, committed, self.metrics.chunks_not_finite)
         except Exception as exc:
             self._failed(batch, exc)
@@ -188,6 +186,13 @@ class Stepper:
         if self.trace is not None:
             self.trace.stamp(batch, "launched_ns")
         return launched
+
+    def _finish(self, batch: list, launched: LaunchedStep) -> tuple[list, list[bool]]:
+        """Worker thread: the launched step's results, once the device is done."""
+        results = self.engine.finish(launched)
+        if self.trace is not None:
+            self.trace.stamp(batch, "done_ns")
+        return results
 
     async def step(self, batch: list, plan: StepPlan) -> None:
         """A step alone: run it where the plan allows (the loop thread, or the worker), reply."""

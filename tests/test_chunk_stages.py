@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from code2wav.client import SidecarClient
 from code2wav.loadgen.stage_table import STAGES, STAMPS, join, stage_us, summarize
 from code2wav.loadgen.stages import fetch_chunk_stages, run_stream
 from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH, STAGE_STAMPS
@@ -30,9 +31,9 @@ NUM_CHUNKS = 10
 CHUNK_FRAMES = 3
 
 
-def _traced_sidecar(tmp_path, capacity: int):
+def _traced_sidecar(tmp_path, capacity: int, extra_yaml: str = ""):
     config = tmp_path / "sidecar.yaml"
-    config.write_text(f"trace_chunks: {capacity}\n")
+    config.write_text(f"trace_chunks: {capacity}\n{extra_yaml}")
     return start_sidecar(tmp_path, "--config", str(config))
 
 
@@ -41,11 +42,19 @@ def test_the_endpoint_is_404_with_the_key_off(sidecar):
     assert sidecar.http_status("/metrics") == 200
 
 
-def test_one_stream_joins_every_recorded_chunk_and_its_stages_add_up(tmp_path):
-    spawned = _traced_sidecar(tmp_path, CAPACITY)
+@pytest.mark.parametrize("path", ["alone", "pipelined"])
+def test_one_stream_joins_every_recorded_chunk_and_its_stages_add_up(tmp_path, path):
+    """``alone``: each step waits for the device (the CPU's default, and every step at one stream); ``pipelined``:
+    two steps may be in flight and another stream is open (idle), so the stepper launches on the worker and takes
+    the results there afterwards (``Stepper._pipelined_step``: the CUDA path of inline chunks under load)."""
+    pipelined = "scheduler: {max_steps_in_flight: 2}\n" if path == "pipelined" else ""
+    spawned = _traced_sidecar(tmp_path, CAPACITY, pipelined)
     try:
-        calls, client_chunks, ipc = run_stream(spawned.address, "host", None, NUM_CHUNKS, WARMUP, CHUNK_FRAMES)
-        document = fetch_chunk_stages(spawned.metrics_url)
+        with SidecarClient(spawned.address) as other:
+            idle = other.open_stream("idle") if path == "pipelined" else None
+            calls, client_chunks, ipc = run_stream(spawned.address, "host", None, NUM_CHUNKS, WARMUP, CHUNK_FRAMES)
+            document = fetch_chunk_stages(spawned.metrics_url)
+            del idle
     finally:
         spawned.stop()
     assert ipc.get("ipc_chunks", 0) == 0  # host inputs: inline bytes
@@ -118,5 +127,18 @@ def test_the_key_is_validated():
     assert load_config(overrides={"trace_chunks": 100}).trace_chunks == 100
     with pytest.raises(ConfigError, match="trace_chunks: Input should be greater than or equal to 0"):
         load_config(overrides={"trace_chunks": -1})
+    with pytest.raises(ConfigError, match="trace_chunks: Input should be less than or equal to 100000"):
+        load_config(overrides={"trace_chunks": 100_001})
     with pytest.raises(ConfigError, match="unknown key 'trace_chunk' \\(did you mean 'trace_chunks'\\?\\)"):
         load_config(overrides={"trace_chunk": 5})
+
+
+def test_the_bench_refuses_an_address(tmp_path):
+    """``--stages`` needs a sidecar with ``trace_chunks`` on, so it spawns its own: ``--address`` is a usage error,
+    before anything is spawned."""
+    proc = subprocess.run([sys.executable, "-m", "code2wav.sidecar", "bench", "--stages", "--model", str(TINY),
+                           "--device", "cpu", "--address", f"ipc://{tmp_path}/none.sock"],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "--stages spawns its own sidecar (with trace_chunks on); it does not take --address" in proc.stderr
+    assert "ready:" not in proc.stdout
