@@ -46,6 +46,8 @@ class Call:
     deadline: float = 0.0
     sent_seq: int = 0
     """Its place in the order of messages this connection sent (1, 2, ...; 0 while unsent)."""
+    stamps: Any = None
+    """A traced decode call's ``call_trace.CallStamps`` (sent, reply received); None: not traced."""
 
     @property
     def sent(self) -> bool:

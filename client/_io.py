@@ -249,6 +249,8 @@ class Connection(Liveness):
                 self._pending.pop(call.request_id, None)
                 self._settle_failure(call, self._lost_error(), "not_sent")
                 continue
+            if call.stamps is not None:  # a traced call (call_trace): stamped as it goes into the socket
+                call.stamps.sent_ns = time.monotonic_ns()
             try:
                 self._sock.send_multipart(call.frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -282,13 +284,14 @@ class Connection(Liveness):
                 parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._state.last_rx = time.monotonic()
+            received_ns = time.monotonic_ns()  # (also a traced call's reply stamp: call_trace)
+            self._state.last_rx = received_ns / 1e9  # time.monotonic()
             if self._state.dead_reason is not None:
                 log.info("sidecar at %s answers again", self.address)
                 self._state.dead_reason = None
-            self._dispatch([part.buffer for part in parts])
+            self._dispatch([part.buffer for part in parts], received_ns)
 
-    def _dispatch(self, frames: list[memoryview]) -> None:
+    def _dispatch(self, frames: list[memoryview], received_ns: int = 0) -> None:
         try:
             msg = decode_server_message(frames, RECEIVE_LIMITS)
         except ProtocolError as exc:
@@ -316,6 +319,8 @@ class Connection(Liveness):
         call = self._pending.pop(msg.request_id, None)
         if call is None:
             return  # a late reply to a call that already timed out, or a ping we stopped waiting for
+        if call.stamps is not None:
+            call.stamps.received_ns = received_ns
         if isinstance(msg, Error):
             self._settle_failure(call, error_from(msg.code, msg.message), "rejected")
             return

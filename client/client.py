@@ -46,6 +46,7 @@ from code2wav.proto.address import address_problem, default_address
 from code2wav.proto.socket_dir import default_socket_problem
 
 from ._io import Connection
+from .call_trace import CallTrace
 from .cuda_ipc.link import IpcLink
 from .errors import AlreadyExists, DeadlineExceeded, Internal, InvalidArgument, Unavailable, not_running
 from .keys import server_public_key
@@ -77,6 +78,7 @@ class SidecarClient:
         ipc_codes_nbytes: int = 4 << 20,
         ipc_audio_nbytes: int = 64 << 20,
         streams_lost_when_dead: bool = False,
+        trace: CallTrace | None = None,
     ) -> None:
         """``address``: default ``code2wav.proto.address.default_address`` (the address ``serve`` binds by default).
 
@@ -92,6 +94,9 @@ class SidecarClient:
         ``streams_lost_when_dead``: a sidecar that stops answering heartbeats loses this client's streams at once
         (they fail with ``StreamLost``), as a ``SidecarPool`` wants of its members; by default they wait for it
         to answer again (its streams survive a reconnect to the same server).
+
+        ``trace``: a ``call_trace.CallTrace`` that records when each decode call was sent and its reply received
+        (``code2wav-sidecar bench --stages``); None (the default): nothing is recorded.
 
         Refused at once, before any wait: an address of another form than ``ipc://PATH`` or ``tcp://HOST:PORT``
         (``InvalidArgument``, saying which forms), the default address when a folder of its path is not this
@@ -114,7 +119,8 @@ class SidecarClient:
         self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key, client_keys,
                                 streams_lost_when_dead)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes)
-        self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits)
+        self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits,
+                              trace)
         # this client's Stream objects by id (the I/O thread's): the server answers a repeated open of a stream
         # that has taken no chunk yet, so a second live Stream for one id is refused here (two seq counters on
         # one server stream would take each other's chunks for resends)

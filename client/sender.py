@@ -22,6 +22,7 @@ from code2wav.proto import (Abort, Aborted, Chunk, Decode, DecodeResult, Finish,
 
 from ._call import Call, Outcome
 from ._io import Connection
+from .call_trace import CallStamps, CallTrace
 from .cuda_ipc.link import IpcLink
 from .errors import DeadlineExceeded, Internal, InvalidArgument, LimitExceeded, SidecarError
 from .ledger import SentChunk
@@ -56,8 +57,9 @@ def set_exception(future: Future[Any], error: BaseException) -> None:
 
 class Sender:
     def __init__(self, conn: Connection, ipc: IpcLink, transport: TensorTransport, address: str,
-                 timeout_s: float, limits: Callable[[], Limits]) -> None:
+                 timeout_s: float, limits: Callable[[], Limits], trace: CallTrace | None = None) -> None:
         self.conn = conn
+        self.trace = trace  # stamps decode calls (bench --stages); None: off
         self.ipc = ipc
         self.transport = transport
         self.address = address
@@ -88,6 +90,7 @@ class Sender:
         future: Future[Any],
         generation: int | None = None,
         on_failure: Callable[[SidecarError, Outcome], None] | None = None,
+        stamps: CallStamps | None = None,
     ) -> None:
         def reply(msg: ServerMessage, frames: list[memoryview]) -> None:
             set_result(future, on_reply(msg, frames))
@@ -99,7 +102,7 @@ class Sender:
                 set_exception(future, error)
 
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        self.conn.submit(Call(request_id, msg_frames, timeout, reply, failure, generation=generation))
+        self.conn.submit(Call(request_id, msg_frames, timeout, reply, failure, generation=generation, stamps=stamps))
 
     def submit_stream_op(self, stream: Stream, op: Literal["finish", "abort"],
                          timeout_s: float | None) -> Future[None]:
@@ -192,5 +195,6 @@ class Sender:
 
         generation = planned[0][0].generation
         frames = encode(Decode(request_id, tuple(chunks)), buffers)
-        self.call(frames, request_id, timeout_s, on_reply, future, generation, on_failure)
+        stamps = None if self.trace is None else self.trace.open(tuple((s.stream_id, c.seq) for s, c in planned))
+        self.call(frames, request_id, timeout_s, on_reply, future, generation, on_failure, stamps)
         return future

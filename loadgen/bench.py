@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: per-chunk round trip of inline bytes vs CUDA IPC against the in-process decode")
     p.add_argument("--transport-batch", type=int_at_least(1), default=16, help="--transport: the sidecar's max batch size")
     p.add_argument("--transport-chunks", type=int_at_least(1), default=1000, help="--transport: chunks per level and transport")
+    p.add_argument("--stages", action="store_true", help="instead: where one chunk's time goes at concurrency 1, stage "
+                   "by stage (client, wire, sidecar decode, wait, launch, device, reply, wire, client), inputs on "
+                   "the host and (CUDA) on the device; docs/performance.md")
+    p.add_argument("--stages-chunks", type=int_at_least(1), default=200, help="--stages: timed chunks per kind of "
+                   "inputs, of --chunk-frames frames each, in one stream")
+    p.add_argument("--stages-warmup", type=int_at_least(0), default=10, help="--stages: untimed chunks first")
     add_stock_args(p)
     add_upstream_args(p)
     return p
@@ -217,6 +223,10 @@ def run_once(argv: list[str], scenario: str | None) -> int:
         from .transport_bench import run as run_transport
 
         return run_transport(args)
+    if args.stages:
+        from .stages import run as run_stages
+
+        return run_stages(args)
     if args.inputs_on == "device" and (args.no_sidecar or device.type != "cuda"):
         reason = "--no-sidecar runs no sidecar levels" if args.no_sidecar else f"got --device {device}"
         print(f"error: --inputs-on device needs sidecar levels on a CUDA device; {reason}", file=sys.stderr)

@@ -60,6 +60,10 @@ SCENARIOS: MappingProxyType[str, Scenario] = MappingProxyType({
     "transport": Scenario(
         "the per-chunk cost of the wire: inline bytes and CUDA IPC against the same decode in-process",
         (("", (*QWEN3_BF16, "--transport", "--concurrency", "1,1,64", "--transport-chunks", "1000")),)),
+    "stages": Scenario(
+        "where one chunk's time goes at concurrency 1, stage by stage (client, wire, sidecar decode, wait, launch, "
+        "device, reply, wire, client), inputs on the host and on the GPU (bench --stages)",
+        (("", (*QWEN3_BF16, "--stages", "--stages-chunks", "500")),)),
     "voxcpm2": Scenario(
         "VoxCPM2's AudioVAE: its exact graph steps at 1/64 x 4/25 frames beside upstream's own module, in-process, "
         "float32 and bfloat16",

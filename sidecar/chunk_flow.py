@@ -18,6 +18,7 @@ from torch import Tensor
 from code2wav import proto
 from code2wav.proto import ErrorCode
 
+from .chunk_trace import ChunkTrace
 from .inputs import read_chunk_inputs
 from .ipc.regions import RegionService
 from .jobs import ChunkJob
@@ -42,6 +43,7 @@ class ChunkFlow:
         self.max_pending_per_client = max_pending_per_client
         self.clock = clock
         self.draining = False  # the server is stopping: new chunks are refused
+        self.trace: ChunkTrace | None = None  # the stage recorder (``trace_chunks``; set by the server), else off
 
     def decode(self, identity: bytes, msg: proto.Decode, frames: list) -> None:
         """A ``decode`` message: each chunk queued, answered again (a resend) or refused; the reply goes out once
@@ -84,6 +86,8 @@ class ChunkFlow:
         if not self.scheduler.submit(job):
             raise ChunkRejected(ErrorCode.BUSY, f"{len(self.scheduler)} chunks are queued "
                                 "(scheduler.max_pending_chunks); retry with backoff")
+        if self.trace is not None:
+            self.trace.queued(job, reply)
         for region in job.regions:
             self.regions.acquire(region)
         stream.next_seq += 1

@@ -145,6 +145,10 @@ class ServerConfig(_Section):
         "auto", description="torch's CPU thread pool in the sidecar (torch.set_num_threads); auto = 1 on CUDA, where "
         "the host only copies replies (a pool over every core waits for whichever thread the OS parked: each new "
         "process on the host stalled a GPU sidecar for ~1-2 s), torch's default on CPU, where the model runs")
+    trace_chunks: int = Field(0, ge=0, le=100_000, description="record the stage times of the last N chunks "
+                              "(received, queued, taken into a batch, launched, done, reply sent; "
+                              "sidecar/chunk_trace.py) and serve them as JSON at /debug/chunk-stages of the metrics "
+                              "endpoint, for `bench --stages`; 0 = off (the endpoint answers 404)")
     streams: StreamsConfig = StreamsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     engine: EngineConfig = EngineConfig()

@@ -47,6 +47,7 @@ class ChunkJob:
     ipc_codes: IpcInputs | None = None  # inputs still in the client's region
     audio_out: IpcAudioOut | None = None  # write the audio there
     audio_event: int | None = None  # set by the engine step: the region event recorded after writing
+    stamps: Any = None  # chunk_trace.ChunkStamps of a traced chunk (``trace_chunks``), else None
 
     @property
     def regions(self) -> list[Region]:

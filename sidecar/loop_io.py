@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from typing import Callable
 
 from code2wav.proto import ErrorCode
 
+from .chunk_trace import ChunkTrace
 from .metrics import Metrics
 from .sessions import Sessions
 from .stream_table import CLOSE_SLICE_STREAMS
@@ -33,12 +35,13 @@ class SocketLoop:
     """What the stepper sees of the loop (``stepper.LoopIO``), and the reader callback of the socket."""
 
     def __init__(self, transport: Transport, sessions: Sessions, pool: concurrent.futures.Executor,
-                 metrics: Metrics, busy_poll_s: float) -> None:
+                 metrics: Metrics, busy_poll_s: float, trace: ChunkTrace | None = None) -> None:
         self.transport = transport
         self.sessions = sessions
         self.pool = pool  # the engine thread: region opens and closes run there, between steps
         self.busy_poll_s = busy_poll_s  # 0: never busy-poll
         self.poll_until = 0.0  # monotonic: the step loop polls instead of sleeping until then
+        self.trace = trace  # the chunks' stage recorder (``trace_chunks``); None: off
         self.region_ops_running = False  # a task is draining region open/close work
         self._work = asyncio.Event()
         self._close_slice_due = False  # a loop turn will free a slice of the sessions' close backlog
@@ -60,6 +63,8 @@ class SocketLoop:
             if received is None:
                 break
             count += 1
+            if self.trace is not None:
+                self.trace.message_received()
             identity, frames = received
             try:
                 self.sessions.on_message(identity, frames, self.transport.last_user_id)
@@ -103,8 +108,9 @@ class SocketLoop:
         """Send what the sessions have to send; start the loop work that follows from it."""
         sessions = self.sessions
         outbox = sessions.out.take()
-        for out in outbox:
-            self.transport.send(out.identity, out.message, out.buffers)
+        for out in outbox:  # (traced chunks, with trace_chunks on: stamped as their reply goes into the socket)
+            sending = None if out.stamps is None else functools.partial(self.trace.sent, out.stamps)
+            self.transport.send(out.identity, out.message, out.buffers, sending)
         if outbox and self.transport.readable():  # sending may have consumed the descriptor's signal
             asyncio.get_running_loop().call_soon(self.on_readable)
         if sessions.streams.close_backlog and not self._close_slice_due:  # a departed client's streams: a slice

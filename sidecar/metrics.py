@@ -194,11 +194,14 @@ class Metrics:
 
 
 class HealthServer:
-    """Minimal HTTP/1.1 server for ``/metrics``, ``/healthz`` and ``/readyz`` on the event loop."""
+    """Minimal HTTP/1.1 server for ``/metrics``, ``/healthz`` and ``/readyz`` on the event loop, and JSON ``routes``
+    (path -> the body's maker; e.g. ``/debug/chunk-stages`` with ``trace_chunks`` on)."""
 
-    def __init__(self, metrics: Metrics, is_ready: Callable[[], bool]) -> None:
+    def __init__(self, metrics: Metrics, is_ready: Callable[[], bool],
+                 routes: dict[str, Callable[[], bytes]] | None = None) -> None:
         self.metrics = metrics
         self.is_ready = is_ready
+        self.routes = dict(routes or {})
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
 
@@ -227,6 +230,8 @@ class HealthServer:
                 ready = self.is_ready()
                 status = "200 OK" if ready else "503 Service Unavailable"
                 ctype, body = "text/plain", b"ready\n" if ready else b"not ready\n"
+            elif path in self.routes:
+                status, ctype, body = "200 OK", "application/json", self.routes[path]()
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"

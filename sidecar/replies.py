@@ -22,6 +22,7 @@ class Outbound:
     identity: bytes
     message: Any
     buffers: list = field(default_factory=list)
+    stamps: list | None = None  # the traced chunks of the reply (chunk_trace.ChunkStamps; ``trace_chunks``)
 
 
 class Outbox:
@@ -64,6 +65,7 @@ class PendingReply:
     results: list = field(init=False)  # proto.ChunkResult (errors) or (stream_id, seq, num_frames, ipc) per chunk
     audio: list = field(init=False)  # Tensor | None per chunk
     remaining: int = field(init=False)
+    stamps: list | None = field(default=None, init=False)  # its traced chunks' chunk_trace.ChunkStamps
 
     def __post_init__(self) -> None:
         self.results = [None] * self.num_chunks
@@ -103,4 +105,4 @@ class PendingReply:
             desc = proto.TensorDesc(dtype="float32", shape=(audio.numel(),), loc=proto.InlineLoc(frame=len(buffers)))
             results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=desc, num_frames=num_frames))
         message = proto.DecodeResult(request_id=self.request_id, results=tuple(results))
-        return Outbound(self.identity, message, buffers)
+        return Outbound(self.identity, message, buffers, self.stamps)

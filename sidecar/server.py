@@ -32,6 +32,7 @@ import zmq
 
 from . import bootstrap
 from .auth import start_client_auth
+from .chunk_trace import CHUNK_STAGES_PATH, ChunkTrace
 from .config import ServerConfig, busy_poll_s, cpu_threads, steps_in_flight
 from .connlog import shutdown_summary
 from .engine import Engine
@@ -54,7 +55,10 @@ class Server:
         self.cfg = cfg
         self.families = tuple(families)
         self.metrics = metrics or Metrics()
-        self.health = HealthServer(self.metrics, is_ready=lambda: self.ready)
+        # the chunks' stage recorder (``trace_chunks``), handed to what stamps them; None: off
+        self.trace = ChunkTrace(cfg.trace_chunks) if cfg.trace_chunks else None
+        routes = {CHUNK_STAGES_PATH: self.trace.json_body} if self.trace is not None else {}
+        self.health = HealthServer(self.metrics, is_ready=lambda: self.ready, routes=routes)
         self.ready = False
         self.metrics_port = 0
         self.model: LoadedModel | None = None
@@ -85,12 +89,14 @@ class Server:
             cfg, device, self.metrics, self.families))
         self.model, self.engine = parts.model, parts.engine
         self.sessions = bootstrap.build_sessions(cfg, parts, self.metrics)
+        self.sessions.chunks.trace = self.trace  # stamps a chunk queued
         self.auth = start_client_auth(self._zmq, check_bind_security(cfg.address, sec.curve_secret_key_file,
                                       sec.insecure, warn=False), sec.curve_allowed_clients_dir, self.metrics)
         self.transport = bootstrap.build_transport(cfg, self._zmq)
-        self.io = SocketLoop(self.transport, self.sessions, self._pool, self.metrics, busy_poll_s(cfg, device.type))
+        self.io = SocketLoop(self.transport, self.sessions, self._pool, self.metrics, busy_poll_s(cfg, device.type),
+                             self.trace)
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
-                               cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type))
+                               cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type), self.trace)
         self.ready = True
         self.metrics.ready.set(1)
 

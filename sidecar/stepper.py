@@ -36,6 +36,7 @@ import torch
 
 from code2wav.proto import ErrorCode
 
+from .chunk_trace import ChunkTrace
 from .engine import Engine, LaunchedStep
 from .graphs.routine import STAGING_BUFFERS
 from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_audio
@@ -43,6 +44,7 @@ from .metrics import Metrics
 from .scheduler import Scheduler
 from .sessions import Sessions
 from .step_plan import StepPlan
+from .step_rows import split_committed
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +54,6 @@ CODES_GRACE_S = 0.0002
 """With busy polling: how long a batch waits for codes events still incomplete before those chunks are put back
 (a chunk put back waits a whole step). The copy behind such an event was usually queued on the client's context
 while the sidecar's step held the GPU, and runs as soon as that step ends, within microseconds."""
-
-
-NOT_FINITE_MESSAGE = ("the decoder's audio or new state for seq {seq} is not finite (overflow): the chunk was not "
-                      "committed and the stream continues from its last good state; send seq {seq} again with "
-                      "other inputs")
 
 
 class LoopIO(Protocol):
@@ -75,7 +72,7 @@ class LoopIO(Protocol):
 class Stepper:
     def __init__(self, engine: Engine, sessions: Sessions, scheduler: Scheduler, metrics: Metrics,
                  pool: concurrent.futures.Executor, io: LoopIO, codes_event_timeout_s: float,
-                 max_steps_in_flight: int = 1) -> None:
+                 max_steps_in_flight: int = 1, trace: ChunkTrace | None = None) -> None:
         self.engine = engine
         self.sessions = sessions
         self.scheduler = scheduler
@@ -83,6 +80,7 @@ class Stepper:
         self.pool = pool
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
+        self.trace = trace  # the chunks' stage recorder (``trace_chunks``): taken, launched, done; None: off
         if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
             raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight  # 1: every step alone (the CPU)
@@ -122,6 +120,8 @@ class Stepper:
                     await io.wait_for_work(wait_s)
                     continue
                 batch = self.scheduler.take_batch(self._busy)
+                if self.trace is not None:
+                    self.trace.stamp(batch, "taken_ns")
                 try:
                     plan = self.engine.plan(batch[0].stream.mode, [job.decoded_frames for job in batch])
                 except Exception as exc:  # a bug must not stop the loop: the batch's chunks get internal errors
@@ -167,8 +167,8 @@ class Stepper:
             launched = await loop.run_in_executor(self.pool, self._launch, batch, plan)
             if not launched.ready():
                 await loop.run_in_executor(self._waiter, launched.done.synchronize)
-            audios, committed = await loop.run_in_executor(self.pool, self.engine.finish, launched)
-            done, audios, refused = self.checked(batch, audios, committed)
+            audios, committed = await loop.run_in_executor(self.pool, self._finish, batch, launched)
+            done, audios, refused = split_committed(batch, audios, committed, self.metrics.chunks_not_finite)
         except Exception as exc:
             self._failed(batch, exc)
         else:
@@ -182,7 +182,17 @@ class Stepper:
     def _launch(self, batch: list, plan: StepPlan) -> LaunchedStep:
         """Worker thread: the batch's items (reading stream state no other thread writes while the chunks are in
         the engine), queued on the device."""
-        return self.engine.launch(plan, self.sessions.chunks.build_items(batch))
+        launched = self.engine.launch(plan, self.sessions.chunks.build_items(batch))
+        if self.trace is not None:
+            self.trace.stamp(batch, "launched_ns")
+        return launched
+
+    def _finish(self, batch: list, launched: LaunchedStep) -> tuple[list, list[bool]]:
+        """Worker thread: the launched step's results, once the device is done."""
+        results = self.engine.finish(launched)
+        if self.trace is not None:
+            self.trace.stamp(batch, "done_ns")
+        return results
 
     async def step(self, batch: list, plan: StepPlan) -> None:
         """A step alone: run it where the plan allows (the loop thread, or the worker), reply."""
@@ -248,17 +258,6 @@ class Stepper:
         self.io.flush()
         self.io.poll_until = time.monotonic() + self.io.busy_poll_s
 
-    def checked(self, batch: list, audios: list, committed: list[bool]) -> tuple[list, list, list]:
-        """Split a step's jobs by their rows' commit flags: ``(done, their audio, refused)``; a row whose audio or
-        new state was not finite was not committed (its stream keeps its last good state) and its chunk is refused."""
-        if all(committed):
-            return batch, audios, []
-        refused = [(job, ErrorCode.INTERNAL, NOT_FINITE_MESSAGE.format(seq=job.seq))
-                   for job, ok in zip(batch, committed) if not ok]
-        self.metrics.chunks_not_finite.inc(committed.count(False))
-        return ([job for job, ok in zip(batch, committed) if ok], [a for a, ok in zip(audios, committed) if ok],
-                refused)
-
     async def device_done(self) -> None:
         """Wait for the work queued on the engine stream so far: polled with busy polling, else in the worker."""
         finished = torch.cuda.Event()
@@ -289,8 +288,10 @@ class Stepper:
         done = [job for job in batch if id(job) not in skipped]
         if not done:
             return done, [], refused, deferred
-        audios, committed = self.engine.execute_checked(plan, self.sessions.chunks.build_items(done))
-        done, audios, not_finite = self.checked(done, audios, committed)  # not finite: not committed
+        items = self.sessions.chunks.build_items(done)
+        audios, committed = self.engine.execute_checked(plan, items) if self.trace is None \
+            else self.trace.execute(self.engine, plan, items, done)  # (the same calls, stamped launched between)
+        done, audios, not_finite = split_committed(done, audios, committed, self.metrics.chunks_not_finite)
         refused += not_finite
         num_out = sum(job.audio_out is not None for job in done)
         if num_out:
@@ -299,4 +300,6 @@ class Stepper:
         num_in = sum(job.ipc_codes is not None for job in done)
         if num_in:
             self.metrics.ipc_codes_in.inc(num_in)
+        if self.trace is not None:
+            self.trace.stamp(done, "done_ns")
         return done, audios, refused, deferred

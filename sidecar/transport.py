@@ -19,6 +19,7 @@ import os
 import socket
 import stat
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -232,9 +233,12 @@ class Transport:
             self.last_user_id = parts[0].get("User-Id") or None
         return parts[0].bytes, [p.buffer for p in parts[1:]]
 
-    def send(self, identity: bytes, message, buffers: list) -> None:
+    def send(self, identity: bytes, message, buffers: list, sending: Callable[[], None] | None = None) -> None:
+        """``sending``: called once the message is encoded, right before libzmq gets it (a chunk trace's stamp)."""
         frames = [identity, *proto.encode(message, buffers)]
         big = any(memoryview(f).nbytes >= ZERO_COPY_MIN_NBYTES for f in frames[2:])
+        if sending is not None:
+            sending()
         try:  # ROUTER never blocks: a reply to a vanished or saturated peer is dropped by libzmq
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=not big)
             self.num_sent += 1
