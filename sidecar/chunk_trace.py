@@ -27,8 +27,6 @@ import json
 import time
 from typing import Any, Callable
 
-from .forward import rows_audio
-
 CHUNK_STAGES_PATH = "/debug/chunk-stages"
 """Where the metrics endpoint serves the records (with ``trace_chunks`` on; 404 otherwise)."""
 STAGE_STAMPS = ("received_ns", "queued_ns", "taken_ns", "launched_ns", "done_ns", "sent_ns")
@@ -83,13 +81,6 @@ class ChunkTrace:
         for job in jobs:
             if job.stamps is not None:
                 setattr(job.stamps, stage, now)
-
-    def execute(self, engine, plan, items: list, jobs: list) -> tuple[list, list[bool]]:
-        """``engine.execute_checked(plan, items)`` with ``jobs`` stamped launched between the step's launch and the
-        wait for its results: the same two calls, in the same order, with the same arguments."""
-        wav, committed = engine._execute(plan, items)  # [B, T * U], [rows]: queued on the device
-        self.stamp(jobs, "launched_ns")
-        return rows_audio(wav, items, engine.model.samples_per_frame), committed[: len(items)].tolist()
 
     def sent(self, stamps: list[ChunkStamps]) -> None:
         """The reply holding ``stamps`` was handed to the socket: the chunks whose step produced audio are

@@ -11,6 +11,7 @@ finite (the others keep their state and are reported as failed).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -61,14 +62,17 @@ class Engine:
         device beyond what the audio's copy needs)."""
         return rows_audio(self._execute(plan, items)[0], items, self.model.samples_per_frame)
 
-    def execute_checked(self, plan: StepPlan, items: list[DecodeItem]) -> tuple[list[Tensor], list[bool]]:
+    def execute_checked(self, plan: StepPlan, items: list[DecodeItem],
+                        launched: Callable[[], None] | None = None) -> tuple[list[Tensor], list[bool]]:
         """Audio per item (float32 ``[(n - skip) * U]``): on the host, or for ``out_device`` items a device view
         valid until the next step; and per item whether it succeeded: False for a row whose audio or new state is
         not finite, whose stream kept its state (``forward.committed_rows``). Waits for the device (a step alone:
         the host rows copied synchronously, no pinned staging or event, the lowest latency). ``items`` are
         the plan's rows, or some of them (rows refused after planning: the plan's bucket and frames still hold the
-        rest)."""
+        rest). ``launched``: called once the step is queued on the device, before the wait (a chunk trace's stamp)."""
         wav, committed = self._execute(plan, items)  # [B, T * U], [rows]: a step alone, so copied out now
+        if launched is not None:
+            launched()
         return rows_audio(wav, items, self.model.samples_per_frame), committed[: len(items)].tolist()
 
     def launch(self, plan: StepPlan, items: list[DecodeItem]) -> LaunchedStep:

@@ -289,8 +289,9 @@ class Stepper:
         if not done:
             return done, [], refused, deferred
         items = self.sessions.chunks.build_items(done)
-        audios, committed = self.engine.execute_checked(plan, items) if self.trace is None \
-            else self.trace.execute(self.engine, plan, items, done)  # (the same calls, stamped launched between)
+        trace = self.trace
+        audios, committed = self.engine.execute_checked(
+            plan, items, None if trace is None else lambda: trace.stamp(done, "launched_ns"))
         done, audios, not_finite = split_committed(done, audios, committed, self.metrics.chunks_not_finite)
         refused += not_finite
         num_out = sum(job.audio_out is not None for job in done)
