@@ -26,7 +26,7 @@ from .ipc.device import CudaIpcDevice
 from .kernel_metrics import KernelChoiceCollector
 from .kernels.choice_cache import ChoiceCache, ChoiceEvents
 from .kernels.choice_cache import identity as choice_identity
-from .kernels.conv_choice import attach_choices
+from .kernels.conv_choice import attach_choices, stop_measuring
 from .metrics import Metrics
 from .models import FAMILIES, DecoderFamily, LoadedModel, load_model
 from .modes import MODES
@@ -126,6 +126,8 @@ def build_graphs(cfg: ServerConfig, model: LoadedModel, arena: StateArena, metri
                            max_lazy_captures=gcfg.max_lazy_captures,
                            max_graph_memory_bytes=gcfg.max_graph_memory_bytes)
     manager.capture_startup()
+    if gcfg.mode == "startup":  # every bucket measured and captured: serving steps of new shapes are not measured
+        stop_measuring(model.module)  # (kernels/conv_choice.py: they take the nearest measured shape's form)
     return manager
 
 

@@ -32,7 +32,8 @@ class KernelChoiceCollector:
             fell.add_metric([reason], fallbacks.get(reason, 0))
         yield fell
         chosen = GaugeMetricFamily(self.prefix + "conv_choices", "Conv (module, shape) decisions by chosen form and "
-                                   "source (measured, cache)", labels=["form", "source"])
+                                   "source (measured, cache, inferred: first seen after start-up)",
+                                   labels=["form", "source"])
         for (form, source), count in sorted(decisions.items()):
             chosen.add_metric([form, source], count)
         yield chosen

@@ -24,7 +24,9 @@ from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH, STAGE_STAMPS
 from code2wav.sidecar.config import ConfigError, load_config
 from conftest import ROOT, TINY, start_sidecar
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# the checkout first, then what PYTHONPATH already names (the GPU machine installs the package there: .ci/gpu-run)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+       "PYTHONUNBUFFERED": "1"}
 CAPACITY = 8
 WARMUP = 2
 NUM_CHUNKS = 10

@@ -265,3 +265,64 @@ def test_the_choice_is_measured_once_per_shape_and_keeps_the_output(no_tf32):
     for timings in choice.timings_ms.values():
         assert set(timings) == offered  # every offered form timed (none failed)
         assert all(ms > 0 for ms in timings.values())
+
+
+def _key(batch: int, channels: int, length: int, with_act: bool = True, kernels: bool = True) -> tuple:
+    return (batch, channels, length, torch.bfloat16, torch.device("cuda", 0), with_act, kernels)
+
+
+def test_a_new_shape_once_measuring_stopped_takes_the_nearest_measured_shapes_form():
+    """Policy, on plain keys (no device): the nearest measured shape by columns (batch x length) of the same conv
+    input (channels, dtype, device, Snake, kernels), never an inferred one; a form this shape cannot run falls back
+    to cuDNN channels-last, then cuDNN; the decision is counted as inferred, and nothing is measured."""
+    measured = {_key(1, 768, 80): "cudnn_cl", _key(16, 768, 1206): "gemm_cl3", _key(16, 768, 82): "gemm_cl0",
+                _key(16, 384, 9000): "gemm_cl4", _key(16, 768, 5000, with_act=False): "im2col"}
+    assert conv_choice.nearest_form(measured, _key(16, 768, 7206)) == "gemm_cl3"  # 115k columns: nearest 19k
+    assert conv_choice.nearest_form(measured, _key(1, 768, 81)) == "cudnn_cl"  # 81 columns: nearest 80
+    assert conv_choice.nearest_form(measured, _key(2, 768, 80)) == "cudnn_cl"  # 160: 80 (distance 80) beats 1312
+    assert conv_choice.nearest_form(measured, _key(16, 768, 7206, with_act=False)) == "im2col"  # Snake apart
+    assert conv_choice.nearest_form(measured, _key(16, 192, 7206)) is None  # no shape of these channels
+    choice = ConvChoice()
+    choice.kernels = True
+    for key, form in measured.items():
+        choice.decisions[key], choice.timings_ms[key] = form, {form: 1.0, "cudnn": 2.0}
+    assert conv_choice.stop_measuring(torch.nn.Module()) == 0
+    holder = torch.nn.Module()
+    holder.choice = choice  # a module holding a choice, as the kit's convs do
+    assert conv_choice.stop_measuring(holder) == 1 and not choice.measure_new
+    assert choice.infer(_key(16, 768, 7206), ["cudnn", "cudnn_cl", "gemm_cl3"]) == "gemm_cl3"
+    assert choice.infer(_key(16, 768, 7207), ["cudnn", "cudnn_cl"]) == "cudnn_cl"  # gemm_cl3 not offered here
+    assert choice.infer(_key(16, 768, 7208), ["cudnn"]) == "cudnn"
+    assert choice.infer(_key(16, 192, 100), ["cudnn", "cudnn_cl"]) == "cudnn_cl"  # nothing near: cuDNN channels-last
+    # an inferred decision is never a neighbour: the nearest measured shape decides, not 7208's cuDNN just inferred
+    assert choice.infer(_key(16, 768, 7209), ["cudnn", "cudnn_cl", "gemm_cl3", "gemm_cl0"]) == "gemm_cl3"
+    with torch.inference_mode():  # the key's kernels flag as the caller's would be (Triton installed or not)
+        kernels = choice.kernels_allowed()
+        choice.decisions[_key(16, 768, 1206, kernels=kernels)] = "gemm_cl3"
+        choice.timings_ms[_key(16, 768, 1206, kernels=kernels)] = {"gemm_cl3": 1.0}
+        assert choice.wants_channels_last((16, 768, 9000), torch.bfloat16, torch.device("cuda", 0), True)
+        assert not choice.wants_channels_last((16, 192, 9000), torch.bfloat16, torch.device("cuda", 0), True)
+    decisions, _ = choice.events.snapshot()
+    assert decisions == {("gemm_cl3", "inferred"): 2, ("cudnn_cl", "inferred"): 2, ("cudnn", "inferred"): 1}
+    assert set(choice.timings_ms) == set(measured) | {_key(16, 768, 1206, kernels=kernels)}  # nothing measured
+
+
+@pytest.mark.cuda
+def test_once_measuring_stopped_a_new_shape_runs_unmeasured_and_keeps_the_output(no_tf32):
+    choice = ConvChoice()
+    choice.kernels = True
+    conv = torch.nn.Conv1d(64, 64, 7, dilation=9).cuda().to(torch.bfloat16)
+    holder = torch.nn.Module()
+    holder.choice = choice
+    with torch.inference_mode():
+        x = torch.randn(4, 64, 54 + 400, device="cuda", dtype=torch.bfloat16)
+        choice(x, conv, channels_last_ok=True)  # measured: start-up
+        conv_choice.stop_measuring(holder)
+        for num_in in (54 + 401, 54 + 4000):  # serving: new shapes
+            x = torch.randn(4, 64, num_in, device="cuda", dtype=torch.bfloat16)
+            got = choice(x, conv, channels_last_ok=True)
+            ref = conv(x).float()
+            assert (got.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert len(choice.timings_ms) == 1 and len(choice.decisions) == 3  # two shapes decided, not measured
+    decisions, _ = choice.events.snapshot()
+    assert sum(n for (_, source), n in decisions.items() if source == "inferred") == 2

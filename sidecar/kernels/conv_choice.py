@@ -11,6 +11,13 @@ capture, so their shapes are measured then, at start-up, and captured in the cho
 ``ChoiceCache`` (``attach_choices``): a choice measured once on this GPU with these library versions is read back
 at the next start instead of measured again.
 
+Once a server's graphs are captured (``stop_measuring``), a new shape is not measured: it takes the form measured
+for the nearest shape of the same conv (same dtype, Snake and kernels; the closest number of input columns, batch
+times length), counted as source ``inferred``. Measuring one shape costs some 0.2-0.4 s per conv at large eager
+shapes (every form compiled and timed), and eager steps come in ever new lengths: on an H100, a failover that
+replayed 1,000 streams' histories (580 frames each, batches of many lengths) stalled each surviving sidecar's engine
+for tens of seconds measuring them, until clients timed out (docs/design-notes.md).
+
 Where no measurement may happen the conv runs cuDNN, and that fallback is logged and counted (``ChoiceEvents``,
 exported as ``code2wav_sidecar_kernel_fallbacks_total``): a shape first seen inside a capture, shapes past
 ``MAX_MEASURED_SHAPES`` (eager steps of ever new shapes), a form that fails to compile or launch (left out). CPU
@@ -49,6 +56,27 @@ per call: start-up measures every form of every conv at every bucket shape (docs
 MAX_MEASURED_SHAPES = 32
 """Shapes measured per conv; later new shapes (eager steps only: graph buckets are measured at start-up) keep cuDNN."""
 
+MAX_INFERRED_SHAPES = 256
+"""Inferred shapes kept per conv once measuring stopped (past it each new shape is inferred again: a few dict
+lookups, no device work)."""
+
+
+def nearest_form(decisions: dict[tuple, str], key: tuple) -> str | None:
+    """The form decided for the measured shape nearest ``key`` (``ConvChoice.key``: ``(*shape, dtype, device,
+    with Snake, kernels)``, shape ``(batch, channels, length)``): same channels, dtype, device, Snake and kernels,
+    the closest number of columns (batch x length; on a tie the larger shape). None: no such shape (pure)."""
+    (batch, channels, length), rest = key[:3], key[3:]
+    columns = batch * length
+    best, best_distance = None, None
+    for (b, c, n, *other), form in decisions.items():
+        if c != channels or tuple(other) != rest:
+            continue
+        distance = (abs(b * n - columns), -(b * n))
+        if best_distance is None or distance < best_distance:
+            best, best_distance = form, distance
+    return best
+
+
 def plain(conv: torch.nn.Conv1d) -> bool:
     """What the other forms compute: stride 1, no padding (the causal convs pad with their state instead)."""
     return conv.stride == (1,) and conv.padding in ((0,), "valid") and conv.padding_mode == "zeros"
@@ -75,6 +103,11 @@ class KernelChoice:
 
     kernels = False
     """Whether the hand-written kernels may be measured and used."""
+    measure_new = True
+    """Whether a shape seen the first time is measured (start-up: the graph buckets' warm-ups). ``stop_measuring``
+    turns it off once a server's graphs are captured: a serving step of a new shape (an eager step: a long chunk, a
+    failover's history replay, each batch of another length) then takes the form measured for the nearest shape
+    (``nearest_form``) instead of stalling the engine for the measurement of every form of every conv."""
 
     def kernels_allowed(self) -> bool:
         """The kernels may run now: switched on, Triton present (one install serves every kernel module), autograd
@@ -107,7 +140,10 @@ class ConvChoice(KernelChoice):
     def wants_channels_last(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                             with_act: bool) -> bool:
         """Whether the form chosen for an input of ``shape`` reads it channels-last (False until measured)."""
-        form = self.decisions.get(self.key(shape, dtype, device, with_act))
+        key = self.key(shape, dtype, device, with_act)
+        form = self.decisions.get(key)
+        if form is None and not self.measure_new:
+            form = nearest_form(self.measured(), key)
         return form is not None and reads_channels_last(form)
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None,
@@ -146,6 +182,8 @@ class ConvChoice(KernelChoice):
             return cached[0]
         if len(forms) == 1:
             return "cudnn"  # nothing to choose
+        if not self.measure_new:
+            return self.infer(key, forms)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing or len(self.decisions) >= MAX_MEASURED_SHAPES:
             reason = "in_capture" if capturing else "past_shape_cap"
@@ -157,6 +195,21 @@ class ConvChoice(KernelChoice):
         form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok)
         if self.cache is not None:
             self.cache.store(self.name, geometry(conv), key, form, self.timings_ms[key])
+        return form
+
+    def measured(self) -> dict[tuple, str]:
+        """The decisions measured (or read from the cache), not inferred."""
+        return {key: self.decisions[key] for key in self.timings_ms}
+
+    def infer(self, key: tuple, forms: list[str]) -> str:
+        """A new shape once measuring stopped: the nearest measured shape's form where it can run this one (else
+        cuDNN channels-last, else cuDNN), kept (up to ``MAX_MEASURED_SHAPES`` shapes) and counted."""
+        form = nearest_form(self.measured(), key)
+        if form not in forms:
+            form = "cudnn_cl" if "cudnn_cl" in forms else "cudnn"
+        if len(self.decisions) < MAX_MEASURED_SHAPES + MAX_INFERRED_SHAPES:
+            self.decisions[key] = form
+        self.events.decided(form, "inferred")
         return form
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
@@ -209,6 +262,17 @@ def switch_kernels(module: torch.nn.Module, activation: type, enabled: bool) -> 
         if hasattr(sub, "kernels_on"):
             sub.kernels_on = fused
     return fused
+
+
+def stop_measuring(module: torch.nn.Module) -> int:
+    """Every ``KernelChoice`` under ``module`` stops measuring new shapes (``KernelChoice.measure_new``): a server
+    calls it once its graph buckets are captured. Returns how many it reached."""
+    count = 0
+    for sub in module.modules():
+        for choice in held_choices(sub):
+            choice.measure_new = False
+            count += 1
+    return count
 
 
 def attach_choices(module: torch.nn.Module, cache: ChoiceCache | None, events: ChoiceEvents,

@@ -4,8 +4,8 @@ units' 1x1 conv as one GEMM over channels-last rows.
 Rules:
 - ``MatmulChoice``: cuBLAS, or ``matmul.py``'s 3xTF32 kernel in one of ``matmul.CONFIGS``' tile shapes, measured once
   per shape on the device as ``conv_choice.ConvChoice`` measures convs (same timing, same caps: not inside a
-  capture, not past ``MAX_MEASURED_SHAPES``), the fastest kept. The measurement writes into a scratch copy of
-  ``out``, never into the caller's tensor.
+  capture, not past ``MAX_MEASURED_SHAPES``, not once a server stopped measuring: cuBLAS then), the fastest
+  kept. The measurement writes into a scratch copy of ``out``, never into the caller's tensor.
 - The kernel is a candidate for float32 CUDA tensors only, where the family switched its kernels on
   (``conv_choice.switch_kernels``) and autograd is off, and not under ``torch.compile``; everything else is cuBLAS.
 """
@@ -60,8 +60,9 @@ class MatmulChoice(KernelChoice):
         form = self.decisions.get(key)
         if form is None:
             forms = ["cublas"] + [f"x3_{i}" for i, c in enumerate(CONFIGS) if c.block_n <= 2 * b.shape[1]]
-            if torch.cuda.is_current_stream_capturing() or len(self.decisions) >= MAX_MEASURED_SHAPES:
-                form = "cublas"  # not timed inside a capture, nor past the cap
+            if not self.measure_new or torch.cuda.is_current_stream_capturing() or \
+                    len(self.decisions) >= MAX_MEASURED_SHAPES:
+                form = "cublas"  # not timed once serving (stop_measuring), inside a capture, nor past the cap
             else:
                 form = self.measure(key, forms, out, a, b, bias, accumulate)
         self.run(form, out, a, b, bias, accumulate)
