@@ -130,8 +130,9 @@ class Engine:
         slots = torch.tensor([it.slot for it in items], dtype=torch.long, device=self.device) if stateful else None
         state, positions = rows_state(model, self.arena if stateful else None, slots, batch, self.device)
         options = rows_options(model, items, self.device)  # name -> [B]
+        audio = any(it.skip_frames < it.num_frames for it in items)  # none kept: a history replay, its state only
         wav, state, positions = forward_in_slices(model, inputs, num_frames, state, positions, options,
-                                                  slices)  # [B, T * U]
+                                                  slices, audio)  # [B, T * U] (audio False: less)
         # commit: only after the forward succeeded, and only rows whose audio and new state are finite
         committed = committed_rows(model, self.arena if stateful else None, wav, num_frames, slots, state,
                                    positions)  # [B]

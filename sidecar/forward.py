@@ -35,17 +35,18 @@ def rows_options(model: LoadedModel, items: list[DecodeItem], device: torch.devi
 
 
 def forward_in_slices(model: LoadedModel, inputs: Tensor, num_frames: Tensor, state: dict[str, Tensor],
-                      positions: Tensor, options: dict[str, Tensor],
-                      slices: tuple[tuple[int, int], ...]) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+                      positions: Tensor, options: dict[str, Tensor], slices: tuple[tuple[int, int], ...],
+                      audio: bool = True) -> tuple[Tensor, dict[str, Tensor], Tensor]:
     """``inputs`` ``[B, C, T]`` (row ``b`` valid for ``num_frames[b]`` frames) through ``model.forward_stream`` in
     ``slices`` (``(start, length)``, contiguous, covering ``T``). Returns ``(wav [B, T * U], state after each row's
-    last valid frame, positions + num_frames)``. Graph-capturable: no Python branch on tensor values."""
+    last valid frame, positions + num_frames)``. Graph-capturable: no Python branch on tensor values. ``audio``
+    False (no row's audio is kept: ``StreamBatch.audio``): the family may return less audio than ``T * U``."""
     pieces = []
     for start, length in slices:
         piece = inputs[:, :, start:start + length]  # [B, C, t]
         # one slice: every row's frames are in it (no clamp: two kernels fewer in a batch-1 step)
         valid = num_frames if len(slices) == 1 else (num_frames - start).clamp(0, length)  # [B] frames here
-        wav, state = model.forward_stream(StreamBatch(piece, valid, positions, options), state)  # [B, t * U]
+        wav, state = model.forward_stream(StreamBatch(piece, valid, positions, options, audio), state)  # [B, t * U]
         pieces.append(wav)
         if len(slices) > 1:
             positions = positions + valid

@@ -119,3 +119,42 @@ def test_one_frame_less_is_not_enough(family):
         audio_diff[kept] = (got - after).abs().max().item()
     assert state_diff[history] <= 1e-12 and audio_diff[history] == 0.0, (state_diff, audio_diff)
     assert state_diff[history - 1] >= 1e-8, state_diff  # (seen: 4.3e-6 qwen3_tts, 6.6e-4 voxcpm2)
+
+
+def test_a_replay_runs_the_convolutions_over_their_reach_only_and_rebuilds_the_same_state():
+    """Qwen3-TTS, float64: a step whose audio nobody keeps (``StreamBatch.audio`` False: a history replay) runs the
+    layers after the transformer over each row's last ``cfg.tail_frames`` frames only (10 of the shipped 580). Its
+    new state equals the full decode's to rounding, from a fresh state and mid-stream, for rows of different
+    lengths in one batch (one shorter than the tail); with one frame less of tail the state differs (the walk is
+    tight). The eager engine takes that path for such steps (``test_replaying_the_last_h_frames...`` above)."""
+    from code2wav.sidecar.models.qwen3_tts import decoder as qwen3_decoder
+
+    folder, _ = FAMILIES["qwen3_tts"]
+    model = load_model(str(folder), torch.device("cpu"), "float32")
+    module = model.module.double()
+    module.refresh_codebooks()
+    tail = module.cfg.tail_frames
+    assert QWEN3_SHIPPED.tail_frames == 10 and 0 < tail < 40
+    lengths = torch.tensor([40, tail - 1, 33])  # [B]: one row shorter than the tail
+    inputs = torch.stack([_random_inputs(model, 40, seed=3 + b) for b in range(3)])  # [B, C, 40]
+    zero = {k: torch.zeros((3, *shape), dtype=torch.float64) for k, shape in model.state_layout().items()}
+    _, mid = model.family.forward_stream(module, StreamBatch(inputs[:, :, :12], torch.full((3,), 12),
+                                                             torch.zeros(3, dtype=torch.long)), dict(zero))
+    for start_state, start in ((zero, 0), (mid, 12)):
+        positions = torch.full((3,), start)
+        full_wav, full = model.family.forward_stream(module, StreamBatch(inputs, lengths, positions), dict(start_state))
+        replay_wav, replay = model.family.forward_stream(
+            module, StreamBatch(inputs, lengths, positions, audio=False), dict(start_state))
+        assert full_wav.shape[1] == 40 * model.samples_per_frame
+        assert replay_wav.shape[1] == tail * model.samples_per_frame
+        diff = max((replay[k] - v).abs().max().item() for k, v in full.items())
+        assert diff <= 1e-12, (start, diff)
+    # one frame less of tail: the convolutions' state misses a frame it reads
+    x = torch.randn(3, 8, 40, dtype=torch.float64)
+    short, short_lengths = qwen3_decoder.last_frames(x, lengths, tail - 1)
+    assert torch.equal(short_lengths, torch.tensor([tail - 1, tail - 1, tail - 1]))
+    assert torch.equal(short[0], x[0, :, 40 - (tail - 1):]) and torch.equal(short[2], x[2, :, 33 - (tail - 1):33])
+    full_lengths, starts = torch.full((3,), 40), torch.zeros(3, dtype=torch.long)
+    _, short_state = module.forward_stream(inputs, full_lengths, dict(zero), starts, tail - 1)
+    _, full40 = module.forward_stream(inputs, full_lengths, dict(zero), starts)
+    assert max((short_state[k] - v).abs().max().item() for k, v in full40.items()) >= 1e-8

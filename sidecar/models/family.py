@@ -183,6 +183,8 @@ class StreamBatch:
     num_frames: Tensor  # [B] valid frames per row
     positions: Tensor  # [B] frames each row's stream decoded before
     options: dict[str, Tensor] = field(default_factory=dict)  # name -> [B] int64
+    audio: bool = True  # False: no row's audio is kept (every frame is context: a history replay), so a family may
+    # skip work that only makes audio; the new state must be the same (within float rounding)
 
 
 class DecoderFamily(Protocol):

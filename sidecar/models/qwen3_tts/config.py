@@ -71,13 +71,24 @@ class DecoderConfig(BaseModel):
         stride) and ConvNeXt's depthwise k7; ``decoder.0`` (k7); per decoder block a transposed conv (``2r``,
         ``r``) and three residual k7 convs of dilation 1, 3, 9; the last conv (k7). 580 for the shipped config."""
         layers = [reach.conv(3)] + [reach.attention(self.sliding_window - 1)] * self.num_hidden_layers
+        return reach.history_frames(layers + self._after_transformer())
+
+    @property
+    def tail_frames(self) -> int:
+        """The same walk over the layers after the transformer only: how many of the transformer's last output
+        frames determine the convolutions' state (10 for the shipped config). A step that returns no audio (a
+        history replay) runs those layers over that tail only (``Qwen3TTSDecoder.forward_stream``)."""
+        return reach.history_frames(self._after_transformer())
+
+    def _after_transformer(self) -> list:
+        layers = []
         for ratio in self.upsampling_ratios:
             layers += [reach.trans_conv(ratio, ratio), reach.conv(7)]
         layers.append(reach.conv(7))
         for rate in self.upsample_rates:
             layers += [reach.trans_conv(2 * rate, rate), reach.conv(7, 1), reach.conv(7, 3), reach.conv(7, 9)]
         layers.append(reach.conv(7))
-        return reach.history_frames(layers)
+        return layers
 
     @classmethod
     def from_checkpoint_dict(cls, decoder_config: dict) -> "DecoderConfig":

@@ -95,6 +95,14 @@ class CodesToWaveNet(nn.Module):
         self.decoder = StreamSequential(layers)
 
 
+def last_frames(x: Tensor, lengths: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """Each row's last ``count`` valid frames of ``x`` ``[B, C, T]`` (all of them, left-aligned, where it has fewer),
+    and their number per row."""
+    first = (lengths - count).clamp(min=0)  # [B]
+    index = first[:, None] + torch.arange(count, device=x.device)  # [B, count]
+    return x.gather(2, index[:, None, :].expand(-1, x.shape[1], -1)), lengths.clamp(max=count)  # [B, C, count]
+
+
 class Qwen3TTSDecoder(nn.Module):
     """Streaming wrapper: owns ``decoder`` (the checkpoint's ``decoder.*``) and a cached codebook table."""
 
@@ -129,13 +137,17 @@ class Qwen3TTSDecoder(nn.Module):
         return zero_state(self._state_layout, batch, p.dtype, p.device)
 
     def forward_stream(self, codes: Tensor, num_frames: Tensor, state: dict[str, Tensor],
-                       start_positions: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                       start_positions: Tensor, tail_frames: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Decode ``codes`` ``[B, Q, T]`` continuing each row's stream.
 
         ``num_frames`` ``[B]``: valid frames per row (the rest is right padding, never reaching the state);
         ``state``: ``{key: [B, ...]}``; ``start_positions`` ``[B]``: frames the stream decoded before.
         Returns the float32 waveform ``[B, T * U]`` (row ``b`` is valid for ``num_frames[b] * U`` samples)
         and the new state after each row's last valid frame.
+
+        ``tail_frames`` (a step whose audio nobody keeps: a history replay): the layers after the transformer run
+        over each row's last ``tail_frames`` valid frames only (``cfg.tail_frames``: their state depends on no
+        earlier frame, whatever state they start from), and the waveform is that tail's, ``[B, tail * U]``.
         """
         net = self.decoder
         ctx = StreamContext(state_in=state)
@@ -143,6 +155,8 @@ class Qwen3TTSDecoder(nn.Module):
         x = net.quantizer(codes, self.codebook_table).to(dtype)  # [B, codebook_dim, T]
         x, lengths = net.pre_conv(x, num_frames, ctx)  # [B, latent, T]
         x = net.pre_transformer(x.transpose(1, 2), start_positions, lengths, ctx).transpose(1, 2)  # [B, latent, T]
+        if tail_frames is not None and x.shape[2] > tail_frames:
+            x, lengths = last_frames(x, lengths, tail_frames)  # [B, latent, tail]
         for stage in net.upsample:
             x, lengths = stage(x, lengths, ctx)  # [B, latent, T * r]
         first_conv, *blocks, act, out_conv = net.decoder

@@ -49,7 +49,8 @@ class Qwen3TTSFamily:
 
     def forward_stream(self, module: Qwen3TTSDecoder, batch: StreamBatch,
                        state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        return module.forward_stream(batch.inputs, batch.num_frames, state, batch.positions)  # [B, T * U]
+        tail = None if batch.audio else module.cfg.tail_frames  # a replay: the convolutions over their reach only
+        return module.forward_stream(batch.inputs, batch.num_frames, state, batch.positions, tail)  # [B, T' * U]
 
     def forward(self, module: Qwen3TTSDecoder, inputs: Tensor) -> Tensor:
         return module(inputs)  # [B, 1, T * U]
