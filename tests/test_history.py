@@ -57,12 +57,13 @@ def _chunks(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, end)) for a in range(start, end, size)]
 
 
+@pytest.mark.parametrize("max_forward_frames", [256, 8])  # 8: the replay in eager slices, the last of 1 frame
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_replaying_the_last_h_frames_rebuilds_state_and_audio(family):
+def test_replaying_the_last_h_frames_rebuilds_state_and_audio(family, max_forward_frames):
     folder, history = FAMILIES[family]
     model = load_model(str(folder), torch.device("cpu"), "float32")
     arena = StateArena(model.state_layout(), 4, model.dtype, model.device)
-    engine = Engine(model, arena, max_forward_frames=256)
+    engine = Engine(model, arena, max_forward_frames=max_forward_frames)
     split = history + 30  # frames the first sidecar decoded before it died
     total = split + 3 * CHUNK_FRAMES
     inputs = _random_inputs(model, total, seed=1)
