@@ -39,10 +39,18 @@ class SpawnedSidecar:
         with urllib.request.urlopen(self.metrics_url, timeout=timeout_s) as resp:
             return resp.read().decode()
 
+    def url(self, path: str) -> str:
+        """``path`` (e.g. ``/healthz``) on its metrics endpoint."""
+        return self.metrics_url.rsplit("/", 1)[0] + path
+
+    def get(self, path: str, timeout_s: float = 10.0) -> bytes:
+        """The body of ``path`` on its metrics endpoint (e.g. ``/debug/chunk-stages``)."""
+        with urllib.request.urlopen(self.url(path), timeout=timeout_s) as resp:
+            return resp.read()
+
     def http_status(self, path: str) -> int:
-        url = self.metrics_url.rsplit("/", 1)[0] + path
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
+            with urllib.request.urlopen(self.url(path), timeout=5) as resp:
                 return resp.status
         except urllib.error.HTTPError as exc:
             return exc.code

@@ -23,33 +23,32 @@ client_received: ``client.call_trace``), the sidecar's (the rest: ``sidecar/chun
 
 @dataclass(frozen=True)
 class Stage:
+    """The span between two consecutive ``STAMPS``: ``STAGES[i]`` runs from ``STAMPS[i]`` to ``STAMPS[i + 1]``."""
+
     name: str
-    start: str  # the stamp it starts at
-    end: str  # the stamp it ends at
     meaning: str
 
 
 STAGES = (
-    Stage("client_send", "called_ns", "client_sent_ns", "decode() called -> the message going into the client's "
-          "socket (inputs checked, seq reserved, CUDA IPC copy queued or bytes packed, encoded)"),
-    Stage("wire_in", "client_sent_ns", "received_ns", "libzmq both ways, the socket, the sidecar's loop waking or "
-          "polling -> the loop took the message off its socket"),
-    Stage("sidecar_decode", "received_ns", "queued_ns", "the message parsed and checked, the chunk's inputs read, "
-          "the chunk in the scheduler's queue"),
-    Stage("wait", "queued_ns", "taken_ns", "queued -> taken into a batch by the stepper"),
-    Stage("launch", "taken_ns", "launched_ns", "the step planned, its items built, inputs copied in, the graph "
-          "replayed or the eager forward issued (on the CPU: computed)"),
-    Stage("device", "launched_ns", "done_ns", "launched -> the step's audio on the host (CUDA IPC audio: its copy "
-          "into the client's region queued)"),
-    Stage("reply", "done_ns", "sent_ns", "the chunk committed, its reply assembled and encoded, going into the "
-          "sidecar's socket"),
-    Stage("wire_out", "sent_ns", "client_received_ns", "libzmq both ways -> the client's I/O thread took the "
-          "reply off its socket"),
-    Stage("client_deliver", "client_received_ns", "returned_ns", "the reply parsed and checked, the audio tensor "
-          "made, the caller's future set -> decode() returned"),
-    Stage("audio_ready", "returned_ns", "ready_ns", "inputs on the GPU: the caller's sync on its CUDA stream until "
-          "the audio is ready there (0 for host inputs)"),
+    Stage("client_send", "decode() called -> the message going into the client's socket (inputs checked, seq "
+          "reserved, CUDA IPC copy queued or bytes packed, encoded)"),
+    Stage("wire_in", "libzmq both ways, the socket, the sidecar's loop waking or polling -> the loop took the "
+          "message off its socket"),
+    Stage("sidecar_decode", "the message parsed and checked, the chunk's inputs read, the chunk in the scheduler's "
+          "queue"),
+    Stage("wait", "queued -> taken into a batch by the stepper"),
+    Stage("launch", "the step planned, its items built, inputs copied in, the graph replayed or the eager forward "
+          "issued (on the CPU: computed)"),
+    Stage("device", "launched -> the step's audio on the host (CUDA IPC audio: its copy into the client's region "
+          "queued)"),
+    Stage("reply", "the chunk committed, its reply assembled and encoded, going into the sidecar's socket"),
+    Stage("wire_out", "libzmq both ways -> the client's I/O thread took the reply off its socket"),
+    Stage("client_deliver", "the reply parsed and checked, the audio tensor made, the caller's future set -> "
+          "decode() returned"),
+    Stage("audio_ready", "inputs on the GPU: the caller's sync on its CUDA stream until the audio is ready there (0 "
+          "for host inputs)"),
 )
+assert len(STAGES) == len(STAMPS) - 1  # one stage between each two consecutive stamps
 
 
 def join(calls: list[dict], client_chunks: dict, sidecar_chunks: list[dict]) -> tuple[list[dict], int]:
@@ -72,8 +71,8 @@ def join(calls: list[dict], client_chunks: dict, sidecar_chunks: list[dict]) -> 
 
 def stage_us(chunk: dict) -> dict[str, float]:
     """One joined chunk's stages in microseconds, and its ``round_trip``."""
-    out = {stage.name: (chunk[stage.end] - chunk[stage.start]) / 1e3 for stage in STAGES}
-    out["round_trip"] = (chunk[STAGES[-1].end] - chunk[STAGES[0].start]) / 1e3
+    out = {stage.name: (chunk[end] - chunk[start]) / 1e3 for stage, start, end in zip(STAGES, STAMPS, STAMPS[1:])}
+    out["round_trip"] = (chunk[STAMPS[-1]] - chunk[STAMPS[0]]) / 1e3
     return out
 
 

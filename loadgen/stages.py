@@ -20,7 +20,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -33,12 +32,6 @@ from .inputs import InputContract, synthetic_inputs
 from .phases import Progress
 from .spawn import SpawnedSidecar, spawn_sidecar
 from .stage_table import format_table, join, legend, summarize
-
-def fetch_chunk_stages(metrics_url: str, timeout_s: float = 10.0) -> dict:
-    """The sidecar's ``/debug/chunk-stages`` document (``metrics_url``: its ``/metrics`` URL)."""
-    url = metrics_url.rsplit("/", 1)[0] + CHUNK_STAGES_PATH
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
 
 
 def run_stream(address: str, inputs_on: str, device: torch.device | None, num_chunks: int, warmup: int,
@@ -76,7 +69,7 @@ def measure(spawned: SpawnedSidecar, inputs_on: str, device: torch.device, num_c
     """The table of one kind of inputs (``host`` or ``device``), with its joined chunks' count and IPC counts."""
     calls, client_chunks, ipc = run_stream(spawned.address, inputs_on, device if inputs_on == "device" else None,
                                            num_chunks, warmup, chunk_frames)
-    document = fetch_chunk_stages(spawned.metrics_url)
+    document = json.loads(spawned.get(CHUNK_STAGES_PATH))
     joined, missing = join(calls, client_chunks, document["chunks"])
     if not joined:
         raise RuntimeError(f"no chunk of the {inputs_on} run was stamped by both the client and the sidecar "

@@ -32,14 +32,13 @@ def check_sizes(batch: int, num_frames: int, steps: int, warmup: int) -> None:
 
 def chosen_forms(module: torch.nn.Module) -> list[dict]:
     """The form each conv and GEMM of the step chose (their ``KernelChoice``), with every form's time."""
-    from code2wav.sidecar.kernels.conv_choice import held_choices
+    from code2wav.sidecar.kernels.conv_choice import choices_under
 
     found = []
-    for where, sub in module.named_modules():
-        for choice in held_choices(sub):
-            for key, chosen in getattr(choice, "decisions", {}).items():
-                timings = getattr(choice, "timings_ms", {}).get(key, {})
-                found.append({"module": where, "kind": type(choice).__name__, "shape": repr(key), "chosen": chosen,
-                              "timings_us": {f: round(ms * 1e3, 1) for f, ms in sorted(timings.items(),
-                                                                                     key=lambda kv: kv[1])}})
+    for where, choice in choices_under(module):
+        for key, chosen in getattr(choice, "decisions", {}).items():
+            timings = getattr(choice, "timings_ms", {}).get(key, {})
+            found.append({"module": where, "kind": type(choice).__name__, "shape": repr(key), "chosen": chosen,
+                          "timings_us": {f: round(ms * 1e3, 1) for f, ms in sorted(timings.items(),
+                                                                                 key=lambda kv: kv[1])}})
     return found

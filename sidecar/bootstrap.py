@@ -23,6 +23,7 @@ from .graphs.plan import build_buckets
 from .graphs.routine import StreamRoutine
 from .ipc.cudart import CudaIpcError, host_id
 from .ipc.device import CudaIpcDevice
+from .chunk_trace import ChunkTrace
 from .kernel_metrics import KernelChoiceCollector
 from .kernels.choice_cache import ChoiceCache, ChoiceEvents
 from .kernels.choice_cache import identity as choice_identity
@@ -188,9 +189,10 @@ def open_ipc_device(cfg: ServerConfig, device) -> tuple[CudaIpcDevice | None, st
     return ipc_device, reason
 
 
-def build_sessions(cfg: ServerConfig, parts: Parts, metrics: Metrics) -> Sessions:
+def build_sessions(cfg: ServerConfig, parts: Parts, metrics: Metrics, trace: ChunkTrace | None = None) -> Sessions:
     ipc_device, ipc_off_reason = open_ipc_device(cfg, parts.model.device)
-    return Sessions(cfg, parts.model, parts.arena, parts.scheduler, metrics, ipc_device, host_id(), ipc_off_reason)
+    return Sessions(cfg, parts.model, parts.arena, parts.scheduler, metrics, ipc_device, host_id(), ipc_off_reason,
+                    trace=trace)
 
 
 def build_transport(cfg: ServerConfig, context: zmq.Context) -> Transport:

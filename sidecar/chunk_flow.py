@@ -33,7 +33,8 @@ from .work import ChunkRejected, DecodeItem
 
 class ChunkFlow:
     def __init__(self, model: LoadedModel, streams: StreamTable, scheduler: Scheduler, regions: RegionService,
-                 out: Outbox, metrics: Metrics, max_pending_per_client: int, clock: Callable[[], float]) -> None:
+                 out: Outbox, metrics: Metrics, max_pending_per_client: int, clock: Callable[[], float],
+                 trace: ChunkTrace | None = None) -> None:
         self.model = model
         self.streams = streams
         self.scheduler = scheduler
@@ -43,7 +44,7 @@ class ChunkFlow:
         self.max_pending_per_client = max_pending_per_client
         self.clock = clock
         self.draining = False  # the server is stopping: new chunks are refused
-        self.trace: ChunkTrace | None = None  # the stage recorder (``trace_chunks``; set by the server), else off
+        self.trace = trace  # the chunks' stage recorder (``trace_chunks``): queued; None: off
 
     def decode(self, identity: bytes, msg: proto.Decode, frames: list) -> None:
         """A ``decode`` message: each chunk queued, answered again (a resend) or refused; the reply goes out once

@@ -88,8 +88,7 @@ class Server:
         parts = await loop.run_in_executor(self._pool, lambda: bootstrap.build_engine_side(
             cfg, device, self.metrics, self.families))
         self.model, self.engine = parts.model, parts.engine
-        self.sessions = bootstrap.build_sessions(cfg, parts, self.metrics)
-        self.sessions.chunks.trace = self.trace  # stamps a chunk queued
+        self.sessions = bootstrap.build_sessions(cfg, parts, self.metrics, self.trace)
         self.auth = start_client_auth(self._zmq, check_bind_security(cfg.address, sec.curve_secret_key_file,
                                       sec.insecure, warn=False), sec.curve_allowed_clients_dir, self.metrics)
         self.transport = bootstrap.build_transport(cfg, self._zmq)

@@ -19,6 +19,7 @@ from code2wav import proto
 from code2wav.proto import ErrorCode, ProtocolError
 
 from .chunk_flow import ChunkFlow
+from .chunk_trace import ChunkTrace
 from .clients import ClientDirectory, WelcomeTerms
 from .config import ServerConfig
 from .ipc.device import CudaIpcDevice
@@ -44,7 +45,8 @@ Handler = Callable[[bytes, Any, list], None]
 class Sessions:
     def __init__(self, cfg: ServerConfig, model: LoadedModel, arena: StateArena, scheduler: Scheduler,
                  metrics: Metrics, ipc_device: CudaIpcDevice | None = None, host_id: str | None = None,
-                 ipc_off_reason: str = "not configured", clock: Callable[[], float] = time.monotonic) -> None:
+                 ipc_off_reason: str = "not configured", clock: Callable[[], float] = time.monotonic,
+                 trace: ChunkTrace | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.scheduler = scheduler
@@ -65,7 +67,7 @@ class Sessions:
         self.recent_step_s = 0.0  # Load.step_s: an exponential average of the engine steps' durations
         self.streams = StreamTable(model, arena, scheduler, self.out, metrics, self.regions.release, clock)
         self.chunks = ChunkFlow(model, self.streams, scheduler, self.regions, self.out, metrics,
-                                lim.max_pending_chunks_per_client, clock)
+                                lim.max_pending_chunks_per_client, clock, trace)
         self.handlers: dict[type, Handler] = {
             proto.Ping: lambda identity, msg, frames: self.out.send(
                 identity, proto.Pong(request_id=msg.request_id, boot_epoch=self.clients.boot_epoch, load=self.load())),

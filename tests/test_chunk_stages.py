@@ -19,7 +19,7 @@ import pytest
 
 from code2wav.client import SidecarClient
 from code2wav.loadgen.stage_table import STAGES, STAMPS, join, stage_us, summarize
-from code2wav.loadgen.stages import fetch_chunk_stages, run_stream
+from code2wav.loadgen.stages import run_stream
 from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH, STAGE_STAMPS
 from code2wav.sidecar.config import ConfigError, load_config
 from conftest import ROOT, TINY, start_sidecar
@@ -55,7 +55,7 @@ def test_one_stream_joins_every_recorded_chunk_and_its_stages_add_up(tmp_path, p
         with SidecarClient(spawned.address) as other:
             idle = other.open_stream("idle") if path == "pipelined" else None
             calls, client_chunks, ipc = run_stream(spawned.address, "host", None, NUM_CHUNKS, WARMUP, CHUNK_FRAMES)
-            document = fetch_chunk_stages(spawned.metrics_url)
+            document = json.loads(spawned.get(CHUNK_STAGES_PATH))
             del idle
     finally:
         spawned.stop()

@@ -250,6 +250,13 @@ def held_choices(obj: object, depth: int = 1):
             yield from held_choices(value, depth - 1)
 
 
+def choices_under(module: torch.nn.Module):
+    """``(module path, choice)`` for every ``KernelChoice`` a submodule of ``module`` holds (``held_choices``)."""
+    for where, sub in module.named_modules():
+        for choice in held_choices(sub):
+            yield where, choice
+
+
 def switch_kernels(module: torch.nn.Module, activation: type, enabled: bool) -> bool:
     """Every hand-written kernel under ``module`` on or off (a family's ``use_fused_kernels``): the Snake kernels on
     the family's ``activation`` modules (``snake.set_fused``) and, as they are, every ``KernelChoice`` a submodule
@@ -267,12 +274,10 @@ def switch_kernels(module: torch.nn.Module, activation: type, enabled: bool) -> 
 def stop_measuring(module: torch.nn.Module) -> int:
     """Every ``KernelChoice`` under ``module`` stops measuring new shapes (``KernelChoice.measure_new``): a server
     calls it once its graph buckets are captured. Returns how many it reached."""
-    count = 0
-    for sub in module.modules():
-        for choice in held_choices(sub):
-            choice.measure_new = False
-            count += 1
-    return count
+    choices = [choice for _, choice in choices_under(module)]
+    for choice in choices:
+        choice.measure_new = False
+    return len(choices)
 
 
 def attach_choices(module: torch.nn.Module, cache: ChoiceCache | None, events: ChoiceEvents,
@@ -282,9 +287,8 @@ def attach_choices(module: torch.nn.Module, cache: ChoiceCache | None, events: C
     ``("cudnn_cl", "gemm")``, a diagnostic run restricts the choice to: the profile's before/after). Returns how
     many it reached."""
     count = 0
-    for where, sub in module.named_modules():
-        for choice in held_choices(sub):
-            if isinstance(choice, ConvChoice):
-                choice.name, choice.cache, choice.events, choice.allowed = where or "conv", cache, events, allowed
-                count += 1
+    for where, choice in choices_under(module):
+        if isinstance(choice, ConvChoice):
+            choice.name, choice.cache, choice.events, choice.allowed = where or "conv", cache, events, allowed
+            count += 1
     return count

@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import Tensor
 
-from .conv_choice import MAX_MEASURED_SHAPES, KernelChoice, held_choices, min_device_ms
+from .conv_choice import MAX_MEASURED_SHAPES, KernelChoice, choices_under, min_device_ms
 from .matmul import CONFIGS
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ class MatmulChoice(KernelChoice):
 
 
 def matmul_choices(module: torch.nn.Module) -> list[MatmulChoice]:
-    """Every ``MatmulChoice`` held by a submodule of ``module`` (``conv_choice.held_choices``)."""
-    return [c for sub in module.modules() for c in held_choices(sub) if isinstance(c, MatmulChoice)]
+    """Every ``MatmulChoice`` held by a submodule of ``module`` (``conv_choice.choices_under``)."""
+    return [c for _, c in choices_under(module) if isinstance(c, MatmulChoice)]
 
 
 def rows(t: Tensor) -> Tensor | None:
