@@ -13,6 +13,11 @@ also a ratio against them:
 
 ``frames`` (the bench's ``--baseline-frames``) adds the exact rows at other chunk sizes; a row at F frames other
 than ``new_frames`` is named with ``-tF`` (``exact-graph-b64-t25``), so the default names stay as above.
+
+- ``replay-eager-bN-tH`` (when ``frames`` holds the model's ``history_frames`` H): the same H frames sent as one
+  chunk that is all context, as a client pool replays a stream's history into a fresh stream after a failover: no
+  audio, the new state only (``StreamBatch.audio`` False). Beside ``exact-eager-bN-tH`` it gives what decoding the
+  state only saves; its ``audio_s_per_s`` counts the history's seconds replayed per second.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
     codes = synthetic_inputs(InputContract.of(model), total_frames, seed=1)  # [C, T]
     results = []
 
-    window = [DecodeItem(codes=codes, slot=None, skip_frames=left_context_frames)]
+    window = [DecodeItem(codes=codes[:, :left_context_frames + new_frames], slot=None,
+                         skip_frames=left_context_frames)]  # [C, ctx + new]: longer --baseline-frames widen codes
     times = time_calls(lambda: engine.decode(window), model.device, iters, warmup)
     results.append(_result("window-eager-b1", 1, new_frames, times, model))
 
@@ -75,12 +81,16 @@ def run_baselines(model: LoadedModel, new_frames: int = 25, left_context_frames:
             name = f"exact-eager-b{batch}" + _suffix(num_frames, new_frames)
             if any(r.name == name for r in results):
                 continue  # 1 frame at batch 1 is the first-chunk row above
-            slots = [arena.allocate() for _ in range(batch)]
-            items = [DecodeItem(codes=codes[:, :num_frames], slot=s, skip_frames=0) for s in slots]
-            times = time_calls(lambda: engine.decode(items), model.device, iters, warmup)
-            results.append(_result(name, batch, num_frames, times, model))
-            for s in slots:
-                arena.release(s)
+            kinds = [(0, "exact")]  # (context frames, row kind)
+            if num_frames == model.contract.history_frames:  # a history replay too: every frame context
+                kinds.insert(0, (num_frames, "replay"))
+            for skip, kind in kinds:
+                slots = [arena.allocate() for _ in range(batch)]
+                items = [DecodeItem(codes=codes[:, :num_frames], slot=s, skip_frames=skip) for s in slots]
+                times = time_calls(lambda: engine.decode(items), model.device, iters, warmup)
+                results.append(_result(name.replace("exact", kind, 1), batch, num_frames, times, model))
+                for s in slots:
+                    arena.release(s)
     if model.device.type == "cuda":
         results += _graph_baselines(model, arena, codes, new_frames, iters, warmup, batch_sizes, frames)
     return results

@@ -188,3 +188,19 @@ def test_inputs_on_the_device_go_by_cuda_ipc_and_audio_is_counted_when_ready(tmp
     for row in report["results"]:
         assert row["errors"] == 0 and row["refused_streams"] == 0, row
         assert row["chunks"] > 0 and row["ipc_chunks"] == row["chunks"], row
+
+
+def test_a_baseline_at_the_history_length_also_times_it_as_a_replay():
+    """``--baseline-frames H`` (the model's history frames): besides ``exact-eager-b1-tH`` a ``replay-eager-b1-tH`` row,
+    the same frames as one all-context chunk (state only, no audio); other lengths get no replay row."""
+    import torch
+
+    from code2wav.loadgen.baselines import run_baselines
+    from code2wav.sidecar.models import load_model
+
+    model = load_model(str(TINY), torch.device("cpu"), "float32")
+    history = model.contract.history_frames
+    rows = {r.name: r for r in run_baselines(model, new_frames=7, iters=1, warmup=0, frames=(history, 3))}
+    assert {f"replay-eager-b1-t{history}", f"exact-eager-b1-t{history}", "exact-eager-b1-t3"} <= set(rows)
+    assert not any(name.startswith("replay") and name.endswith("-t3") for name in rows)
+    assert rows[f"replay-eager-b1-t{history}"].new_frames == history
