@@ -6,6 +6,10 @@
 - Long chunks batch apart: a chunk that decodes more frames than the mode's longest captured graph runs eager (a
   failover's history replay, a client sending whole utterances); one such row in a batch would take every row of
   it out of its graph into a slower eager step, so long chunks batch only with long chunks (``graph_frames``).
+- Long batches never run twice in a row while a short chunk waits: after a long batch the next one starts from the
+  oldest short chunk, if any is queued. A mass failover queues hundreds of replays at once; without this rule a
+  live chunk arriving behind them waits for every one of their eager steps, with it for one at most. The replays
+  still run at least every other step (FIFO picks them again as the oldest), so neither kind starves.
 - A bounded queue: past ``max_pending_chunks`` a chunk is refused at once (the caller answers busy).
 - Batching window: a batch that is not full waits until its oldest chunk is ``batch_window_s`` old, so a
   lone chunk is delayed by at most that; except when no company can come: every open stream (the caller's count)
@@ -61,6 +65,7 @@ class Scheduler:
         self.draining = False  # the server is stopping: queued chunks run now
         self._queue: deque[ChunkJob] = deque()
         self._queued_per_stream: Counter[int] = Counter()  # id(stream) -> its chunks in the queue
+        self._last_long = False  # the last batch taken was long chunks (the next one prefers short ones)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -113,8 +118,11 @@ class Scheduler:
         oldest = self._oldest(busy)
         if oldest is None:
             return []
+        if self._last_long and self._is_long(oldest):
+            oldest = next((j for j in self._queue if id(j.stream) not in busy and not self._is_long(j)), oldest)
         policy = self.policy
         key, max_batch_size, long = oldest.batch_key, policy.max_batch_size, self._is_long(oldest)
+        self._last_long = long
         batch: list[ChunkJob] = []
         seen: set[int] = set(busy)
         kept: deque[ChunkJob] = deque()

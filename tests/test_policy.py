@@ -147,6 +147,36 @@ def test_long_chunks_batch_apart_from_those_a_graph_serves():
     assert not batch_policy(8, 0, 100).is_long("exact", 10_000)  # no graphs: no split
 
 
+def test_replays_queued_at_once_let_live_chunks_through_every_other_step():
+    """A mass failover queues many long replays at once; a live chunk behind them waits for one long step, not all
+    of them, and the replays still run every other step (neither kind starves)."""
+    from code2wav.sidecar.modes import mode_for  # noqa: PLC0415
+
+    sched = Scheduler(batch_policy(2, 0, 100, graph_frames={"exact": 25}))
+    exact = mode_for(True)
+
+    def submit(name: str, num_frames: int) -> None:
+        stream = _stream(name)
+        stream.mode = exact
+        assert sched.submit(dataclasses.replace(_job(stream), codes=torch.zeros(16, num_frames)))
+
+    for name in ("r1", "r2", "r3", "r4", "r5", "r6"):  # six replays of 580 frames, queued first
+        submit(name, 580)
+    submit("live1", 25)
+    submit("live2", 25)
+    submit("live3", 25)
+    order = []
+    while batch := sched.take_batch():
+        order.append([j.stream.stream_id for j in batch])
+    # FIFO alone would run r1..r6 (three long steps) before live1; here a short batch follows each long one
+    assert order == [["r1", "r2"], ["live1", "live2"], ["r3", "r4"], ["live3"], ["r5", "r6"]]
+    for name in ("r7", "r8"):  # nothing short queued: long batches run back to back
+        submit(name, 580)
+    submit("r9", 600)
+    assert [j.stream.stream_id for j in sched.take_batch()] == ["r7", "r8"]
+    assert [j.stream.stream_id for j in sched.take_batch()] == ["r9"]
+
+
 def test_arena_slots_scratch_and_reuse():
     arena = StateArena({"x": (2, 3)}, num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
     assert arena.bytes_per_stream == 6 * 4 + 8
