@@ -98,21 +98,26 @@ def compare_stream(client, record: dict, stream_id: str) -> dict:
     result = {"stream_id": record["stream_id"], "sidecar": record["sidecar"], "t_open": record["t_open"],
               "t_last_sent": record["t_sent"][-1] if record["t_sent"] else record["t_open"],
               "chunks_sent": len(record["codes"]), "chunks_compared": decoded, "bit_identical_chunks": 0,
-              "max_abs_diff": 0.0, "min_snr_db": float("inf"),
+              "max_abs_diff": 0.0, "min_snr_db": float("inf"), "worst_chunk": None, "worst_chunk_t_sent": None,
               "first_error": next((e for e in record["errors"] if e is not None), None)}
     if decoded == 0:
         return result
     stream = client.open_stream(stream_id)
-    for codes, final, soak_audio in zip(record["codes"][:decoded], record["finals"], record["audio"]):
+    for index, (codes, final, soak_audio) in enumerate(zip(record["codes"][:decoded], record["finals"],
+                                                             record["audio"])):
         reference = stream.decode(codes, final=final)  # [Q, n] -> [n * U], alone: no other stream in flight
         if soak_audio.shape != reference.shape:
             result["max_abs_diff"], result["min_snr_db"] = float("inf"), float("-inf")
+            result["worst_chunk"], result["worst_chunk_t_sent"] = index, record["t_sent"][index]
             continue
         result["bit_identical_chunks"] += int(torch.equal(soak_audio, reference))
         diff = soak_audio.double() - reference.double()  # [n * U]
         if diff.numel():
             result["max_abs_diff"] = max(result["max_abs_diff"], diff.abs().max().item())
-            result["min_snr_db"] = min(result["min_snr_db"], snr_db(reference.double(), diff))
+            snr = snr_db(reference.double(), diff)
+            if snr < result["min_snr_db"]:  # the chunk furthest from the reference: which one, sent when
+                result["min_snr_db"], result["worst_chunk"] = snr, index
+                result["worst_chunk_t_sent"] = record["t_sent"][index]
     if not stream.closed:
         stream.abort()
     return result

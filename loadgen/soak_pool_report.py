@@ -130,6 +130,27 @@ def audio_check(results: list[dict], t0_wall: float, killed: int, kill_t_s: floa
             "incomplete_on_survivors": [r["stream_id"] for r in survivors if r["chunks_compared"] < r["chunks_sent"]]}
 
 
+def worst_streams(results: list[dict], per_client: dict[str, dict], t0_wall: float, count: int = 5) -> list[dict]:
+    """The ``count`` recorded streams furthest from their reference decode (lowest chunk SNR first), each with
+    its worst chunk (index, seconds from the soak's start) and the moves its pool made of it (reason, seconds from
+    the start, frames replayed): a failed audio check says which stream, which chunk, and whether a move preceded
+    it."""
+    moves: dict[str, list[dict]] = {}
+    for client in per_client.values():
+        for move in (client.get("failover") or {}).get("recent", []):
+            moves.setdefault(move["stream_id"], []).append(
+                {"reason": move["reason"], "done_t_s": round(move["at_s"] - t0_wall, 2),
+                 "replay_frames": move["replay_frames"], "recovery_s": round(move["recovery_s"], 3)})
+    ranked = sorted(results, key=lambda r: r["min_snr_db"])[:count]
+    return [{"stream_id": r["stream_id"], "sidecar": r["sidecar"], "chunks_compared": r["chunks_compared"],
+             "min_snr_db": round(r["min_snr_db"], 2), "max_abs_diff": r["max_abs_diff"],
+             "worst_chunk": r.get("worst_chunk"),
+             "worst_chunk_t_s": None if r.get("worst_chunk_t_sent") is None
+             else round(r["worst_chunk_t_sent"] - t0_wall, 2),
+             "open_t_s": round(r["t_open"] - t0_wall, 2), "moves": moves.get(r["stream_id"], [])}
+            for r in ranked if r["chunks_compared"]]
+
+
 def failover(per_client: dict[str, dict], latencies: list[list[float]], t0_wall: float, kill_t_s: float) -> dict | None:
     """The ``failover`` part (None: the clients' pools did not fail over)."""
     stats = [c["failover"] for c in per_client.values() if c.get("failover") is not None]
@@ -193,5 +214,6 @@ def pool_section(count: int, killed: int, per_client: dict[str, dict], lived: se
             "failover": failover(per_client, latencies, t0_wall, kill["t_s"])}
     if check is not None:
         pool["audio_check"] = audio_check(check, t0_wall, killed, kill["t_s"], ready_t_s, atol, min_snr_db)
+        pool["audio_check"]["worst_streams"] = worst_streams(check, per_client, t0_wall)
     pool["verdict"] = verdict(pool)
     return pool

@@ -73,6 +73,8 @@ def pool_lines(pool: dict) -> list[str]:
         incomplete = len(check["incomplete_on_survivors"])
         lines.append(f"audio against a decode alone (atol {check['atol']}, min SNR {check['min_snr_db']} dB): "
                      f"{groups}; survivors' streams with a chunk without audio: {incomplete}")
+        for worst in check.get("worst_streams", [])[:3]:  # the streams furthest from the reference, their moves
+            lines.append(f"  furthest: {json.dumps(worst)}")
     verdict = pool["verdict"]
     lines.append(("PASS " if all(verdict.values()) else "FAIL ") + json.dumps(verdict))
     return lines

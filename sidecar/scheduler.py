@@ -2,7 +2,8 @@
 
 - One FIFO over all streams of all clients: the oldest chunk is always in the next batch, so nothing starves.
 - A batch holds chunks of one ``(model, mode)`` key (exact and window never mix), at most one chunk per
-  stream (a stream's next chunk needs the state its previous chunk commits), at most ``max_batch_size``.
+  stream (a stream's next chunk needs the state its previous chunk commits), at most ``max_batch_size``; and a
+  stream's chunks run in arrival order: one left in the queue holds its stream's later chunks back too.
 - Long chunks batch apart: a chunk that decodes more frames than the mode's longest captured graph runs eager (a
   failover's history replay, a client sending whole utterances); one such row in a batch would take every row of
   it out of its graph into a slower eager step, so long chunks batch only with long chunks (``graph_frames``).
@@ -114,32 +115,43 @@ class Scheduler:
                 del counts[key]
 
     def take_batch(self, busy: frozenset[int] | set[int] = frozenset()) -> list[ChunkJob]:
-        """Remove and return the next batch (FIFO, one key, one chunk per stream, no stream in ``busy``)."""
+        """Remove and return the next batch (FIFO, one key, one chunk per stream, no stream in ``busy``). A stream's
+        chunks run in the order they came: a chunk left in the queue (another key, or long where the batch is short)
+        holds back its stream's later chunks too (a moved stream's live chunk queued behind its history replay
+        must not run before it)."""
         oldest = self._oldest(busy)
         if oldest is None:
             return []
-        if self._last_long and self._is_long(oldest):
-            oldest = next((j for j in self._queue if id(j.stream) not in busy and not self._is_long(j)), oldest)
+        if self._last_long and self._is_long(oldest):  # the oldest short chunk that is its stream's first queued
+            oldest = next((j for j in self._heads(busy) if not self._is_long(j)), oldest)
         policy = self.policy
         key, max_batch_size, long = oldest.batch_key, policy.max_batch_size, self._is_long(oldest)
         self._last_long = long
         batch: list[ChunkJob] = []
-        seen: set[int] = set(busy)
+        seen: set[int] = set(busy)  # streams whose chunks may not join: busy, in the batch, or one of theirs left
         kept: deque[ChunkJob] = deque()
         while self._queue:
             job = self._queue.popleft()
             if (len(batch) < max_batch_size and job.batch_key == key and id(job.stream) not in seen
                     and self._is_long(job) == long):
                 batch.append(job)
-                seen.add(id(job.stream))
             else:
                 kept.append(job)
                 if len(batch) >= max_batch_size:
                     break
+            seen.add(id(job.stream))
         kept.extend(self._queue)
         self._queue = kept
         self._forget(batch)
         return batch
+
+    def _heads(self, busy: frozenset[int] | set[int]):
+        """Each non-busy stream's first queued chunk, oldest first."""
+        seen: set[int] = set(busy)
+        for job in self._queue:
+            if id(job.stream) not in seen:
+                seen.add(id(job.stream))
+                yield job
 
     def _is_long(self, job: ChunkJob) -> bool:
         return bool(self.policy.graph_frames) and self.policy.is_long(job.stream.mode.name, job.decoded_frames)

@@ -177,6 +177,32 @@ def test_replays_queued_at_once_let_live_chunks_through_every_other_step():
     assert [j.stream.stream_id for j in sched.take_batch()] == ["r9"]
 
 
+def test_a_streams_chunks_run_in_order_when_its_first_is_long():
+    """A moved stream's replay (long, eager) and its live chunk right behind it (short, a graph's): the live chunk
+    must not join a short batch while the replay waits (it would decode against a state the replay has not built;
+    the 2026-12-06 GPU failover soak's one stream at 8.8 dB)."""
+    from code2wav.sidecar.modes import mode_for  # noqa: PLC0415
+
+    sched = Scheduler(batch_policy(4, 0, 100, graph_frames={"exact": 25}))
+    exact = mode_for(True)
+    y, x = _stream("y"), _stream("x")
+    for stream in (y, x):
+        stream.mode = exact
+    for stream, seq, num_frames in ((y, 0, 25), (x, 0, 580), (x, 1, 25), (y, 1, 25)):
+        assert sched.submit(dataclasses.replace(_job(stream, seq), codes=torch.zeros(16, num_frames)))
+    taken = []
+    while batch := sched.take_batch():
+        taken.append([(j.stream.stream_id, j.seq) for j in batch])
+    assert taken == [[("y", 0)], [("x", 0)], [("x", 1), ("y", 1)]]
+    # after a long batch the short seed is a stream's first queued chunk, never one behind its own replay
+    for stream, seq, num_frames in ((x, 2, 580), (y, 2, 580), (x, 3, 25), (y, 3, 600)):
+        assert sched.submit(dataclasses.replace(_job(stream, seq), codes=torch.zeros(16, num_frames)))
+    taken = []
+    while batch := sched.take_batch():
+        taken.append([(j.stream.stream_id, j.seq) for j in batch])
+    assert taken == [[("x", 2), ("y", 2)], [("x", 3)], [("y", 3)]]
+
+
 def test_arena_slots_scratch_and_reuse():
     arena = StateArena({"x": (2, 3)}, num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
     assert arena.bytes_per_stream == 6 * 4 + 8
