@@ -141,14 +141,14 @@ def worst_streams(results: list[dict], per_client: dict[str, dict], t0_wall: flo
             moves.setdefault(move["stream_id"], []).append(
                 {"reason": move["reason"], "done_t_s": round(move["at_s"] - t0_wall, 2),
                  "replay_frames": move["replay_frames"], "recovery_s": round(move["recovery_s"], 3)})
-    ranked = sorted(results, key=lambda r: r["min_snr_db"])[:count]
+    ranked = sorted((r for r in results if r["chunks_compared"]), key=lambda r: r["min_snr_db"])[:count]
     return [{"stream_id": r["stream_id"], "sidecar": r["sidecar"], "chunks_compared": r["chunks_compared"],
              "min_snr_db": round(r["min_snr_db"], 2), "max_abs_diff": r["max_abs_diff"],
              "worst_chunk": r.get("worst_chunk"),
              "worst_chunk_t_s": None if r.get("worst_chunk_t_sent") is None
              else round(r["worst_chunk_t_sent"] - t0_wall, 2),
              "open_t_s": round(r["t_open"] - t0_wall, 2), "moves": moves.get(r["stream_id"], [])}
-            for r in ranked if r["chunks_compared"]]
+            for r in ranked]
 
 
 def failover(per_client: dict[str, dict], latencies: list[list[float]], t0_wall: float, kill_t_s: float) -> dict | None:

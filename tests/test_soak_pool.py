@@ -151,3 +151,28 @@ def test_the_pool_verdict_fails_on_each_fault_it_judges():
     snr = audio_check([{**record, "max_abs_diff": 0.03, "min_snr_db": 27.0}], t0, 1, 30.0, 62.0, None, 20.0)
     assert snr["within_tolerance"] and not audio_check([{**record, "min_snr_db": 3.0}], t0, 1, 30.0, 62.0, None,
                                                        20.0)["within_tolerance"]
+
+
+def test_a_failed_audio_check_names_the_streams_furthest_from_the_reference_and_their_moves():
+    """The report lists the worst streams (lowest chunk SNR first) with their worst chunk's time and the moves their
+    pools made of them, so a failed check says which stream, when, and after which move."""
+    from code2wav.loadgen.soak_pool_report import worst_streams
+
+    t0 = 1000.0
+
+    def result(stream_id: str, snr: float, worst_t: float | None, compared: int = 5) -> dict:
+        return {"stream_id": stream_id, "sidecar": 0, "t_open": t0 + 1, "chunks_compared": compared,
+                "min_snr_db": snr, "max_abs_diff": 0.5, "worst_chunk": 3, "worst_chunk_t_sent": worst_t}
+
+    results = [result("calm", 31.0, t0 + 5), result("moved", 8.8, t0 + 52.5), result("drained", 12.0, t0 + 126),
+               result("cut", float("-inf"), None, compared=0)]  # nothing compared: not listed
+    move = {"reason": "failover", "stream_id": "moved", "at_s": t0 + 52.0, "replay_frames": 580, "recovery_s": 2.5}
+    drained = {**move, "stream_id": "drained", "reason": "drain", "at_s": t0 + 125.5}
+    per_client = {"c0": {"failover": {"recent": [move]}}, "c1": {"failover": {"recent": [drained]}},
+                  "c2": {"failover": None}}
+    worst = worst_streams(results, per_client, t0, count=2)
+    assert [w["stream_id"] for w in worst] == ["moved", "drained"]
+    assert worst[0]["worst_chunk_t_s"] == 52.5 and worst[0]["moves"] == [
+        {"reason": "failover", "done_t_s": 52.0, "replay_frames": 580, "recovery_s": 2.5}]
+    assert worst[1]["moves"][0]["reason"] == "drain"
+    assert [w["stream_id"] for w in worst_streams(results, per_client, t0)] == ["moved", "drained", "calm"]
