@@ -43,7 +43,7 @@ from code2wav.proto import (
 )
 
 from ._call import RECEIVE_LIMITS, Call, OnFailure, Outcome
-from ._liveness import DEAD_AFTER_INTERVALS, LinkState, Liveness
+from ._liveness import DEAD_AFTER_INTERVALS, LINK_EVENTS, LINK_GRACE_S, LinkState, Liveness
 from .errors import DeadlineExceeded, Internal, LimitExceeded, SidecarError, Unavailable, error_from
 
 __all__ = ["Call", "Connection", "Outcome", "DEAD_AFTER_INTERVALS"]
@@ -92,10 +92,15 @@ class Connection(Liveness):
             self._sock.curve_serverkey = curve_server_key.encode() if isinstance(curve_server_key, str) else curve_server_key
             self._sock.curve_publickey = public
             self._sock.curve_secretkey = secret
+        # a pool's member watches its connection too: a peer process gone (SIGKILL, OOM) closes it at once, well
+        # before the heartbeats miss (``Liveness._link_events``)
+        self._monitor = self._sock.get_monitor_socket(LINK_EVENTS) if dead_loses_streams else None
         self._sock.connect(address)
         self._poller = zmq.Poller()  # on file descriptors only: the socket itself is touched under _io_lock
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._poller.register(self._sock.getsockopt(zmq.FD), zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor.getsockopt(zmq.FD), zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name="code2wav-client-io", daemon=True)
         self._thread.start()
 
@@ -192,10 +197,11 @@ class Connection(Liveness):
                     self._receive()
                     now = time.monotonic()
                     self._expire(now)
+                    self._link_events(now)
                     self._heartbeat(now)
                     self._flush()  # a re-handshake may have been queued
                     events = self._sock.getsockopt(zmq.EVENTS)  # also re-arms the descriptor's signal
-                    if events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
+                    if events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT) or self._link_pending():
                         continue
                     timeout_ms = self._poll_timeout_ms()
                     self._wake_at = time.monotonic() + timeout_ms / 1000.0
@@ -269,6 +275,8 @@ class Connection(Liveness):
             wake_at = min(wake_at, max(state.last_rx, state.last_ping_tx) + interval_s)
             if state.dead_reason is None:
                 wake_at = min(wake_at, state.last_rx + DEAD_AFTER_INTERVALS * interval_s)
+                if state.disconnected_at is not None:
+                    wake_at = min(wake_at, state.disconnected_at + LINK_GRACE_S)
         return max(0, int((wake_at - now) * 1000.0) + 1)
 
     def _drain_wake_pipe(self) -> None:
@@ -384,6 +392,9 @@ class Connection(Liveness):
             call = self._inbox.popleft()
             if call is not None:
                 self._settle_failure(call, closed, "not_sent")
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=linger_ms)
         os.close(self._wake_r)
 

@@ -1,13 +1,15 @@
 """What the client knows about the server behind its socket: the handshake it adopted, the boot epoch (a change
 means the server restarted and every stream opened before is lost), and whether it still answers
-(heartbeat pings; dead after ``DEAD_AFTER_INTERVALS`` silent intervals).
+(heartbeat pings; dead after ``DEAD_AFTER_INTERVALS`` silent intervals; a pool's member also when its connection
+closed and did not come back within ``LINK_GRACE_S``: the server process is gone).
 
 ``client`` imports ``proto``, zmq, torch and numpy; it never imports ``sidecar``.
 
 ``Liveness`` is mixed into ``Connection`` and runs with its ``_io_lock`` held; it relies on the connection's
-``_state``, ``dead_loses_streams`` (a pool member's policy: a server silent for ``DEAD_AFTER_INTERVALS`` loses its
-streams at once, ``StreamLost``, instead of keeping them for a reconnect), ``address``, ``_sock``,
-``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and ``_fail_calls``.
+``_state``, ``_monitor`` (the socket's monitor, a pool member's only), ``dead_loses_streams`` (a pool member's policy:
+a server silent for ``DEAD_AFTER_INTERVALS`` loses its streams at once, ``StreamLost``, instead of keeping them for a
+reconnect), ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and
+``_fail_calls``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,22 @@ from code2wav.proto import Load, Ping, Welcome, encode
 from ._call import Call, Outcome
 from .errors import SidecarError, StreamLost, Unavailable, VersionMismatch
 
-__all__ = ["DEAD_AFTER_INTERVALS", "LinkState", "Liveness"]
+__all__ = ["DEAD_AFTER_INTERVALS", "LINK_EVENTS", "LINK_GRACE_S", "LinkState", "Liveness"]
 
 log = logging.getLogger("code2wav.client")
 
 DEAD_AFTER_INTERVALS = 3.0
 """Silent heartbeat intervals after which the server is considered dead."""
+
+LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+"""The connection's events a pool member watches: closed (the peer process exited or was killed: the kernel closes
+its sockets at once) and connected again."""
+
+LINK_GRACE_S = 0.3
+"""How long a closed connection may stay closed before a pool member takes its server for dead: a live server is
+reconnected to within one reconnect interval (100 ms); a killed one refuses. On a SIGKILL this replaces the
+heartbeats' ``DEAD_AFTER_INTERVALS`` wait (1.5 s); a server that hangs with its process alive is still found by
+them."""
 
 
 @dataclass
@@ -46,6 +58,7 @@ class LinkState:
     rehello_call: Call | None = None  # the re-handshake's hello while it is pending (its sent_seq orders calls)
     session: int = 0  # welcomes adopted: a new one means the server dropped our session (and our regions)
     session_refused: bool = False  # a ping was refused: the next welcome says restarted (epoch) or forgot us
+    disconnected_at: float | None = None  # monotonic time the connection closed, while it stays closed (pool member)
 
 
 def _went_to_old_server(call: Call, old_generation: int, sent_before: int | None) -> bool:
@@ -151,24 +164,51 @@ class Liveness:
         self._state.rehello_call = call  # pending: what is sent after it goes to the server that answers it
         self._accept(call, front=True)  # goes out before anything queued after the restart
 
+    def _declare_dead(self, reason: str) -> None:
+        state = self._state
+        state.dead_reason = reason
+        log.warning("%s", reason)
+        if self.dead_loses_streams:  # a pool's member: its streams end now, typed, and go nowhere else
+            old_generation = state.generation
+            state.generation += 1
+            self._fail_all(StreamLost(f"{reason}: its streams are given up (StreamLost)"),
+                           include_internal=False, generation=old_generation)
+        self._fail_all(Unavailable(reason), include_internal=False)
+
+    def _link_events(self, now: float) -> None:
+        """Read the connection's events (lock holder; a pool member's monitor only): note when it closed, forget it
+        when it connected again."""
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = int.from_bytes(frames[0][:2], "little")  # (ZMTP monitor frame: u16 event, u32 value; address)
+            if event & zmq.EVENT_DISCONNECTED:
+                self._state.disconnected_at = now
+            elif event & zmq.EVENT_CONNECTED:
+                self._state.disconnected_at = None
+
+    def _link_pending(self) -> bool:
+        """An event is waiting on the monitor (lock holder; also re-arms its descriptor's signal)."""
+        return self._monitor is not None and bool(self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def _heartbeat(self, now: float) -> None:
         state = self._state
         if state.welcome is None or state.broken is not None:
             return
         interval_s = state.welcome.heartbeat_interval_s
         silent_s = now - state.last_rx
-        if silent_s >= DEAD_AFTER_INTERVALS * interval_s and state.dead_reason is None:
-            state.dead_reason = (
-                f"the sidecar at {self.address} has not answered for {silent_s:.1f}s "
-                f"(heartbeat interval {interval_s}s); is `code2wav-sidecar serve` still running?"
-            )
-            log.warning("%s", state.dead_reason)
-            if self.dead_loses_streams:  # a pool's member: its streams end now, typed, and go nowhere else
-                old_generation = state.generation
-                state.generation += 1
-                self._fail_all(StreamLost(f"{state.dead_reason}: its streams are given up (StreamLost)"),
-                               include_internal=False, generation=old_generation)
-            self._fail_all(Unavailable(state.dead_reason), include_internal=False)
+        if state.dead_reason is None:
+            if silent_s >= DEAD_AFTER_INTERVALS * interval_s:
+                self._declare_dead(f"the sidecar at {self.address} has not answered for {silent_s:.1f}s "
+                                   f"(heartbeat interval {interval_s}s); is `code2wav-sidecar serve` still running?")
+            elif state.disconnected_at is not None and now - state.disconnected_at >= LINK_GRACE_S:
+                self._declare_dead(f"the sidecar at {self.address} closed its connection and has not taken one "
+                                   f"again for {now - state.disconnected_at:.1f}s (its process exited or was "
+                                   "killed?)")
         if silent_s >= interval_s and now - state.last_ping_tx >= interval_s:
             state.last_ping_tx = now
             request_id = self.next_request_id()

@@ -14,7 +14,8 @@ Mechanism here, policy in ``placement.py``, addresses in ``discovery.py``, one s
 opening on the best in ``pool_open.py``, a batch over several sidecars in ``pool_batch.py``, moves in
 ``pool_moves.py``. A monitor thread pings every connected sidecar each ``refresh_s`` (the ``pong`` carries its
 load), re-resolves a DNS name each ``resolve_interval_s``, connects the sidecars that appear or come back, and moves
-the streams of a sidecar that stopped answering heartbeats (within ``DEAD_AFTER_INTERVALS`` intervals) or restarted
+the streams of a sidecar whose connection closed (``LINK_GRACE_S``), that stopped answering heartbeats (within
+``DEAD_AFTER_INTERVALS`` intervals) or restarted
 (a new boot epoch), and, at their next chunk boundary, those of a draining one. A sidecar answering ``open_stream``
 with ``busy`` or ``unavailable`` (draining) is skipped for the next best before the caller sees an error. With
 ``failover=False`` a dead sidecar's streams end with ``StreamLost``. One address is a pool of one.
