@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from code2wav.proto import Load, Ping, Welcome, encode
 
@@ -185,10 +186,10 @@ class Liveness:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event = int.from_bytes(frames[0][:2], "little")  # (ZMTP monitor frame: u16 event, u32 value; address)
-            if event & zmq.EVENT_DISCONNECTED:
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
                 self._state.disconnected_at = now
-            elif event & zmq.EVENT_CONNECTED:
+            elif event == zmq.EVENT_CONNECTED:
                 self._state.disconnected_at = None
 
     def _link_pending(self) -> bool:
