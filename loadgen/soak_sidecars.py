@@ -80,7 +80,11 @@ class SoakSidecars:
         self.down: set[int] = set()  # killed and not (yet) back
 
     def _spawn(self, index: int) -> SpawnedSidecar:
-        self.folders[index].mkdir(parents=True, exist_ok=True)
+        folder = self.folders[index]
+        folder.mkdir(parents=True, exist_ok=True)
+        log = folder / "sidecar.log"
+        if log.exists():  # a restart: keep the log of the process before (its kill or drain) as sidecar-N.log
+            log.rename(folder / f"sidecar-{sum(1 for _ in folder.glob('sidecar-*.log'))}.log")
         return spawn_sidecar(*self.serve_args, *self.extra_args.get(index, []), workdir=self.folders[index],
                              timeout_s=START_TIMEOUT_S)
 
