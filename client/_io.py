@@ -201,7 +201,7 @@ class Connection(Liveness):
                     self._heartbeat(now)
                     self._flush()  # a re-handshake may have been queued
                     events = self._sock.getsockopt(zmq.EVENTS)  # also re-arms the descriptor's signal
-                    if events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT) or self._link_pending():
+                    if events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
                         continue
                     timeout_ms = self._poll_timeout_ms()
                     self._wake_at = time.monotonic() + timeout_ms / 1000.0

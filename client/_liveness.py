@@ -181,20 +181,14 @@ class Liveness:
         when it connected again."""
         if self._monitor is None:
             return
-        while True:
-            try:
-                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(frames)["event"]
+        # one flag read per loop turn when nothing happened (the client's per-chunk path); reading it last also
+        # re-arms the monitor descriptor's signal for the next poll
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._state.disconnected_at = now
             elif event == zmq.EVENT_CONNECTED:
                 self._state.disconnected_at = None
-
-    def _link_pending(self) -> bool:
-        """An event is waiting on the monitor (lock holder; also re-arms its descriptor's signal)."""
-        return self._monitor is not None and bool(self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _heartbeat(self, now: float) -> None:
         state = self._state

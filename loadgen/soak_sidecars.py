@@ -85,7 +85,7 @@ class SoakSidecars:
         log = folder / "sidecar.log"
         if log.exists():  # a restart: keep the log of the process before (its kill or drain) as sidecar-N.log
             log.rename(folder / f"sidecar-{sum(1 for _ in folder.glob('sidecar-*.log'))}.log")
-        return spawn_sidecar(*self.serve_args, *self.extra_args.get(index, []), workdir=self.folders[index],
+        return spawn_sidecar(*self.serve_args, *self.extra_args.get(index, []), workdir=folder,
                              timeout_s=START_TIMEOUT_S)
 
     def alive(self) -> list[int]:

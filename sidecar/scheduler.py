@@ -1,6 +1,7 @@
 """Scheduler: which queued chunks share the next engine forward (policy only; no model, no sockets).
 
-- One FIFO over all streams of all clients: the oldest chunk is always in the next batch, so nothing starves.
+- One FIFO over all streams of all clients: the oldest chunk is in the next batch (or, when it is long and the
+  last batch was long too, the one after: below), so nothing starves.
 - A batch holds chunks of one ``(model, mode)`` key (exact and window never mix), at most one chunk per
   stream (a stream's next chunk needs the state its previous chunk commits), at most ``max_batch_size``; and a
   stream's chunks run in arrival order: one left in the queue holds its stream's later chunks back too.
