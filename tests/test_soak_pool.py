@@ -36,7 +36,10 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path, f
            "--frame-rate-hz", "50", "--chunk-frames", "10", "--stream-frames", "150", "--kill-every-s", "0",
            "--timeout-s", "5", "--sidecars", "3", "--kill-sidecar-at-s", str(KILL_T_S), "--restart-killed-at-s",
            str(RESTART_T_S), "--check-slots", "2", "--sidecar-arg=--max-streams", "--sidecar-arg=64",
-           "--workdir", str(work), "--out", str(out), *([] if failover else ["--no-failover"])]
+           "--workdir", str(work), "--out", str(out), *([] if failover else ["--no-failover"]),
+           # a moved exact stream's state is rebuilt by one replay chunk, other rounding than its chunks: a CI run
+           # saw 1.15e-05 at 105 dB on one (float32; a wrong state is near 0 dB), so 2e-5, not the default 1e-5
+           "--check-atol", "2e-5"]
     # one torch thread per process: three sidecars and three clients share this machine's cores
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
