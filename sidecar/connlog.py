@@ -65,10 +65,25 @@ def _counter_total(counter) -> float:
                if sample.name.endswith("_total"))
 
 
+def _errors_by_code(counter) -> str:
+    """``N errors returned`` and, when N > 0, how many of each code: ``(5 unavailable, 3 not_found)``."""
+    counts: dict[str, int] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and sample.value:
+                code = sample.labels.get("code", "?")
+                counts[code] = counts.get(code, 0) + int(sample.value)
+    total = sum(counts.values())
+    if not total:
+        return "0 errors returned"
+    parts = ", ".join(f"{n} {code}" for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{total} errors returned ({parts})"
+
+
 def shutdown_summary(logger: logging.Logger, metrics, queued_at_signal: int, open_streams_at_signal: int,
                      drain_s: float) -> None:
     """The last lines of a server's log: what was in flight at the signal and what it served in its life."""
     logger.info("shutdown: drained %d chunks (queued or in the engine at the signal) of %d open streams in %.2fs; "
-                "served %d chunks (%.1f s of audio) since start, %d errors returned",
+                "served %d chunks (%.1f s of audio) since start, %s",
                 queued_at_signal, open_streams_at_signal, drain_s, _counter_total(metrics.chunks),
-                _counter_total(metrics.audio_seconds), _counter_total(metrics.errors))
+                _counter_total(metrics.audio_seconds), _errors_by_code(metrics.errors))

@@ -231,6 +231,30 @@ def test_connlog_rate_limits_and_reports_what_it_held_back():
     logger.removeHandler(sink)
 
 
+def test_the_shutdown_line_says_which_errors_were_returned():
+    """An operator reading a restarted sidecar's last line sees what its errors were (in a pool soak: one
+    ``invalid_argument`` per client, its first ping after the restart refused before a handshake)."""
+    from prometheus_client import CollectorRegistry
+
+    from code2wav.proto import ErrorCode
+    from code2wav.sidecar.connlog import shutdown_summary
+    from code2wav.sidecar.metrics import Metrics
+
+    logger = logging.getLogger("test.shutdown")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    sink = _Lines()
+    logger.addHandler(sink)
+    metrics = Metrics(CollectorRegistry())
+    shutdown_summary(logger, metrics, 0, 0, 0.0)
+    assert sink.lines[-1].endswith("since start, 0 errors returned")
+    for code, times in ((ErrorCode.INVALID_ARGUMENT, 8), (ErrorCode.NOT_FOUND, 1), (ErrorCode.UNAVAILABLE, 3)):
+        metrics.errors.labels(code=code.value).inc(times)
+    shutdown_summary(logger, metrics, 2, 1, 0.5)
+    assert sink.lines[-1].endswith("since start, 12 errors returned (8 invalid_argument, 3 unavailable, 1 not_found)")
+    logger.removeHandler(sink)
+
+
 # ------------------------------------------------------------------ 10. a CPU server that fits a laptop
 
 def test_state_memory_default_depends_on_the_device():
