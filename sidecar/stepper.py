@@ -9,14 +9,15 @@ Two kinds of step:
   A waiter thread waits in the step's completion event (CUDA spins there, without the GIL); the worker then takes
   the rows out and the replies leave. At most ``max_steps_in_flight`` steps (2: the graph routines' staging sets)
   are in flight.
-- **Alone** (anything else: CUDA IPC inputs or outputs, a capture first, eager on the CPU): it waits for the steps in
-  flight, then runs as before. A step whose every chunk writes its audio into a client's CUDA IPC region does not
-  wait for the device (its replies name events instead), so it is launched from the loop thread itself, with no
-  thread hand-off on the latency path. After any step that wrote into client regions the stepper waits for the
-  device to finish it before the next batch is formed, so a step never starts while the last one still reads its
-  inputs. Any other alone step waits for the device (audio copied to the host), so it runs in the worker thread,
-  and receiving and replying go on meanwhile. No step runs on the loop thread while a region is being opened or
-  closed in the worker.
+- **Alone** (anything else: CUDA IPC inputs or outputs, one stream's inline chunks, a capture first, eager on the
+  CPU): it waits for the steps in flight, then runs by itself. Where it runs is ``step_placement``'s policy. A step
+  whose every chunk writes its audio into a client's CUDA IPC region does not wait for the device (its replies name
+  events instead), so it is launched from the loop thread itself, with no thread hand-off on the latency path; after
+  it the stepper waits for the device before the next batch is formed, so a step never starts while the last one
+  still reads its inputs. A GPU step of inline chunks is launched from the loop thread too, its audio and flags
+  copied into pinned memory behind it, and the loop polls its completion before taking the rows out (no hand-off to
+  the worker and back: one stream's latency). Any other alone step waits for the device (CUDA IPC codes read on the
+  host, the CPU's eager forward), so it runs in the worker thread, and receiving and replying go on meanwhile.
 
 With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows and no step
 is in flight (a poll would take the GIL from the worker staging the next step), after a CUDA IPC step it polls the
@@ -43,6 +44,7 @@ from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_au
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sessions import Sessions
+from .step_placement import all_inline, on_loop, pipelined
 from .step_plan import StepPlan
 from .step_rows import split_committed
 
@@ -84,6 +86,9 @@ class Stepper:
         if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
             raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight  # 1: every step alone (the CPU)
+        # the device runs a queued step while the launching thread goes on (a GPU); the CPU's eager forward runs on
+        # the thread that launches it, so there a step alone of inline chunks stays in the worker
+        self.launches_async = engine.device.type == "cuda"
         self.in_flight = 0  # steps launched and not finished
         self._busy: set[int] = set()  # id(stream) of the streams with a chunk in a step in flight
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-wait") \
@@ -128,7 +133,8 @@ class Stepper:
                     self._failed(batch, exc)
                     self._after_step(batch, time.monotonic())
                     continue
-                if self.pipelined(batch, plan):
+                if pipelined(batch, plan.capture_first, self.max_steps_in_flight, self.in_flight,
+                             len(self.sessions.streams)):
                     self._start(batch, plan)
                 elif self.in_flight:  # it runs alone: once the steps in flight are done
                     self.scheduler.requeue(batch)
@@ -138,16 +144,6 @@ class Stepper:
         finally:
             if self._waiter is not None:
                 self._waiter.shutdown(wait=False)
-
-    def pipelined(self, batch: list, plan: StepPlan) -> bool:
-        """Policy: a step may run beside another one in flight when its chunks travel as inline bytes both ways (no
-        client region to read or write), its plan captures nothing first (a capture holds the worker for up to
-        seconds and must not overlap a replay), and some other open stream could send a chunk meanwhile (else
-        nothing could overlap it, and a step alone replies without the waiter thread's hand-off: one stream's
-        latency)."""
-        return (self.max_steps_in_flight > 1 and not plan.capture_first
-                and (self.in_flight > 0 or len(self.sessions.streams) > len(batch))
-                and all(job.audio_out is None and job.ipc_codes is None for job in batch))
 
     def _start(self, batch: list, plan: StepPlan) -> None:
         if self.in_flight:
@@ -204,11 +200,13 @@ class Stepper:
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)
             now = time.monotonic()
-            if self.step_on_loop(batch, plan):
-                done, audios, refused, deferred = self.engine_step(batch, pending, plan)
-            else:
+            if not on_loop(batch, plan.capture_first, io.region_ops_running, self.launches_async):
                 done, audios, refused, deferred = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self.engine_step, batch, pending, plan)
+            elif all_inline(batch):
+                done, audios, refused, deferred = await self.inline_step(batch, plan)
+            else:
+                done, audios, refused, deferred = self.engine_step(batch, pending, plan)
         except Exception as exc:
             self._failed(batch, exc)
         else:
@@ -258,25 +256,34 @@ class Stepper:
         self.io.flush()
         self.io.poll_until = time.monotonic() + self.io.busy_poll_s
 
-    async def device_done(self) -> None:
-        """Wait for the work queued on the engine stream so far: polled with busy polling, else in the worker."""
-        finished = torch.cuda.Event()
-        finished.record()
+    async def device_done(self, finished: torch.cuda.Event | None = None) -> None:
+        """Wait for ``finished`` (default: the work queued on the engine stream so far): polled with busy polling,
+        else in the worker."""
+        if finished is None:
+            finished = torch.cuda.Event()
+            finished.record()
         if self.io.busy_poll_s:
             await self.io.poll(finished.query, float("inf"))
         else:
             await asyncio.get_running_loop().run_in_executor(self.pool, finished.synchronize)
 
-    def step_on_loop(self, batch: list, plan: StepPlan) -> bool:
-        """Policy: run on the loop thread a step that does not wait for the device (every chunk's audio goes
-        to a client region), unless a region is being opened or closed in the worker thread meanwhile, or the
-        plan captures a graph first (that holds the thread for up to seconds: receiving and heartbeats would stop;
-        the worker thread captures it)."""
-        return (not self.io.region_ops_running and not plan.capture_first
-                and all(job.audio_out is not None for job in batch))
+    async def inline_step(self, batch: list, plan: StepPlan) -> tuple[list, list, list, list]:
+        """Loop thread, on a GPU (``step_placement.on_loop``): queue a step of inline chunks with the copies of its
+        audio and flags into pinned memory, wait for its completion event without blocking the loop, take the rows
+        out. ``engine_step``'s results (nothing is read from a client region, so nothing is deferred)."""
+        launched = self.engine.launch(plan, self.sessions.chunks.build_items(batch))
+        if self.trace is not None:
+            self.trace.stamp(batch, "launched_ns")
+        if not launched.ready():
+            await self.device_done(launched.done)
+        audios, committed = self.engine.finish(launched)  # the device is done: no wait
+        if self.trace is not None:
+            self.trace.stamp(batch, "done_ns")
+        done, audios, refused = split_committed(batch, audios, committed, self.metrics.chunks_not_finite)
+        return done, audios, refused, []
 
     def engine_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
-        """Worker thread (or the loop thread, see ``step_on_loop``): read CUDA IPC inputs (not those behind the
+        """Worker thread (or the loop thread: ``step_placement.on_loop``): read CUDA IPC inputs (not those behind the
         codes events in ``incomplete``), decode as ``plan`` says, write CUDA IPC audio. Returns the decoded jobs,
         their audio, ``(job, code, message)`` for jobs refused (before decoding, or after it when their audio or new
         state was not finite, which the engine did not commit: their state is untouched), and

@@ -1,0 +1,113 @@
+"""Where a step runs (``sidecar/step_placement.py``): the policy as a table, and the loop-thread path of inline chunks
+(a GPU's step alone at one stream) exercised on the CPU against the golden decode.
+
+On the CPU the forward runs on the thread that launches it, so the server keeps inline steps in the worker there
+(``Stepper.launches_async`` is False). The mechanism test turns it on in a real in-process server (sockets,
+sessions, scheduler, engine): the loop thread then launches the step, waits for it (already done on the CPU) and
+takes the rows out, as it does on a GPU; the audio must equal the one-shot golden decode within the exact mode's
+1e-5 and every step of the stream must have gone that way."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from code2wav.client import SidecarClient
+from code2wav.sidecar.config import load_config
+from code2wav.sidecar.server import Server
+from code2wav.sidecar.step_placement import all_inline, on_loop, pipelined
+from conftest import TINY
+
+INLINE = SimpleNamespace(audio_out=None, ipc_codes=None)
+IPC_BOTH = SimpleNamespace(audio_out=object(), ipc_codes=object())
+IPC_OUT = SimpleNamespace(audio_out=object(), ipc_codes=None)  # codes inline, audio into a client region
+IPC_IN = SimpleNamespace(audio_out=None, ipc_codes=object())  # codes from a client region, audio inline
+
+
+@pytest.mark.parametrize("batch, capture_first, max_in_flight, in_flight, open_streams, expected", [
+    ([INLINE], False, 2, 0, 2, True),  # another stream could send meanwhile
+    ([INLINE], False, 2, 1, 1, True),  # a step is in flight already
+    ([INLINE], False, 2, 0, 1, False),  # one stream: nothing could overlap it, it runs alone
+    ([INLINE, INLINE], False, 2, 0, 2, False),  # the batch is every open stream
+    ([INLINE], False, 1, 0, 5, False),  # one step at a time (the CPU's default)
+    ([INLINE], True, 2, 0, 5, False),  # a capture first must not overlap a replay
+    ([INLINE, IPC_IN], False, 2, 0, 5, False),  # a client region is read: alone
+    ([IPC_OUT], False, 2, 1, 5, False),
+])
+def test_pipelined_takes_only_inline_steps_that_something_could_overlap(batch, capture_first, max_in_flight,
+                                                                        in_flight, open_streams, expected):
+    assert pipelined(batch, capture_first, max_in_flight, in_flight, open_streams) is expected
+
+
+@pytest.mark.parametrize("batch, capture_first, region_ops, launches_async, expected", [
+    ([INLINE], False, False, True, True),  # a GPU step of inline chunks: launched by the loop, its end polled
+    ([INLINE], False, False, False, False),  # the CPU: the forward would run on the loop thread
+    ([IPC_OUT, IPC_BOTH], False, False, False, True),  # the replies name events: never waits, on any device
+    ([IPC_IN], False, False, True, False),  # codes read to the host first: the worker waits for them
+    ([INLINE, IPC_OUT], False, False, True, False),  # mixed: one kind of wait for the whole step
+    ([INLINE], True, False, True, False),  # a capture holds the thread for seconds
+    ([IPC_OUT], False, True, True, False),  # a region is being opened or closed in the worker
+])
+def test_a_step_alone_runs_on_the_loop_only_where_the_loop_need_not_wait(batch, capture_first, region_ops,
+                                                                         launches_async, expected):
+    assert on_loop(batch, capture_first, region_ops, launches_async) is expected
+    assert all_inline(batch) is all(job is INLINE for job in batch)
+
+
+class _LoopLaunchingServer:
+    """A real ``Server`` on its own asyncio loop in a thread, with the GPU's placement of inline steps alone."""
+
+    def __init__(self, cfg) -> None:
+        self.server = Server(cfg)
+        self.inline_steps = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loop-launch-server", daemon=True)
+        self._thread.start()
+        assert self._started.wait(120), "the in-process server did not start within 120 s"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def main() -> None:
+            await self.server.start()
+            stepper = self.server.stepper
+            stepper.launches_async = True
+            inline_step = stepper.inline_step
+
+            async def counted(batch, plan):
+                assert threading.current_thread() is self._thread  # the loop thread itself, no hand-off
+                self.inline_steps += 1
+                return await inline_step(batch, plan)
+
+            stepper.inline_step = counted
+            self._started.set()
+            await self.server.serve()
+
+        self._loop.run_until_complete(main())
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self.server.stop)
+        self._thread.join(30)
+
+
+def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, golden_cases):
+    cfg = load_config(None, {"address": f"ipc://{tmp_path}/s.sock", "model": str(TINY), "device": "cpu",
+                             "metrics_port": 0, "streams": {"max_streams": 4}})
+    running = _LoopLaunchingServer(cfg)
+    try:
+        codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]  # [Q, T], [T * U]
+        with SidecarClient(running.server.address) as client:
+            stream = client.open_stream("s")
+            cuts = [0, 1, 7, 19, 20, 33, codes.shape[1]]  # a 1-frame first chunk, then uneven ones
+            parts = [stream.decode(codes[:, a:b], final=b == cuts[-1]) for a, b in zip(cuts, cuts[1:])]
+        audio = torch.cat(parts)  # [T * U]
+    finally:
+        running.stop()
+    assert running.inline_steps == len(cuts) - 1  # every chunk's step took the loop-thread path
+    assert audio.shape == full.shape
+    assert torch.allclose(audio, full, atol=1e-5, rtol=0), (audio - full).abs().max()
