@@ -16,7 +16,7 @@ Two kinds of step:
   it the stepper waits for the device before the next batch is formed, so a step never starts while the last one
   still reads its inputs. A GPU step of inline chunks is launched from the loop thread too, its audio and flags
   copied into pinned memory behind it, and the loop polls its completion before taking the rows out (no hand-off to
-  the worker and back: one stream's latency). Any other alone step waits for the device (CUDA IPC codes read on the
+  the worker and back: one stream's latency), when it replays a captured graph. Any other alone step waits for the device (CUDA IPC codes read on the
   host, the CPU's eager forward), so it runs in the worker thread, and receiving and replying go on meanwhile.
 
 With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows and no step
@@ -200,7 +200,8 @@ class Stepper:
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)
             now = time.monotonic()
-            if not on_loop(batch, plan.capture_first, io.region_ops_running, self.launches_async):
+            if not on_loop(batch, plan.capture_first, plan.bucket is not None, io.region_ops_running,
+                           self.launches_async):
                 done, audios, refused, deferred = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self.engine_step, batch, pending, plan)
             elif all_inline(batch):

@@ -2,8 +2,8 @@
 (a GPU's step alone at one stream) exercised on the CPU against the golden decode.
 
 On the CPU the forward runs on the thread that launches it, so the server keeps inline steps in the worker there
-(``Stepper.launches_async`` is False). The mechanism test turns it on in a real in-process server (sockets,
-sessions, scheduler, engine): the loop thread then launches the step, waits for it (already done on the CPU) and
+(``Stepper.launches_async`` is False), and a GPU only in graph replays. The mechanism test turns it on in a real
+in-process server (sockets, sessions, scheduler, engine), its eager steps taken for replays: the loop thread then launches the step, waits for it (already done on the CPU) and
 takes the rows out, as it does on a GPU; the audio must equal the one-shot golden decode within the exact mode's
 1e-5 and every step of the stream must have gone that way."""
 
@@ -43,18 +43,19 @@ def test_pipelined_takes_only_inline_steps_that_something_could_overlap(batch, c
     assert pipelined(batch, capture_first, max_in_flight, in_flight, open_streams) is expected
 
 
-@pytest.mark.parametrize("batch, capture_first, region_ops, launches_async, expected", [
-    ([INLINE], False, False, True, True),  # a GPU step of inline chunks: launched by the loop, its end polled
-    ([INLINE], False, False, False, False),  # the CPU: the forward would run on the loop thread
-    ([IPC_OUT, IPC_BOTH], False, False, False, True),  # the replies name events: never waits, on any device
-    ([IPC_IN], False, False, True, False),  # codes read to the host first: the worker waits for them
-    ([INLINE, IPC_OUT], False, False, True, False),  # mixed: one kind of wait for the whole step
-    ([INLINE], True, False, True, False),  # a capture holds the thread for seconds
-    ([IPC_OUT], False, True, True, False),  # a region is being opened or closed in the worker
+@pytest.mark.parametrize("batch, capture_first, replays_graph, region_ops, launches_async, expected", [
+    ([INLINE], False, True, False, True, True),  # a GPU graph step of inline chunks: launched by the loop, end polled
+    ([INLINE], False, False, False, True, False),  # eager on a GPU: a new shape's kernels measured, for seconds
+    ([INLINE], False, True, False, False, False),  # the CPU: the forward would run on the loop thread
+    ([IPC_OUT, IPC_BOTH], False, False, False, False, True),  # the replies name events: never waits, on any device
+    ([IPC_IN], False, True, False, True, False),  # codes read to the host first: the worker waits for them
+    ([INLINE, IPC_OUT], False, True, False, True, False),  # mixed: one kind of wait for the whole step
+    ([INLINE], True, True, False, True, False),  # a capture holds the thread for seconds
+    ([IPC_OUT], False, True, True, True, False),  # a region is being opened or closed in the worker
 ])
-def test_a_step_alone_runs_on_the_loop_only_where_the_loop_need_not_wait(batch, capture_first, region_ops,
-                                                                         launches_async, expected):
-    assert on_loop(batch, capture_first, region_ops, launches_async) is expected
+def test_a_step_alone_runs_on_the_loop_only_where_the_loop_need_not_wait(batch, capture_first, replays_graph,
+                                                                         region_ops, launches_async, expected):
+    assert on_loop(batch, capture_first, replays_graph, region_ops, launches_async) is expected
     assert all_inline(batch) is all(job is INLINE for job in batch)
 
 
@@ -95,7 +96,13 @@ class _LoopLaunchingServer:
         self._thread.join(30)
 
 
-def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, golden_cases):
+def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, golden_cases, monkeypatch):
+    from code2wav.sidecar import stepper as stepper_module
+
+    real_on_loop = stepper_module.on_loop
+    # the CPU has no graphs: its eager steps stand in for a GPU's graph replays (the policy is tested above)
+    monkeypatch.setattr(stepper_module, "on_loop", lambda batch, capture_first, replays_graph, region_ops, launches_async:
+                        real_on_loop(batch, capture_first, True, region_ops, launches_async))
     cfg = load_config(None, {"address": f"ipc://{tmp_path}/s.sock", "model": str(TINY), "device": "cpu",
                              "metrics_port": 0, "streams": {"max_streams": 4}})
     running = _LoopLaunchingServer(cfg)
