@@ -3,15 +3,14 @@ batch is formed, tested on the CPU (``tests/test_step_placement.py``).
 
 - **Pipelined**: launched from the worker thread, possibly beside another step in flight; the waiter thread waits
   for the device and the worker takes the rows out. For batches of inline chunks while other streams could send.
-- **On the loop thread**, alone: the loop thread queues the step and never waits for the device there. Either every
-  chunk's audio goes into a client's CUDA IPC region (the replies name events and leave at once), or every chunk
+- **On the loop thread**, alone, a graph replay: the loop thread queues the step and never waits for the device
+  there. Either every chunk's audio goes into a client's CUDA IPC region (the replies name events and leave at once), or every chunk
   travels inline both ways on a GPU: the audio and commit flags are copied into pinned memory behind the step and
   the loop polls (or, without busy polling, the worker waits for) the step's completion event, as it does after a
-  CUDA IPC step. No thread hand-off before the launch, one at most after it. Only a graph replay: an eager step on
-  a GPU may first measure and compile kernels for a new shape, for seconds.
-- **In the worker thread**, alone: anything else (CUDA IPC codes read on the host, eager steps of inline chunks,
-  which on the CPU run the model on the thread that launches them, a capture first, a region being opened or
-  closed).
+  CUDA IPC step. No thread hand-off before the launch, one at most after it.
+- **In the worker thread**, alone: anything else (CUDA IPC codes read on the host; eager steps, which on the CPU
+  run the model on the thread that launches them and on a GPU may first measure and compile kernels for a new
+  shape, for seconds; a capture first; a region being opened or closed).
 
 A capture holds the thread for up to seconds and must not overlap a replay, and a region op in the worker must not
 overlap a step on the loop thread: both keep a step off the loop thread and out of the pipeline.
@@ -37,12 +36,12 @@ def pipelined(batch: list, capture_first: bool, max_steps_in_flight: int, in_fli
 
 def on_loop(batch: list, capture_first: bool, replays_graph: bool, region_ops_running: bool,
             launches_async: bool) -> bool:
-    """A step alone runs on the loop thread when the thread need not wait for the device there: every chunk's audio
-    goes to a client region, or every chunk is inline both ways, the device runs a queued step by itself
-    (``launches_async``: a GPU) and the step replays a captured graph (an eager step's host work is open-ended: a
-    shape met for the first time has its kernel forms measured and compiled, seconds in which the loop would answer
-    no ping). Never while a region is opened or closed in the worker, nor when the plan captures a graph first."""
-    if region_ops_running or capture_first:
+    """A step alone runs on the loop thread when it replays a captured graph and the thread need not wait for the
+    device there: every chunk's audio goes to a client region, or every chunk is inline both ways and the device
+    runs a queued step by itself (``launches_async``: a GPU). An eager step stays off the loop: its host work is
+    open-ended (a shape met for the first time, with graphs off, has its kernel forms measured and compiled: seconds
+    in which the loop would answer no ping). Never while a region is opened or closed in the worker, nor when the
+    plan captures a graph first."""
+    if region_ops_running or capture_first or not replays_graph:
         return False
-    return (all(job.audio_out is not None for job in batch)
-            or (launches_async and replays_graph and all_inline(batch)))
+    return all(job.audio_out is not None for job in batch) or (launches_async and all_inline(batch))

@@ -9,15 +9,15 @@ Two kinds of step:
   A waiter thread waits in the step's completion event (CUDA spins there, without the GIL); the worker then takes
   the rows out and the replies leave. At most ``max_steps_in_flight`` steps (2: the graph routines' staging sets)
   are in flight.
-- **Alone** (anything else: CUDA IPC inputs or outputs, one stream's inline chunks, a capture first, eager on the
-  CPU): it waits for the steps in flight, then runs by itself. Where it runs is ``step_placement``'s policy. A step
-  whose every chunk writes its audio into a client's CUDA IPC region does not wait for the device (its replies name
-  events instead), so it is launched from the loop thread itself, with no thread hand-off on the latency path; after
-  it the stepper waits for the device before the next batch is formed, so a step never starts while the last one
-  still reads its inputs. A GPU step of inline chunks is launched from the loop thread too, its audio and flags
-  copied into pinned memory behind it, and the loop polls its completion before taking the rows out (no hand-off to
-  the worker and back: one stream's latency), when it replays a captured graph. Any other alone step waits for the device (CUDA IPC codes read on the
-  host, the CPU's eager forward), so it runs in the worker thread, and receiving and replying go on meanwhile.
+- **Alone** (anything else: CUDA IPC inputs or outputs, one stream's inline chunks, a capture first, eager steps):
+  it waits for the steps in flight, then runs by itself, where ``step_placement`` says. A graph replay whose every
+  chunk writes its audio into a client's CUDA IPC region does not wait for the device (its replies name events
+  instead), so it is launched from the loop thread itself, with no thread hand-off on the latency path; after it
+  the stepper waits for the device before the next batch is formed, so a step never starts while the last one still
+  reads its inputs. A GPU graph replay of inline chunks is launched from the loop thread too, its audio and flags
+  copied into pinned memory behind it, and the loop polls its completion before taking the rows out (no hand-off
+  to the worker and back: one stream's latency). Any other alone step (CUDA IPC codes read on the host, an eager
+  step) runs in the worker thread, and receiving and replying go on meanwhile.
 
 With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows and no step
 is in flight (a poll would take the GIL from the worker staging the next step), after a CUDA IPC step it polls the

@@ -47,7 +47,8 @@ def test_pipelined_takes_only_inline_steps_that_something_could_overlap(batch, c
     ([INLINE], False, True, False, True, True),  # a GPU graph step of inline chunks: launched by the loop, end polled
     ([INLINE], False, False, False, True, False),  # eager on a GPU: a new shape's kernels measured, for seconds
     ([INLINE], False, True, False, False, False),  # the CPU: the forward would run on the loop thread
-    ([IPC_OUT, IPC_BOTH], False, False, False, False, True),  # the replies name events: never waits, on any device
+    ([IPC_OUT, IPC_BOTH], False, True, False, False, True),  # the replies name events: never waits, on any device
+    ([IPC_OUT], False, False, False, True, False),  # eager, audio to regions: off the loop all the same
     ([IPC_IN], False, True, False, True, False),  # codes read to the host first: the worker waits for them
     ([INLINE, IPC_OUT], False, True, False, True, False),  # mixed: one kind of wait for the whole step
     ([INLINE], True, True, False, True, False),  # a capture holds the thread for seconds
