@@ -85,7 +85,7 @@ class Engine:
         flags = torch.empty(len(items), dtype=torch.bool, pin_memory=True)  # [rows]
         flags.copy_(committed[: len(items)], non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # the engine's device, whichever is current (cuda:N)
         return LaunchedStep(items, wav, host, flags, done)
 
     def finish(self, step: LaunchedStep) -> tuple[list[Tensor], list[bool]]:

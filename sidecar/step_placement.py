@@ -3,14 +3,16 @@ batch is formed, tested on the CPU (``tests/test_step_placement.py``).
 
 - **Pipelined**: launched from the worker thread, possibly beside another step in flight; the waiter thread waits
   for the device and the worker takes the rows out. For batches of inline chunks while other streams could send.
-- **On the loop thread**, alone, a graph replay: the loop thread queues the step and never waits for the device
-  there. Either every chunk's audio goes into a client's CUDA IPC region (the replies name events and leave at once), or every chunk
-  travels inline both ways on a GPU: the audio and commit flags are copied into pinned memory behind the step and
-  the loop polls (or, without busy polling, the worker waits for) the step's completion event, as it does after a
-  CUDA IPC step. No thread hand-off before the launch, one at most after it.
-- **In the worker thread**, alone: anything else (CUDA IPC codes read on the host; eager steps, which on the CPU
-  run the model on the thread that launches them and on a GPU may first measure and compile kernels for a new
-  shape, for seconds; a capture first; a region being opened or closed).
+- **On the loop thread**, alone, a graph replay: the loop thread queues the step and does not wait for the device
+  there. Either every chunk's audio goes into a client's CUDA IPC region (the replies name events and leave at once;
+  codes of such a batch that come from a client region too are read to the host first, one small synchronous
+  copy), or every chunk travels inline both ways on a GPU: the audio and commit flags are copied into pinned memory
+  behind the step and the loop polls (or, without busy polling, the worker waits for) the step's completion event,
+  as it does after a CUDA IPC step. No thread hand-off before the launch, one at most after it. The host work that
+  stays on the loop: the batch's staging (stacking its inputs), the pinned copies' allocation, a copy per row.
+- **In the worker thread**, alone: anything else (CUDA IPC codes with inline audio, which the step reads to the host
+  and waits for; eager steps, which on the CPU run the model on the thread that launches them and on a GPU may first
+  measure and compile kernels for a new shape, for seconds; a capture first; a region being opened or closed).
 
 A capture holds the thread for up to seconds and must not overlap a replay, and a region op in the worker must not
 overlap a step on the loop thread: both keep a step off the loop thread and out of the pipeline.

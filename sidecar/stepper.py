@@ -262,7 +262,7 @@ class Stepper:
         else in the worker."""
         if finished is None:
             finished = torch.cuda.Event()
-            finished.record()
+            finished.record(torch.cuda.current_stream(self.engine.device))  # the engine's device (cuda:N)
         if self.io.busy_poll_s:
             await self.io.poll(finished.query, float("inf"))
         else:

@@ -80,11 +80,14 @@ def test_ctrl_c_writes_the_partial_json(tmp_path):
     SIGINT, sent once the second level has started, lands inside it."""
     report_path = tmp_path / "bench.json"
     # SIGINT at its default in the bench: a suite started in the background by a shell (``pytest &``) runs with SIGINT
-    # ignored, which its children inherit, and a Python started so never raises KeyboardInterrupt
-    proc = subprocess.Popen([*BENCH, "--no-baselines", "--arrival", "realtime", "--concurrency", "1,2",
-                             "--frames", "51", "--json", str(report_path)],
+    # ignored, which its children inherit, and a Python started so never raises KeyboardInterrupt (a small exec
+    # wrapper resets it: preexec_fn is not safe in a process with threads)
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    proc = subprocess.Popen([sys.executable, "-c", reset, *BENCH[1:], "--no-baselines", "--arrival", "realtime",
+                             "--concurrency", "1,2", "--frames", "51", "--json", str(report_path)],
                             stdout=open(tmp_path / "stdout.txt", "w"), stderr=subprocess.PIPE, text=True, env=ENV,
-                            cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            cwd=ROOT)
     seen = []
     try:
         for line in proc.stderr:

@@ -3,9 +3,10 @@
 
 On the CPU the forward runs on the thread that launches it, so the server keeps inline steps in the worker there
 (``Stepper.launches_async`` is False), and a GPU only in graph replays. The mechanism test turns it on in a real
-in-process server (sockets, sessions, scheduler, engine), its eager steps taken for replays: the loop thread then launches the step, waits for it (already done on the CPU) and
-takes the rows out, as it does on a GPU; the audio must equal the one-shot golden decode within the exact mode's
-1e-5 and every step of the stream must have gone that way."""
+in-process server (sockets, sessions, scheduler, engine), its eager steps taken for replays: the loop thread then
+launches the step, waits for it (already done on the CPU) and takes the rows out, as it does on a GPU (the event,
+the pinned copies and the graph's staging only the CUDA tests reach); the audio must equal the one-shot golden
+decode within the exact mode's 1e-5, and every step of the stream must have been launched and finished there."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class _LoopLaunchingServer:
 
     def __init__(self, cfg) -> None:
         self.server = Server(cfg)
-        self.inline_steps = 0
+        self.inline_steps = 0  # steps queued through Engine.launch (the worker's engine_step uses execute_checked)
+        self.threads: set[str] = set()  # the threads that launched and finished them
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loop-launch-server", daemon=True)
@@ -77,16 +79,20 @@ class _LoopLaunchingServer:
 
         async def main() -> None:
             await self.server.start()
-            stepper = self.server.stepper
+            stepper, engine = self.server.stepper, self.server.engine
             stepper.launches_async = True
-            inline_step = stepper.inline_step
+            launch, finish = engine.launch, engine.finish
 
-            async def counted(batch, plan):
-                assert threading.current_thread() is self._thread  # the loop thread itself, no hand-off
+            def launched_here(plan, items):  # where the step is queued and its rows taken out: the loop thread
                 self.inline_steps += 1
-                return await inline_step(batch, plan)
+                self.threads.add(threading.current_thread().name)
+                return launch(plan, items)
 
-            stepper.inline_step = counted
+            def finished_here(step):
+                self.threads.add(threading.current_thread().name)
+                return finish(step)
+
+            engine.launch, engine.finish = launched_here, finished_here
             self._started.set()
             await self.server.serve()
 
@@ -95,6 +101,7 @@ class _LoopLaunchingServer:
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self.server.stop)
         self._thread.join(30)
+        assert not self._thread.is_alive(), "the in-process server did not stop within 30 s"
 
 
 def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, golden_cases, monkeypatch):
@@ -102,8 +109,8 @@ def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, go
 
     real_on_loop = stepper_module.on_loop
     # the CPU has no graphs: its eager steps stand in for a GPU's graph replays (the policy is tested above)
-    monkeypatch.setattr(stepper_module, "on_loop", lambda batch, capture_first, replays_graph, region_ops, launches_async:
-                        real_on_loop(batch, capture_first, True, region_ops, launches_async))
+    monkeypatch.setattr(stepper_module, "on_loop", lambda batch, capture_first, _replays_graph, region_ops, on_gpu:
+                        real_on_loop(batch, capture_first, True, region_ops, on_gpu))
     cfg = load_config(None, {"address": f"ipc://{tmp_path}/s.sock", "model": str(TINY), "device": "cpu",
                              "metrics_port": 0, "streams": {"max_streams": 4}})
     running = _LoopLaunchingServer(cfg)
@@ -117,5 +124,6 @@ def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, go
     finally:
         running.stop()
     assert running.inline_steps == len(cuts) - 1  # every chunk's step took the loop-thread path
+    assert running.threads == {"loop-launch-server"}  # queued and taken out there: no hand-off to the worker
     assert audio.shape == full.shape
     assert torch.allclose(audio, full, atol=1e-5, rtol=0), (audio - full).abs().max()
