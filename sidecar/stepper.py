@@ -176,15 +176,16 @@ class Stepper:
         self.io.wake()  # the step loop looks at the queue again: these streams may run, a slot is free
 
     def _launch(self, batch: list, plan: StepPlan) -> LaunchedStep:
-        """Worker thread: the batch's items (reading stream state no other thread writes while the chunks are in
-        the engine), queued on the device."""
+        """Worker thread (a pipelined step) or loop thread (``inline_step``): the batch's items (reading stream state
+        no other thread writes while the chunks are in the engine), queued on the device."""
         launched = self.engine.launch(plan, self.sessions.chunks.build_items(batch))
         if self.trace is not None:
             self.trace.stamp(batch, "launched_ns")
         return launched
 
     def _finish(self, batch: list, launched: LaunchedStep) -> tuple[list, list[bool]]:
-        """Worker thread: the launched step's results, once the device is done."""
+        """Worker thread (a pipelined step) or loop thread (``inline_step``): the launched step's results, once the
+        device is done."""
         results = self.engine.finish(launched)
         if self.trace is not None:
             self.trace.stamp(batch, "done_ns")
@@ -272,14 +273,10 @@ class Stepper:
         """Loop thread, on a GPU (``step_placement.on_loop``): queue a step of inline chunks with the copies of its
         audio and flags into pinned memory, wait for its completion event without blocking the loop, take the rows
         out. ``engine_step``'s results (nothing is read from a client region, so nothing is deferred)."""
-        launched = self.engine.launch(plan, self.sessions.chunks.build_items(batch))
-        if self.trace is not None:
-            self.trace.stamp(batch, "launched_ns")
+        launched = self._launch(batch, plan)
         if not launched.ready():
             await self.device_done(launched.done)
-        audios, committed = self.engine.finish(launched)  # the device is done: no wait
-        if self.trace is not None:
-            self.trace.stamp(batch, "done_ns")
+        audios, committed = self._finish(batch, launched)  # the device is done: no wait
         done, audios, refused = split_committed(batch, audios, committed, self.metrics.chunks_not_finite)
         return done, audios, refused, []
 
