@@ -16,7 +16,7 @@ import asyncio
 import json
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pytest
@@ -129,10 +129,12 @@ def toy_folder(tmp_path: Path) -> Path:
 
 
 class InProcessServer:
-    """A real ``Server`` (sockets, sessions, scheduler, engine) on its own asyncio loop in a thread."""
+    """A real ``Server`` (sockets, sessions, scheduler, engine) on its own asyncio loop in a thread. ``prepare``: called
+    with the server on that loop once it started, before it serves (a test's hook into its parts)."""
 
-    def __init__(self, cfg, families) -> None:
+    def __init__(self, cfg, families=FAMILIES, prepare: Callable[[Server], None] | None = None) -> None:
         self.server = Server(cfg, families=families)
+        self.prepare = prepare
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
@@ -153,14 +155,22 @@ class InProcessServer:
                 self._error = exc
                 self._started.set()
                 return
+            if self.prepare is not None:
+                self.prepare(self.server)
             self._started.set()
             await self.server.serve()
 
         self._loop.run_until_complete(main())
 
+    @property
+    def thread_name(self) -> str:
+        """The name of the thread the server's loop runs on."""
+        return self._thread.name
+
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self.server.stop)
         self._thread.join(30)
+        assert not self._thread.is_alive(), "the in-process server did not stop within 30 s"
 
 
 def serve(tmp_path: Path, folder: Path, device: str, **extra) -> InProcessServer:

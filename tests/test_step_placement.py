@@ -10,7 +10,6 @@ decode within the exact mode's 1e-5, and every step of the stream must have been
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -19,9 +18,9 @@ import torch
 
 from code2wav.client import SidecarClient
 from code2wav.sidecar.config import load_config
-from code2wav.sidecar.server import Server
 from code2wav.sidecar.step_placement import all_inline, on_loop, pipelined
 from conftest import TINY
+from test_family_toy import InProcessServer
 
 INLINE = SimpleNamespace(audio_out=None, ipc_codes=None)
 IPC_BOTH = SimpleNamespace(audio_out=object(), ipc_codes=object())
@@ -61,47 +60,30 @@ def test_a_step_alone_runs_on_the_loop_only_where_the_loop_need_not_wait(batch, 
     assert all_inline(batch) is all(job is INLINE for job in batch)
 
 
-class _LoopLaunchingServer:
-    """A real ``Server`` on its own asyncio loop in a thread, with the GPU's placement of inline steps alone."""
+class _LoopLaunches:
+    """A server's preparation (``InProcessServer(prepare=...)``): the GPU's placement of inline steps alone, and a
+    record of the steps queued through ``Engine.launch`` (the worker's ``engine_step`` uses ``execute_checked``) and
+    of the threads that launched and finished them."""
 
-    def __init__(self, cfg) -> None:
-        self.server = Server(cfg)
-        self.inline_steps = 0  # steps queued through Engine.launch (the worker's engine_step uses execute_checked)
-        self.threads: set[str] = set()  # the threads that launched and finished them
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="loop-launch-server", daemon=True)
-        self._thread.start()
-        assert self._started.wait(120), "the in-process server did not start within 120 s"
+    def __init__(self) -> None:
+        self.inline_steps = 0
+        self.threads: set[str] = set()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+    def __call__(self, server) -> None:
+        server.stepper.launches_async = True
+        engine = server.engine
+        launch, finish = engine.launch, engine.finish
 
-        async def main() -> None:
-            await self.server.start()
-            stepper, engine = self.server.stepper, self.server.engine
-            stepper.launches_async = True
-            launch, finish = engine.launch, engine.finish
+        def launched_here(plan, items):
+            self.inline_steps += 1
+            self.threads.add(threading.current_thread().name)
+            return launch(plan, items)
 
-            def launched_here(plan, items):  # where the step is queued and its rows taken out: the loop thread
-                self.inline_steps += 1
-                self.threads.add(threading.current_thread().name)
-                return launch(plan, items)
+        def finished_here(step):
+            self.threads.add(threading.current_thread().name)
+            return finish(step)
 
-            def finished_here(step):
-                self.threads.add(threading.current_thread().name)
-                return finish(step)
-
-            engine.launch, engine.finish = launched_here, finished_here
-            self._started.set()
-            await self.server.serve()
-
-        self._loop.run_until_complete(main())
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self.server.stop)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "the in-process server did not stop within 30 s"
+        engine.launch, engine.finish = launched_here, finished_here
 
 
 def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, golden_cases, monkeypatch):
@@ -113,7 +95,8 @@ def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, go
                         real_on_loop(batch, capture_first, True, region_ops, on_gpu))
     cfg = load_config(None, {"address": f"ipc://{tmp_path}/s.sock", "model": str(TINY), "device": "cpu",
                              "metrics_port": 0, "streams": {"max_streams": 4}})
-    running = _LoopLaunchingServer(cfg)
+    launches = _LoopLaunches()
+    running = InProcessServer(cfg, prepare=launches)
     try:
         codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]  # [Q, T], [T * U]
         with SidecarClient(running.server.address) as client:
@@ -123,7 +106,7 @@ def test_inline_chunks_launched_by_the_loop_equal_the_golden_decode(tmp_path, go
         audio = torch.cat(parts)  # [T * U]
     finally:
         running.stop()
-    assert running.inline_steps == len(cuts) - 1  # every chunk's step took the loop-thread path
-    assert running.threads == {"loop-launch-server"}  # queued and taken out there: no hand-off to the worker
+    assert launches.inline_steps == len(cuts) - 1  # every chunk's step took the loop-thread path
+    assert launches.threads == {running.thread_name}  # queued and taken out there: no hand-off to the worker
     assert audio.shape == full.shape
     assert torch.allclose(audio, full, atol=1e-5, rtol=0), (audio - full).abs().max()
