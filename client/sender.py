@@ -168,7 +168,8 @@ class Sender:
         for (stream, chunk), ipc in zip(planned, packed):
             if ipc is not None:
                 chunks.append(Chunk(stream.stream_id, chunk.seq, ipc.codes, chunk.final, chunk.context_frames,
-                                    codes_event=ipc.codes_event, audio_out=ipc.audio_out))
+                                    codes_event=ipc.codes_event, audio_out=ipc.audio_out,
+                                    codes_token=ipc.codes_token))
                 continue
             desc, frames = self.transport.pack(host_wire(chunk.codes), first_frame=1 + len(buffers))
             buffers.extend(frames)

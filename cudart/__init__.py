@@ -4,6 +4,9 @@ sides of CUDA IPC: the client allocates device memory outside torch's caching al
 whatever ``PYTORCH_CUDA_ALLOC_CONF`` says), exports it and copies into it; the sidecar opens the handle, checks
 which device and how many bytes the pointer really has, and closes it.
 
+The device-armed hand-off uses two driver calls on the same streams: the client's stream writes a doorbell word
+after its codes (``write_value32``), the sidecar's stream waits for it (``wait_value32``).
+
 The binding talks to the same CUDA runtime and driver as torch in this process (same contexts, same streams).
 Every call checks its status and raises ``CudaIpcError`` with the runtime's message; without the binding,
 ``runtime()`` raises ``CudaBindingsMissing`` (both an ``ImportError`` and a ``CudaIpcError``) saying what to
@@ -66,6 +69,29 @@ class Runtime:
         """Device-to-device copy queued on the raw CUDA ``stream`` (``torch.cuda.Stream.cuda_stream``)."""
         kind = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._check(self._rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
+
+    def write_value32(self, pointer: int, value: int, stream: int) -> None:
+        """Driver ``cuStreamWriteValue32``: once the work queued on ``stream`` before it is done, the 32-bit word at
+        ``pointer`` becomes ``value`` (with a memory barrier: that work's writes are visible first). The stream's
+        device must be current on this thread (``torch.cuda.device``)."""
+        self._check_driver(self._driver.cuStreamWriteValue32(
+            self._driver.CUstream(stream), self._driver.CUdeviceptr(pointer), value, 0), "cuStreamWriteValue32")
+
+    def wait_value32(self, pointer: int, value: int, stream: int) -> None:
+        """Driver ``cuStreamWaitValue32``: work queued on ``stream`` after this waits until the 32-bit word at
+        ``pointer`` reaches ``value`` (cyclic ``>=``: ``(int32)(word - value) >= 0``). The stream's device must be
+        current on this thread."""
+        self._check_driver(self._driver.cuStreamWaitValue32(
+            self._driver.CUstream(stream), self._driver.CUdeviceptr(pointer), value, 0), "cuStreamWaitValue32")
+
+    def _check_driver(self, result: Any, what: str) -> None:
+        """A driver call's ``(CUresult,)``: ``CudaIpcError`` with the driver's name and message unless it is 0."""
+        status = result[0] if isinstance(result, tuple) else result
+        if int(status) != 0:
+            _, name = self._driver.cuGetErrorName(status)
+            _, message = self._driver.cuGetErrorString(status)
+            text = " ".join(x.decode(errors="replace") if isinstance(x, bytes) else str(x) for x in (name, message))
+            raise CudaIpcError(f"{what} failed: {text} (CUresult {int(status)})")
 
     def export(self, pointer: int) -> bytes:
         """``cudaIpcGetMemHandle``: the 64 handle bytes, NULs included."""

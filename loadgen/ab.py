@@ -4,8 +4,8 @@ Machines differ from one start to the next by more than many changes move a figu
 worth quoting from one run on one machine. This runs each run of the named scenarios (scenarios.py) once per tree
 per round, base first, with each tree's code on ``PYTHONPATH`` (``--base-path``, ``--new-path``), writes every
 report under ``--out`` (``ab-LABEL-base-ROUND.json``, ``ab-LABEL-new-ROUND.json``), then prints one table per run:
-each in-process row (p50, audio-s/s) and each sidecar level (p50, p99, audio-s/s), every round of both trees, and
-the ratio new / base of their medians. ``ab.json`` holds the table. The scenarios' flags come from this tree, so
+each in-process row (p50, audio-s/s), each sidecar level (p50, p99, audio-s/s) and each stage of ``--stages`` (p50),
+every round of both trees, and the ratio new / base of their medians. ``ab.json`` holds the table. The scenarios' flags come from this tree, so
 the base tree needs no ``--scenario`` of its own, only the flags. Arguments after ``--`` go to every run (they
 override the scenarios'). ``.ci/gpu-phases/ab`` runs it on the GPU machine.
 
@@ -40,6 +40,13 @@ def measured(report: dict) -> dict[tuple[str, str], float]:
         for metric in LEVEL_METRICS:
             if row.get(metric) is not None:
                 found[(f"{row['concurrency']} streams ({row['arrival']})", metric)] = float(row[metric])
+    for table in report.get("stages", []):  # bench --stages: one chunk at concurrency 1, per kind of inputs
+        kind = table["inputs_on"]
+        found[(f"c1 {kind}: round trip", "p50_us")] = float(table["round_trip"]["p50_us"])
+        for stage in table["stages"]:
+            found[(f"c1 {kind}: {stage['stage']}", "p50_us")] = float(stage["p50_us"])
+    for row in report.get("handoff", []):  # and the hand-off on the GPU's clock
+        found[(f"hand-off on the GPU, {'armed' if row['armed'] else 'events'}", "p50_us")] = float(row["p50_us"])
     return found
 
 

@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages-chunks", type=int_at_least(1), default=200, help="--stages: timed chunks per kind of "
                    "inputs, of --chunk-frames frames each, in one stream")
     p.add_argument("--stages-warmup", type=int_at_least(0), default=10, help="--stages: untimed chunks first")
+    p.add_argument("--stages-busy-ms", type=float, default=5.0, help="--stages on CUDA, the hand-off table: GPU work "
+                   "before each chunk's codes are made (the talker's step), during which the message is sent")
     add_stock_args(p)
     add_upstream_args(p)
     return p

@@ -62,7 +62,8 @@ SCENARIOS: MappingProxyType[str, Scenario] = MappingProxyType({
         (("", (*QWEN3_BF16, "--transport", "--concurrency", "1,1,64", "--transport-chunks", "1000")),)),
     "stages": Scenario(
         "where one chunk's time goes at concurrency 1, stage by stage (client, wire, sidecar decode, wait, launch, "
-        "device, reply, wire, client), inputs on the host and on the GPU (bench --stages)",
+        "device, reply, wire, client), inputs on the host and on the GPU (armed, and codes events), and the hand-off "
+        "on the GPU's clock, armed against codes events (bench --stages)",
         (("", (*QWEN3_BF16, "--stages", "--stages-chunks", "500")),)),
     "voxcpm2": Scenario(
         "VoxCPM2's AudioVAE: its exact graph steps at 1/64 x 4/25 frames beside upstream's own module, in-process, "

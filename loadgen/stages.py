@@ -3,9 +3,12 @@
 Spawns a sidecar with ``trace_chunks`` on (``sidecar/chunk_trace.py``), runs one stream of ``--stages-chunks`` chunks
 of ``--chunk-frames`` frames (after ``--stages-warmup`` untimed ones) through a client with a ``CallTrace``
 (``client/call_trace.py``), each chunk sent once the previous one's audio is back (concurrency 1), with inputs on the
-host (inline bytes both ways) and, on CUDA, on the GPU too (CUDA IPC both ways); then fetches the sidecar's stamps
+host (inline bytes both ways) and, on CUDA, on the GPU too (CUDA IPC both ways: armed chunks, ``device``, and codes
+events, ``device-events``); then fetches the sidecar's stamps
 from ``/debug/chunk-stages``, joins them with the client's by ``(stream_id, seq)`` and prints the table of
-``stage_table.py``: per stage p50 / p90 / mean in microseconds and share of the round trip. ``--json`` writes it.
+``stage_table.py``: per stage p50 / p90 / mean in microseconds and share of the round trip. On CUDA a last table
+(``handoff.py``) times the hand-off on the GPU's clock, armed against codes events, with codes made while the
+message is already on its way. ``--json`` writes them.
 
 The stamps of both processes are ``time.monotonic_ns()``: CLOCK_MONOTONIC is one clock for every process of a Linux
 host, so the sidecar and the client must share the host (a spawned sidecar does). Stamping costs a few clock reads
@@ -28,6 +31,7 @@ from code2wav.client import SidecarClient
 from code2wav.client.call_trace import CallTrace
 from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH
 
+from .handoff import format_handoff, measure_handoff
 from .inputs import InputContract, synthetic_inputs
 from .phases import Progress
 from .spawn import SpawnedSidecar, spawn_sidecar
@@ -35,13 +39,13 @@ from .stage_table import format_table, join, legend, summarize
 
 
 def run_stream(address: str, inputs_on: str, device: torch.device | None, num_chunks: int, warmup: int,
-               chunk_frames: int) -> tuple[list[dict], dict, dict]:
+               chunk_frames: int, armed: bool = True) -> tuple[list[dict], dict, dict]:
     """One stream of ``warmup + num_chunks`` chunks at concurrency 1; returns the caller's stamps of the timed
     chunks (stream_id, seq, called_ns, returned_ns, ready_ns), the client's (``CallTrace.chunks``) and the
     client's CUDA IPC counts."""
     trace = CallTrace(capacity=warmup + num_chunks)
     calls = []
-    with SidecarClient(address, timeout_s=120, trace=trace, cuda_ipc=device is not None) as client:
+    with SidecarClient(address, timeout_s=120, trace=trace, cuda_ipc=device is not None, ipc_armed=armed) as client:
         inputs = synthetic_inputs(InputContract.of(client.models[0]), (warmup + num_chunks) * chunk_frames, seed=0)
         if device is not None:  # [Q|D, T] on the GPU, where a talker leaves them
             inputs = inputs.to(device)
@@ -66,9 +70,10 @@ def run_stream(address: str, inputs_on: str, device: torch.device | None, num_ch
 
 def measure(spawned: SpawnedSidecar, inputs_on: str, device: torch.device, num_chunks: int, warmup: int,
             chunk_frames: int) -> dict:
-    """The table of one kind of inputs (``host`` or ``device``), with its joined chunks' count and IPC counts."""
-    calls, client_chunks, ipc = run_stream(spawned.address, inputs_on, device if inputs_on == "device" else None,
-                                           num_chunks, warmup, chunk_frames)
+    """The table of one kind of inputs (``host``, ``device``: armed, ``device-events``), with its joined chunks'
+    count and IPC counts."""
+    calls, client_chunks, ipc = run_stream(spawned.address, inputs_on, None if inputs_on == "host" else device,
+                                           num_chunks, warmup, chunk_frames, armed=inputs_on == "device")
     document = json.loads(spawned.get(CHUNK_STAGES_PATH))
     joined, missing = join(calls, client_chunks, document["chunks"])
     if not joined:
@@ -87,7 +92,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     device = resolve_device(args.device)
-    kinds = ["host", "device"] if device.type == "cuda" else ["host"]
+    kinds = ["host", "device", "device-events"] if device.type == "cuda" else ["host"]
     if device.type == "cuda":
         configure_cuda()
     num_chunks, warmup = args.stages_chunks, args.stages_warmup
@@ -100,7 +105,7 @@ def run(args) -> int:
                             "--config", str(config), *args.serve_arg, workdir=workdir,
                             timeout_s=300.0 if device.type == "cuda" else 120.0)  # (a bare GPU host times conv forms)
     print(spawned.ready_line, flush=True)
-    tables, interrupted = [], None
+    tables, handoffs, interrupted = [], [], None
     try:
         for kind in kinds:
             progress.say(f"stages: one stream, inputs on the {kind}, {warmup} + {num_chunks} chunks of "
@@ -108,8 +113,14 @@ def run(args) -> int:
             tables.append(measure(spawned, kind, device, num_chunks, warmup, args.chunk_frames))
             rt = tables[-1]["round_trip"]
             progress.say(f"stages: {kind} done: round trip p50 {rt['p50_us']:.1f} us, p90 {rt['p90_us']:.1f} us")
+        for armed in (True, False) if device.type == "cuda" else ():
+            progress.say(f"stages: the hand-off on the GPU's clock, {'armed' if armed else 'codes events'}, codes made "
+                         f"after {args.stages_busy_ms:g} ms of GPU work ...")
+            handoffs.append(measure_handoff(spawned.address, device, armed, num_chunks, warmup, args.chunk_frames,
+                                            args.stages_busy_ms))
     except KeyboardInterrupt:
-        interrupted = f"inputs on the {kinds[len(tables)]}"
+        interrupted = (f"inputs on the {kinds[len(tables)]}" if len(tables) < len(kinds)
+                       else "the hand-off on the GPU's clock")
         progress.say(f"interrupted during {interrupted}; keeping what finished")
     finally:
         if spawned.stop(log_copy=args.sidecar_log) in (0, -15, -9):
@@ -120,12 +131,17 @@ def run(args) -> int:
                                   f"({gpu or device}, {args.dtype}, {args.chunk_frames} frames)", table))
     if tables:
         print("\n" + legend())
+    if handoffs:
+        print("\n" + format_handoff(handoffs, f"the hand-off on the GPU's clock: codes made -> audio ready on the "
+                                              f"caller's stream ({gpu}, {args.chunk_frames} frames, codes made after "
+                                              f"{args.stages_busy_ms:g} ms of GPU work)"))
     if args.json_path:
         report = {"environment": {"device": str(device), "gpu": gpu, "dtype": args.dtype, "model": args.model,
                                   "torch": torch.__version__},
                   "settings": {"chunk_frames": args.chunk_frames, "stages_chunks": num_chunks,
-                               "stages_warmup": warmup, "serve_arg": list(args.serve_arg)},
-                  "stages": tables}
+                               "stages_warmup": warmup, "stages_busy_ms": args.stages_busy_ms,
+                               "serve_arg": list(args.serve_arg)},
+                  "stages": tables, "handoff": handoffs}
         if interrupted is not None:
             report["interrupted"] = interrupted
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._check import invalid
-from .constants import MAX_REGION_EVENTS, PROTOCOL_VERSION, STREAM_MODES
+from .constants import MAX_CODES_TOKEN, MAX_REGION_EVENTS, PROTOCOL_VERSION, STREAM_MODES
 from .declare import message, record, rule, wire
 from .errors import ProtocolError
 from .tensors import CudaIpcLoc, InlineLoc, TensorDesc, TensorField, inline_view
@@ -97,6 +97,12 @@ class Chunk:
         Nullable(TensorField()), default=None, omit_default=True,
         doc="`[(n - context_frames) * U]` in a `write` region of this connection: the server writes the audio "
             "there instead of sending it")
+    codes_token: int | None = wire(
+        Nullable(Int(2, MAX_CODES_TOKEN)), default=None, omit_default=True,
+        doc="an armed chunk (section 3, device-armed hand-off): the codes are ready once doorbell word "
+            "`codes_event` of the codes' region reaches this even token, written by the client's GPU stream after "
+            "the codes (then the event); the server queues the step behind that wait and looks at the event only "
+            "for a region whose wait it released before")
 
     @property
     def num_frames(self) -> int:
@@ -130,6 +136,16 @@ class Chunk:
                 invalid(f"{path}.codes_event is only allowed with cuda_ipc codes")
         elif self.codes_event is None:
             invalid(f"{path} is missing required key 'codes_event'")
+
+    @rule("`codes_token` is even and only with `cuda_ipc` codes (`codes_event` then names its doorbell word).")
+    def _codes_token(self, path: str, limits: Any, frames: Any) -> None:
+        if self.codes_token is None:
+            return
+        if type(self.codes.loc) is InlineLoc:
+            invalid(f"{path}.codes_token is only allowed with cuda_ipc codes")
+        if self.codes_token % 2:
+            invalid(f"{path}.codes_token must be even (the server releases a doorbell with the odd token + 1), got "
+                    f"{self.codes_token}")
 
     @rule("`audio_out` is a `cuda_ipc` `float32` rank-1 descriptor.")
     def _audio_out(self, path: str, limits: Any, frames: Any) -> None:

@@ -20,6 +20,15 @@ says ``bye``, re-handshakes or is forgotten after the server's TTL.
   audio went there names the event (``audio_event``) the server recorded after
   writing. The result may arrive before that event completes (the server does
   not wait for it): clients wait on it (stream- or host-side) before reading.
+
+Device-armed hand-off: a server that arms steps returns ``doorbells`` with a ``read`` region: its own device memory,
+one 32-bit word per registered event. A chunk with ``codes_token`` T (even) names word ``codes_event``: on one GPU
+stream the client writes its codes, then T into that word (``cuStreamWriteValue32``), then records the event. The
+server queues the step behind a GPU wait for the word to reach T (cyclic ``>=``), without looking at the event, and
+snapshots the word before it reads the codes: a row whose word was not T there is refused, not decoded. A word
+still behind T ``armed_wait_s`` after the wait was queued is raised to T + 1 by the server (ending the wait; the chunk
+fails with ``deadline_exceeded``), and the region's later chunks go unarmed. A word serves one unanswered message at
+a time, with tokens that grow (cyclic); proto/README.md, section 3, has the rules.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any, Sequence
 from ._check import check_str, invalid
 from .constants import MAX_REGION_EVENTS
 from .declare import message, rule, wire
-from .wire_containers import ArrayOf
+from .wire_containers import ArrayOf, Nullable
 from .wire_types import UINT64, Choice, Int, Str, WireType, field_name
 
 __all__ = [
@@ -115,6 +124,10 @@ class RegionRegistered:
     region_id: int = wire(Int(0), doc="what descriptors name as `region`")
     events: tuple[str, ...] = wire(_EVENTS, default=(), doc="`write` regions: the server's event handles (16 "
                                                             "today), which results name in `audio_event`")
+    doorbells: str | None = wire(Nullable(Handle()), default=None, omit_default=True,
+                                 doc="`read` regions of a server that arms steps: the `cudaIpcMemHandle_t` of its "
+                                     "doorbell words, one 32-bit word per registered event (zero at first), which "
+                                     "armed chunks name (`codes_event`, `codes_token`)")
 
 
 @message("region_unregistered", sender="server")

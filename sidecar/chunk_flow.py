@@ -100,8 +100,12 @@ class ChunkFlow:
     @staticmethod
     def build_items(batch: list[ChunkJob]) -> list[DecodeItem]:
         """Engine thread (reads stream state that no other thread writes while the chunk is in the engine)."""
-        return [job.stream.mode.build_item(job.stream, job.codes, job.context_frames, job.audio_out is not None)
-                for job in batch]
+        items = [job.stream.mode.build_item(job.stream, job.codes, job.context_frames, job.audio_out is not None)
+                 for job in batch]
+        for item, job in zip(items, batch):
+            if job.ipc_codes is not None and job.ipc_codes.armed is not None:
+                item.armed = job.ipc_codes.armed
+        return items
 
     def complete(self, job: ChunkJob, audio: Tensor) -> None:
         """The chunk produced ``audio``: commit its stream and resolve its place in the reply."""

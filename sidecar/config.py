@@ -129,6 +129,10 @@ class ServerConfig(_Section):
     cuda_ipc: bool = Field(True, description="accept CUDA IPC regions from clients on the same GPU (CUDA only)")
     codes_event_timeout_s: float = Field(5.0, gt=0, description="a CUDA IPC chunk whose codes event is not "
                                          "complete after this long fails with deadline_exceeded")
+    armed_wait_s: float = Field(0.25, gt=0, description="an armed CUDA IPC chunk (codes_token) whose doorbell has "
+                                "not reached its token this long after its step was queued: the sidecar releases "
+                                "the step's wait on the GPU and the chunk fails with deadline_exceeded (steps queued "
+                                "behind it wait meanwhile)")
     shutdown_timeout_s: float = Field(20.0, gt=0, description="after the drain (SIGTERM/SIGINT), how long the "
                                       "socket stays open to send the replies still queued to connected clients; "
                                       "what is still queued then is dropped (a log line and "

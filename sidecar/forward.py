@@ -1,5 +1,6 @@
-"""One batched forward over decode items, shared by the eager engine and the graph routine: the rows' initial
-state and options, the time-slice loop, and each row's audio out of the padded batch.
+"""One batched forward over decode items, shared by the eager engine and the graph routine: the rows' inputs staged
+(host rows through the host, device rows copied on the device), their initial state and options, the time-slice
+loop, each row's outcome (``ROW_*``: committed, or refused and its state kept) and its audio out of the padded batch.
 
 The time-slice loop is the one place a step runs ``forward_stream`` more than once: the frames ``[B, C, T]`` go
 through in contiguous slices (``graphs.plan.time_slices``), each row's state and position carried from one slice to
@@ -16,6 +17,40 @@ from torch import Tensor
 from .models import LoadedModel, StreamBatch
 from .state_store import StateArena
 from .work import DecodeItem
+
+
+def on_device(codes: Tensor) -> bool:
+    """A row's inputs are still in device memory (a CUDA IPC region, unchecked), not on the host."""
+    return codes.device.type != "cpu"
+
+
+def host_codes(items: list[DecodeItem], host_dtype: torch.dtype) -> list[Tensor]:
+    """Each row's host inputs ``[C, n]``; zeros (``host_dtype``) in the place of a row whose inputs are on the
+    device."""
+    return [torch.zeros(it.codes.shape, dtype=host_dtype) if on_device(it.codes) else it.codes for it in items]
+
+
+def armed_columns(items: list[DecodeItem]) -> tuple[list[int], list[int]]:
+    """``(tokens, gates)`` as a step stages them: an armed row's token (as int32) and a gate that differs from it
+    until the device snapshots the row's doorbell word into it (``copy_device_rows``); 0 and 0 for any other row.
+    A row is ready where the two are equal."""
+    tokens = [0 if it.armed is None else it.armed.token_int32 for it in items]
+    return tokens, [token if it.armed is None else ~token for it, token in zip(items, tokens)]
+
+
+def copy_device_rows(inputs: Tensor, gates: Tensor | None, items: list[DecodeItem]) -> None:
+    """Copy the device rows' inputs into ``inputs`` ``[B, C, T]`` (staged, on the device), in their dtype there:
+    device to device, on the current stream, nothing read to the host. They are checked by the step itself
+    (``InputSpec.check_rows``). An armed row first makes the stream wait on the GPU for its doorbell, then
+    snapshots the word into ``gates[b]`` (int64 ``[B]``; None: no row is armed), then copies: a word equal to the
+    token means the client's codes before it are written; one that is not (the sidecar released the wait) makes the
+    row not ready."""
+    for b, it in enumerate(items):
+        if it.armed is not None:
+            it.armed.queue_wait(inputs.device)  # on the device's current stream: this step's
+            gates[b: b + 1].copy_(it.armed.word)  # [1] int32 -> int64, before the codes are read
+        if on_device(it.codes):
+            inputs[b, :, : it.num_frames].copy_(it.codes)  # [C, n], a client's wire dtype cast on the device
 
 
 def rows_state(model: LoadedModel, arena: StateArena | None, slots: Tensor | None, batch: int,
@@ -64,14 +99,25 @@ def rows_finite(wav: Tensor, num_frames: Tensor, samples_per_frame: int) -> Tens
     return (torch.isfinite(wav) | ~valid).all(dim=1)  # [B]
 
 
-def committed_rows(model: LoadedModel, arena: StateArena | None, wav: Tensor, num_frames: Tensor,
-                   slots: Tensor | None, state: dict[str, Tensor], positions: Tensor) -> Tensor:
-    """After a forward: commit the stateful rows whose audio and new state are finite (``arena`` None: stateless
-    rows, nothing to commit). Returns ``[B]`` bool on the device: which rows succeeded."""
-    finite = rows_finite(wav, num_frames, model.samples_per_frame)  # [B]
-    if arena is None:
-        return finite
-    return arena.scatter(slots, state, positions, finite)  # [B]
+ROW_COMMITTED, ROW_NOT_FINITE, ROW_BAD_INPUTS, ROW_NOT_READY = 0, 1, 2, 3
+"""A row's outcome (``row_outcomes``): committed; its audio or new state not finite; its inputs refused by the
+device check (``InputSpec.check_rows``); an armed row whose doorbell the sidecar released (its codes never came).
+Every refusal leaves the stream's state as it was."""
+
+
+def row_outcomes(model: LoadedModel, arena: StateArena | None, wav: Tensor, num_frames: Tensor,
+                 slots: Tensor | None, state: dict[str, Tensor], positions: Tensor, inputs_ok: Tensor,
+                 ready: Tensor | None = None) -> Tensor:
+    """After a forward: commit the stateful rows that were ready (``ready`` ``[B]``; None: all), whose inputs passed
+    the device check (``inputs_ok`` ``[B]``) and whose audio and new state are finite (``arena`` None: stateless
+    rows, nothing to commit). Returns ``[B]`` uint8 on the device: each row's ``ROW_*`` outcome. Graph-capturable."""
+    keep = rows_finite(wav, num_frames, model.samples_per_frame) & inputs_ok  # [B]
+    if ready is not None:
+        keep = keep & ready
+    committed = keep if arena is None else arena.scatter(slots, state, positions, keep)  # [B]
+    # bad inputs were not kept either: 1 + 1; not finite: 1 + 0; committed: 0
+    outcomes = (~committed).to(torch.uint8) + (~inputs_ok).to(torch.uint8)  # [B]
+    return outcomes if ready is None else torch.where(ready, outcomes, ROW_NOT_READY)  # [B]
 
 
 def start_host_copy(wav: Tensor, items: list[DecodeItem]) -> Tensor | None:

@@ -59,7 +59,19 @@ def read_chunk_inputs(model: LoadedModel, regions: RegionService, identity: byte
         if chunk.codes_event >= num_events:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes_event {chunk.codes_event} is not one of the "
                                 f"{num_events} events registered with region {region.region_id}")
-        job.ipc_codes = IpcInputs(region, regions.view(region, desc, "codes"), chunk.codes_event)
+        armed = None
+        if chunk.codes_token is not None:
+            doorbells = region.opened.doorbells
+            if doorbells is None:
+                raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes_token: region {region.region_id} has no "
+                                    "doorbells (its registration returned none); send codes_event alone")
+            if job.stream.mode.keeps_inputs:
+                raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"codes_token: a {job.stream.mode.name} stream keeps "
+                                    "its inputs on the host, which a step armed on the GPU cannot read; send "
+                                    "codes_event alone, or open the stream in exact mode")
+            if not doorbells.released:  # once one of its waits was released, the region's chunks go by their event
+                armed = doorbells.armed(chunk.codes_event, chunk.codes_token)
+        job.ipc_codes = IpcInputs(region, regions.view(region, desc, "codes"), chunk.codes_event, armed)
         return
     job.codes = _inline_inputs(model, desc, frames)
 

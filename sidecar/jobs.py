@@ -12,17 +12,19 @@ from code2wav import proto
 from .streams import ServedStream
 
 if TYPE_CHECKING:
+    from .ipc.doorbells import ArmedInputs
     from .ipc.regions import Region
 
 
 @dataclass(frozen=True)
 class IpcInputs:
     """A chunk's inputs still in a client's CUDA IPC region: read by the engine step once the client's event is
-    complete."""
+    complete, or, armed, once its doorbell word reached the token (a wait on the GPU)."""
 
     region: Region
     view: Tensor  # [C, n] on the device, in the wire dtype
     event_index: int  # the client's event (of ``region``) recorded after it wrote the inputs
+    armed: ArmedInputs | None = None  # an armed chunk: its doorbell word and token (the event is not looked at)
 
 
 @dataclass(frozen=True)

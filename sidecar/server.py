@@ -95,7 +95,8 @@ class Server:
         self.io = SocketLoop(self.transport, self.sessions, self._pool, self.metrics, busy_poll_s(cfg, device.type),
                              self.trace)
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
-                               cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type), self.trace)
+                               cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type), self.trace,
+                               armed_wait_s=cfg.armed_wait_s)
         self.ready = True
         self.metrics.ready.set(1)
 

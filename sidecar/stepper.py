@@ -3,21 +3,20 @@
 Two kinds of step:
 
 - **Pipelined** (inline bytes both ways, the plan's bucket captured, ``max_steps_in_flight`` > 1: on CUDA): the
-  worker thread queues the step on the device and the copies of its audio and flags into pinned host memory, and the
+  worker thread queues the step on the device and the copies of its audio and outcomes into pinned host memory, and the
   stepper goes on at once: the next batch (of other streams: a stream with a chunk in flight is ``busy`` for the
   scheduler) is staged and queued while this one runs, so the device does not idle between steps while chunks wait.
   A waiter thread waits in the step's completion event (CUDA spins there, without the GIL); the worker then takes
   the rows out and the replies leave. At most ``max_steps_in_flight`` steps (2: the graph routines' staging sets)
   are in flight.
 - **Alone** (anything else: CUDA IPC inputs or outputs, one stream's inline chunks, a capture first, eager steps):
-  it waits for the steps in flight, then runs by itself, where ``step_placement`` says. A graph replay whose every
-  chunk writes its audio into a client's CUDA IPC region does not wait for the device (its replies name events
-  instead), so it is launched from the loop thread itself, with no thread hand-off on the latency path; after it
-  the stepper waits for the device before the next batch is formed, so a step never starts while the last one still
-  reads its inputs. A GPU graph replay of inline chunks is launched from the loop thread too, its audio and flags
-  copied into pinned memory behind it, and the loop polls its completion before taking the rows out (no hand-off
-  to the worker and back: one stream's latency). Any other alone step (CUDA IPC codes read on the host, an eager
-  step) runs in the worker thread, and receiving and replying go on meanwhile.
+  it waits for the steps in flight, then runs by itself, where ``step_placement`` says. A GPU graph replay is
+  launched from the loop thread itself, with no thread hand-off on the latency path: CUDA IPC codes copied into its
+  inputs on the device and checked there, its host rows' audio and its outcomes copied into pinned memory behind it;
+  the loop polls its completion (receiving meanwhile), takes the rows out and queues the CUDA IPC audio into the
+  regions, whose replies name events and leave at once; the next batch is formed once the device is done with
+  those copies. Any other alone step (CUDA IPC codes a window stream keeps, read on the host; an eager step) runs
+  in the worker thread, and receiving and replying go on meanwhile.
 
 With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows and no step
 is in flight (a poll would take the GIL from the worker staging the next step), after a CUDA IPC step it polls the
@@ -40,13 +39,14 @@ from code2wav.proto import ErrorCode
 from .chunk_trace import ChunkTrace
 from .engine import Engine, LaunchedStep
 from .graphs.routine import STAGING_BUFFERS
-from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_audio
+from .ipc.doorbells import DoorbellWatch
+from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_rows
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sessions import Sessions
-from .step_placement import all_inline, on_loop, pipelined
+from .step_placement import on_loop, pipelined
 from .step_plan import StepPlan
-from .step_rows import split_committed
+from .step_rows import split_outcomes
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class LoopIO(Protocol):
 class Stepper:
     def __init__(self, engine: Engine, sessions: Sessions, scheduler: Scheduler, metrics: Metrics,
                  pool: concurrent.futures.Executor, io: LoopIO, codes_event_timeout_s: float,
-                 max_steps_in_flight: int = 1, trace: ChunkTrace | None = None) -> None:
+                 max_steps_in_flight: int = 1, trace: ChunkTrace | None = None, armed_wait_s: float = 0.25) -> None:
         self.engine = engine
         self.sessions = sessions
         self.scheduler = scheduler
@@ -82,6 +82,7 @@ class Stepper:
         self.pool = pool
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
+        self.armed_wait_s = armed_wait_s  # an armed chunk's wait is released after this (``DoorbellWatch``)
         self.trace = trace  # the chunks' stage recorder (``trace_chunks``): taken, launched, done; None: off
         if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
             raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
@@ -89,6 +90,7 @@ class Stepper:
         # the device runs a queued step while the launching thread goes on (a GPU); the CPU's eager forward runs on
         # the thread that launches it, so there a step alone of inline chunks stays in the worker
         self.launches_async = engine.device.type == "cuda"
+        self._bad_inputs = engine.model.input.device_problem()  # what a row the device check refused held
         self.in_flight = 0  # steps launched and not finished
         self._busy: set[int] = set()  # id(stream) of the streams with a chunk in a step in flight
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-wait") \
@@ -163,8 +165,8 @@ class Stepper:
             launched = await loop.run_in_executor(self.pool, self._launch, batch, plan)
             if not launched.ready():
                 await loop.run_in_executor(self._waiter, launched.done.synchronize)
-            audios, committed = await loop.run_in_executor(self.pool, self._finish, batch, launched)
-            done, audios, refused = split_committed(batch, audios, committed, self.metrics.chunks_not_finite)
+            audios, outcomes = await loop.run_in_executor(self.pool, self._finish, batch, launched)
+            done, audios, refused = self._split(batch, audios, outcomes)
         except Exception as exc:
             self._failed(batch, exc)
         else:
@@ -176,15 +178,15 @@ class Stepper:
         self.io.wake()  # the step loop looks at the queue again: these streams may run, a slot is free
 
     def _launch(self, batch: list, plan: StepPlan) -> LaunchedStep:
-        """Worker thread (a pipelined step) or loop thread (``inline_step``): the batch's items (reading stream state
+        """Worker thread (a pipelined step) or loop thread (``loop_step``): the batch's items (reading stream state
         no other thread writes while the chunks are in the engine), queued on the device."""
         launched = self.engine.launch(plan, self.sessions.chunks.build_items(batch))
         if self.trace is not None:
             self.trace.stamp(batch, "launched_ns")
         return launched
 
-    def _finish(self, batch: list, launched: LaunchedStep) -> tuple[list, list[bool]]:
-        """Worker thread (a pipelined step) or loop thread (``inline_step``): the launched step's results, once the
+    def _finish(self, batch: list, launched: LaunchedStep) -> tuple[list, list[int]]:
+        """Worker thread (a pipelined step) or loop thread (``loop_step``): the launched step's results, once the
         device is done."""
         results = self.engine.finish(launched)
         if self.trace is not None:
@@ -196,19 +198,25 @@ class Stepper:
         io = self.io
         now = time.monotonic()
         self.in_flight += 1  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
+        armed = [job for job in batch if job.ipc_codes is not None and job.ipc_codes.armed is not None]
+        watch = None
+        if armed:
+            watch = DoorbellWatch(asyncio.get_running_loop(), armed, self.armed_wait_s, self.metrics.ipc_armed_released)
+            self.metrics.ipc_armed_chunks.inc(len(armed))
         try:
             pending = incomplete_codes_events(batch)  # the step's one query per codes event
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)
             now = time.monotonic()
-            if not on_loop(batch, plan.capture_first, plan.bucket is not None, io.region_ops_running,
-                           self.launches_async):
+            if on_loop(batch, plan.capture_first, plan.bucket is not None, io.region_ops_running,
+                       self.launches_async):
+                done, audios, refused, deferred = await self.loop_step(batch, pending, plan)
+            else:
                 done, audios, refused, deferred = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self.engine_step, batch, pending, plan)
-            elif all_inline(batch):
-                done, audios, refused, deferred = await self.inline_step(batch, plan)
-            else:
-                done, audios, refused, deferred = self.engine_step(batch, pending, plan)
+            if watch is not None:  # the outcomes are read: every wait ended
+                watch.stop()
+                watch = None
         except Exception as exc:
             self._failed(batch, exc)
         else:
@@ -224,7 +232,14 @@ class Stepper:
                     await self.device_done()
         finally:
             self.in_flight -= 1
+            if watch is not None:  # the step failed or was cancelled: a wait may be queued, never leave it parked
+                watch.stop(release=True)
         self._after_step(batch, now)
+
+    def _split(self, batch: list, audios: list, outcomes: list[int]) -> tuple[list, list, list]:
+        """``(done, their audio, refused)`` by the rows' outcomes (``step_rows.split_outcomes``)."""
+        return split_outcomes(batch, audios, outcomes, self.metrics.chunks_not_finite, self._bad_inputs,
+                              self.armed_wait_s)
 
     def _failed(self, batch: list, exc: Exception) -> None:
         log.error("engine step failed for a batch of %d %s chunks", len(batch), batch[0].stream.mode.name,
@@ -269,43 +284,44 @@ class Stepper:
         else:
             await asyncio.get_running_loop().run_in_executor(self.pool, finished.synchronize)
 
-    async def inline_step(self, batch: list, plan: StepPlan) -> tuple[list, list, list, list]:
-        """Loop thread, on a GPU (``step_placement.on_loop``): queue a step of inline chunks with the copies of its
-        audio and flags into pinned memory, wait for its completion event without blocking the loop, take the rows
-        out. ``engine_step``'s results (nothing is read from a client region, so nothing is deferred)."""
-        launched = self._launch(batch, plan)
+    async def loop_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
+        """Loop thread, on a GPU (``step_placement.on_loop``): queue the step (CUDA IPC inputs copied on the device)
+        with the copies of its host rows' audio and its outcomes into pinned memory, wait for its completion event
+        without blocking the loop, take the rows out, queue the CUDA IPC audio into the regions. ``engine_step``'s
+        results."""
+        done, refused, deferred = self._load(batch, incomplete)
+        if not done:
+            return done, [], refused, deferred
+        launched = self._launch(done, plan)
         if not launched.ready():
             await self.device_done(launched.done)
-        audios, committed = self._finish(batch, launched)  # the device is done: no wait
-        done, audios, refused = split_committed(batch, audios, committed, self.metrics.chunks_not_finite)
-        return done, audios, refused, []
+        audios, outcomes = self._finish(done, launched)  # the device is done: no wait
+        done, audios, not_committed = self._split(done, audios, outcomes)
+        return done, store_rows(done, audios, self.metrics), refused + not_committed, deferred
 
     def engine_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
-        """Worker thread (or the loop thread: ``step_placement.on_loop``): read CUDA IPC inputs (not those behind the
-        codes events in ``incomplete``), decode as ``plan`` says, write CUDA IPC audio. Returns the decoded jobs,
-        their audio, ``(job, code, message)`` for jobs refused (before decoding, or after it when their audio or new
-        state was not finite, which the engine did not commit: their state is untouched), and
-        jobs whose client-side inputs are not ready yet. Rows refused or put back leave the plan's bucket with more
-        padding: it still holds the rest."""
-        refused, deferred = load_codes(batch, self.engine.model.input, time.monotonic(), self.codes_event_timeout_s,
-                                       incomplete)
-        skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
-        done = [job for job in batch if id(job) not in skipped]
+        """Worker thread: read CUDA IPC inputs (not those behind the codes events in ``incomplete``), decode as
+        ``plan`` says, write CUDA IPC audio. Returns the decoded jobs, their audio, ``(job, code, message)`` for jobs
+        refused (before decoding, or by their rows' outcomes: inputs refused by the device check, audio or new state
+        not finite; the engine did not commit them, their state is untouched), and jobs whose client-side inputs are
+        not ready yet. Rows refused or put back leave the plan's bucket with more padding: it still holds the
+        rest."""
+        done, refused, deferred = self._load(batch, incomplete)
         if not done:
             return done, [], refused, deferred
         items = self.sessions.chunks.build_items(done)
         trace = self.trace
-        audios, committed = self.engine.execute_checked(
+        audios, outcomes = self.engine.execute_checked(
             plan, items, None if trace is None else lambda: trace.stamp(done, "launched_ns"))
-        done, audios, not_finite = split_committed(done, audios, committed, self.metrics.chunks_not_finite)
-        refused += not_finite
-        num_out = sum(job.audio_out is not None for job in done)
-        if num_out:
-            audios = store_audio(done, audios)
-            self.metrics.ipc_audio_out.inc(num_out)
-        num_in = sum(job.ipc_codes is not None for job in done)
-        if num_in:
-            self.metrics.ipc_codes_in.inc(num_in)
+        done, audios, not_committed = self._split(done, audios, outcomes)
+        audios = store_rows(done, audios, self.metrics)
         if self.trace is not None:
             self.trace.stamp(done, "done_ns")
-        return done, audios, refused, deferred
+        return done, audios, refused + not_committed, deferred
+
+    def _load(self, batch: list, incomplete: list) -> tuple[list, list, list]:
+        """``(the jobs to decode, refused, deferred)``: CUDA IPC inputs given to their jobs (``ipc.io.load_codes``)."""
+        refused, deferred = load_codes(batch, self.engine.model.input, time.monotonic(), self.codes_event_timeout_s,
+                                       incomplete)
+        skipped = {id(job) for job, _, _ in refused} | {id(job) for job in deferred}
+        return [job for job in batch if id(job) not in skipped], refused, deferred

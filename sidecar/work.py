@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -27,6 +28,7 @@ class DecodeItem:
     skip_frames: int  # leading frames whose audio is not returned (context frames, window left context)
     out_device: bool = False  # audio wanted on the device (CUDA IPC output), not copied to the host
     options: dict[str, int] = field(default_factory=dict)  # the stream's options (missing: the default)
+    armed: Any = None  # ipc.doorbells.ArmedInputs: the device waits for the row's doorbell before reading ``codes``
 
     @property
     def num_frames(self) -> int:

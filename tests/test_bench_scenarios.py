@@ -191,6 +191,22 @@ def test_the_ab_table_takes_the_ratio_of_the_medians():
     assert "exact-graph-b64" in text and "0.903" in text and "30 32 31" in text
 
 
+def test_the_ab_table_compares_the_stage_tables_kind_by_kind():
+    def stages(round_trip_us: float, launch_us: float, kinds=("host", "device")) -> dict:
+        return {"stages": [{"inputs_on": kind, "round_trip": {"p50_us": round_trip_us},
+                            "stages": [{"stage": "launch", "p50_us": launch_us}]} for kind in kinds],
+                "handoff": [{"armed": True, "p50_us": 1300.0}]}
+
+    base = [stages(2300.0, 250.0), stages(2310.0, 240.0)]
+    new = [stages(2000.0, 200.0, ("host", "device", "device-events")),
+           stages(2020.0, 210.0, ("host", "device", "device-events"))]
+    rows = {(r["row"], r["metric"]): r for r in ab.compare(base, new)}
+    assert set(rows) == {("c1 host: round trip", "p50_us"), ("c1 host: launch", "p50_us"),
+                         ("c1 device: round trip", "p50_us"), ("c1 device: launch", "p50_us"),
+                         ("hand-off on the GPU, armed", "p50_us")}  # device-events: the base has none
+    assert rows[("c1 host: round trip", "p50_us")]["ratio"] == round(2010.0 / 2305.0, 4)
+
+
 def test_ab_runs_both_trees_alternating_and_tabulates_them(tmp_path):
     """The driver for real on the CPU: this checkout as both trees, one round of ``inprocess`` on the tiny model;
     every report written, and the table's values are those reports'."""

@@ -112,8 +112,10 @@ def test_sequence_many_windows_long_equals_one_shot(long_window_model):
         assert (out - full[b]).abs().max().item() <= TOL, b
 
 
-def test_failed_forward_commits_nothing(tiny_engine, golden_cases):
-    """An exception inside the forward (a code the embedding cannot look up) leaves the state as it was."""
+def test_failed_forward_commits_nothing(tiny_engine, golden_cases, monkeypatch):
+    """An exception inside the forward (injected: the family's streaming call fails half-way, after its first slice)
+    leaves the state as it was. (A code outside the codebook no longer raises: the step clamps it and refuses its
+    row, ``test_poisoned_stream``.)"""
     full = golden_cases["full"][:, 0]
     codes = golden_cases["codes"][0]  # [Q, T]
     arena = tiny_engine.arena
@@ -121,10 +123,21 @@ def test_failed_forward_commits_nothing(tiny_engine, golden_cases):
     tiny_engine.decode([DecodeItem(codes[:, :10], slot, 0)])
     before = {k: t[slot].clone() for k, t in arena.tensors.items()}
     position_before = int(arena.positions[slot])
-    bad = codes[:, 10:20].clone()
-    bad[0, 3] = 10**6  # out of range: raises inside F.embedding
-    with pytest.raises((IndexError, RuntimeError)):
-        tiny_engine.decode([DecodeItem(bad, slot, 0)])
+    model = tiny_engine.model
+    real_forward, calls = model.forward_stream, []
+
+    def fails_on_the_second_slice(batch, state):
+        calls.append(batch.inputs.shape[2])
+        if len(calls) == 2:
+            raise RuntimeError("injected: the device failed mid-forward")
+        return real_forward(batch, state)
+
+    monkeypatch.setattr(model, "forward_stream", fails_on_the_second_slice)
+    monkeypatch.setattr(tiny_engine.planner, "max_forward_frames", 4)  # 10 frames: three slices, state carried
+    with pytest.raises(RuntimeError, match="injected"):
+        tiny_engine.decode([DecodeItem(codes[:, 10:20], slot, 0)])
+    monkeypatch.undo()
+    assert calls == [4, 3]  # the first slice ran (its state carried in memory), the second failed
     assert int(arena.positions[slot]) == position_before == 10
     assert all(torch.equal(before[k], t[slot]) for k, t in arena.tensors.items())
     spf = tiny_engine.model.samples_per_frame

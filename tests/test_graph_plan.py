@@ -9,7 +9,7 @@ from code2wav.sidecar.engine import DecodeItem, Engine
 from code2wav.sidecar.graphs.plan import (BucketKey, build_buckets, dispatch, extra_bucket, refine_slices,
                                           slices_for_budget, time_slices)
 from code2wav.sidecar.models.qwen3_tts.family import GRAPH_BUCKETS as QWEN3  # the default model's buckets
-from code2wav.sidecar.graphs.routine import StreamRoutine
+from code2wav.sidecar.graphs.routine import META_FRAMES, META_GATE, META_SLOT, META_TOKEN, StreamRoutine
 from code2wav.sidecar.state_store import StateArena
 
 EXACT = build_buckets("exact", QWEN3.exact_batch_sizes, QWEN3.exact_frames)
@@ -171,8 +171,10 @@ def test_copy_in_stages_each_row_as_the_per_row_contract_says():
     routine.copy_in(8, 16, full)  # rows of equal length (stacked); leaves every frame of the b8 x t16 bucket written
     assert torch.equal(routine.inputs[:6, :, :16], torch.stack([item.codes for item in full]))
     assert not routine.inputs[6:8, :, :16].any()
-    assert routine.slots[:8].tolist() == list(range(6)) + [arena.scratch_slot] * 2
-    assert routine.options[option.name][:8].tolist() == [16000] * 6 + [option.default] * 2
+    meta = routine.meta(8)  # [K, 8]
+    assert meta[META_SLOT].tolist() == list(range(6)) + [arena.scratch_slot] * 2
+    assert routine.options(8)[option.name].tolist() == [16000] * 6 + [option.default] * 2
+    assert meta[META_TOKEN].tolist() == meta[META_GATE].tolist() == [0] * 8  # no row armed: every row ready
     ragged = [DecodeItem(torch.randn(model.num_channels, n, generator=gen), slot, 0, options=opts)
               for n, slot, opts in ((3, 4, {option.name: 24000}), (5, 1, {}), (1, 2, {}))]
     routine.copy_in(4, 8, ragged)  # a smaller bucket: 1 padding row, padded frames on every row
@@ -181,12 +183,13 @@ def test_copy_in_stages_each_row_as_the_per_row_contract_says():
         n = item.codes.shape[1]
         assert torch.equal(inputs[b, :, :n], item.codes) and not inputs[b, :, n:].any()
     assert not inputs[3].any()
-    assert routine.num_frames[:4].tolist() == [3, 5, 1, 0]
-    assert routine.slots[:4].tolist() == [4, 1, 2, arena.scratch_slot]
-    assert routine.options[option.name][:4].tolist() == [24000, option.default, option.default, option.default]
+    meta = routine.meta(4)
+    assert meta[META_FRAMES].tolist() == [3, 5, 1, 0]
+    assert meta[META_SLOT].tolist() == [4, 1, 2, arena.scratch_slot]
+    assert routine.options(4)[option.name].tolist() == [24000, option.default, option.default, option.default]
     routine.copy_in(1, 1, ragged[2:])  # one row: the frames of its bucket only
     assert torch.equal(routine.inputs[:1, :, :1], ragged[2].codes[None])
-    assert routine.num_frames[:1].tolist() == [1] and routine.slots[:1].tolist() == [2]
+    assert routine.meta(1)[META_FRAMES].tolist() == [1] and routine.meta(1)[META_SLOT].tolist() == [2]
 
 
 def test_an_eager_plan_runs_the_rows_it_is_given(tiny_model, golden_cases):

@@ -150,19 +150,23 @@ class _StandInEvent:
 
 
 def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_ones() -> None:
+    """Window streams (their inputs kept as context on the host): the ready chunks' codes read to the host in one
+    read and checked there; an exact stream's chunk gets the region's view itself, unchecked (the step copies and
+    checks it on the device: ``test_poisoned_stream``)."""
     from types import SimpleNamespace
 
     from code2wav.sidecar.ipc.io import drop_complete, incomplete_codes_events, load_codes
     from code2wav.sidecar.jobs import IpcInputs
+    from code2wav.sidecar.modes import mode_for
 
     service, region, _ = _service_with_region()
     region.opened.events = [_StandInEvent(True), _StandInEvent(False), _StandInEvent(True)]
     region.opened.data.view(torch.int64)[:] = torch.arange(128) % 7  # codes 0..6 in the region's bytes
 
-    def job(offset: int, event: int, arrived_s: float = 10.0):
+    def job(offset: int, event: int, arrived_s: float = 10.0, stateful: bool = False):
         desc = TensorDesc("int64", (2, 3), CudaIpcLoc(7, offset, 48))
         return SimpleNamespace(ipc_codes=IpcInputs(region, service.view(region, desc, "codes"), event),
-                               arrived_s=arrived_s, codes=None)
+                               arrived_s=arrived_s, codes=None, stream=SimpleNamespace(mode=mode_for(stateful)))
 
     ready, shared, waiting, late = job(0, 0), job(48, 0), job(96, 1), job(144, 1, arrived_s=0.0)
     inline = SimpleNamespace(ipc_codes=None)
@@ -182,6 +186,10 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
     assert drop_complete(incomplete) == [] and incomplete == [] and region.opened.events[1].queries == 2
     refused, _ = load_codes([job(48, 0)], InputSpec("codes", 2, 6), now_s=12.0, codes_event_timeout_s=5.0, incomplete=[])
     assert refused[0][1] == ErrorCode.INVALID_ARGUMENT and "code 6 out of range [0, 6)" in refused[0][2]
+    exact = job(48, 0, stateful=True)  # the same out-of-range codes, for an exact stream: not read, not checked here
+    assert load_codes([exact], InputSpec("codes", 2, 6), now_s=12.0, codes_event_timeout_s=5.0,
+                      incomplete=[]) == ([], [])
+    assert exact.codes is exact.ipc_codes.view
 
 
 def test_unregister_while_in_use_is_deferred_until_the_last_use_ends() -> None:
@@ -248,3 +256,109 @@ def test_cpu_sidecar_refuses_regions_and_the_client_falls_back(sidecar, caplog) 
         peer.close()
     text = sidecar.scrape()
     assert re.search(r'code2wav_sidecar_ipc_register_failures_total\{reason="unsupported"\} 1\.0', text)
+
+
+class _StandInDoorbells:
+    """Stands in for a read region's doorbells (``ipc.doorbells.Doorbells``: sidecar device memory, CUDA only)."""
+
+    released = False
+
+    def armed(self, index: int, token: int):
+        return ("armed", index, token)
+
+
+def test_an_armed_chunk_needs_doorbells_and_an_exact_stream_and_is_never_deferred() -> None:
+    from types import SimpleNamespace
+
+    from code2wav.sidecar.inputs import read_chunk_inputs
+    from code2wav.sidecar.ipc.io import incomplete_codes_events, load_codes
+    from code2wav.sidecar.models import load_model
+    from code2wav.sidecar.modes import mode_for
+
+    from conftest import TINY
+
+    model = load_model(str(TINY), torch.device("cpu"), "float32")
+    Q = model.num_channels
+    service, region, _ = _service_with_region()
+    service.device = object()  # CUDA IPC on: only its presence is looked at here
+    region.opened.events = [_StandInEvent(False)]  # the codes event never completes: armed chunks do not look
+    desc = TensorDesc("int64", (Q, 3), CudaIpcLoc(7, 0, Q * 3 * 8))
+    chunk = proto.Chunk("s", 0, desc, codes_event=0, codes_token=6)
+
+    def job(stateful: bool):
+        return SimpleNamespace(stream=SimpleNamespace(mode=mode_for(stateful)), codes=None, audio_out=None,
+                               ipc_codes=None, arrived_s=0.0)
+
+    with pytest.raises(ChunkRejected, match="region 7 has no doorbells") as info:
+        read_chunk_inputs(model, service, b"client-a", job(True), chunk, [])
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    region.opened.doorbells = _StandInDoorbells()
+    with pytest.raises(ChunkRejected, match="a window stream keeps its inputs on the host"):
+        read_chunk_inputs(model, service, b"client-a", job(False), chunk, [])
+    armed = job(True)
+    read_chunk_inputs(model, service, b"client-a", armed, chunk, [])
+    assert armed.ipc_codes.armed == ("armed", 0, 6) and armed.codes is None
+    assert incomplete_codes_events([armed]) == [] and region.opened.events[0].queries == 0
+    assert load_codes([armed], model.input, now_s=100.0, codes_event_timeout_s=5.0, incomplete=[]) == ([], [])
+    assert armed.codes is armed.ipc_codes.view  # [Q, 3] on the device, read by the step behind its wait
+    region.opened.doorbells.released = True  # one of the region's waits was released: its later chunks go unarmed
+    late = job(True)
+    read_chunk_inputs(model, service, b"client-a", late, chunk, [])
+    assert late.ipc_codes.armed is None and incomplete_codes_events([late]) == [region.opened.events[0]]
+
+
+def test_doorbell_tokens_are_even_grow_by_two_and_skip_zero_when_they_wrap() -> None:
+    from code2wav.client.cuda_ipc.slots import next_token
+
+    assert [next_token(t) for t in (0, 2, 100)] == [2, 4, 102]
+    assert next_token((1 << 32) - 4) == (1 << 32) - 2
+    assert next_token((1 << 32) - 2) == 2  # never 0, the words' first value
+    released = 7  # the sidecar released token 6 with 7: the next token passes its cyclic >= wait
+    assert next_token(6) == 8 and (next_token(6) - released) % (1 << 32) < 1 << 31
+
+
+@pytest.mark.parametrize("token, before, after", [
+    (6, 0, 7),  # never rung: raised to the token + 1, which ends a wait for the token and fails the gate
+    (6, 4, 7),  # still holding the last chunk's token
+    (6, 6, 6),  # rung in time: left alone (another client's row in the same step is still decoded)
+    (6, 8, 8),  # ahead (the client's next message rang already): never lowered
+    ((1 << 32) - 2, (1 << 32) - 4, (1 << 32) - 1),  # tokens past 2^31, as the int32 word holds them
+    (2, (1 << 32) - 2, 3),  # across the wrap: 2^32 - 2 is behind 2
+    (2, 3, 3),  # released already: left alone
+])
+def test_a_release_raises_only_a_word_behind_its_token(token, before, after) -> None:
+    from code2wav.sidecar.ipc.doorbells import as_int32, raise_behind
+
+    word = torch.tensor([as_int32(before)], dtype=torch.int32)  # [1]
+    raise_behind(word, token)
+    assert word.dtype == torch.int32 and int(word) == as_int32(after)
+
+
+def test_release_due_releases_only_waits_queued_long_enough_and_survives_a_failing_one(caplog) -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    from code2wav.sidecar.ipc.doorbells import release_due
+
+    class _Armed:  # stands in for ArmedInputs (its release writes into device memory, on a stream of its own)
+        def __init__(self, queued_s, fails: bool = False) -> None:
+            self.queued_s, self.fails, self.released, self.releases = queued_s, fails, False, 0
+
+        def release(self) -> None:
+            self.releases += 1
+            self.released = True
+            if self.fails:
+                raise RuntimeError("the device failed")
+
+    late, failing, recent, unqueued = _Armed(1.0), _Armed(1.5, fails=True), _Armed(9.9), _Armed(None)
+    waits = [("s0", 0, late), ("s1", 1, failing), ("s2", 2, recent), ("s3", 3, unqueued)]
+    released = Counter("released", "doorbell waits released", registry=CollectorRegistry())
+    with caplog.at_level(logging.WARNING):
+        assert release_due(waits, 0.25, 10.0, released, "not rung within armed_wait_s 0.25s") == 2
+    assert [a.releases for a in (late, failing, recent, unqueued)] == [1, 1, 0, 0]
+    assert released._value.get() == 2
+    assert "2 armed CUDA IPC chunk(s): not rung within armed_wait_s 0.25s (streams s0, s1)" in caplog.text
+    assert "releasing the doorbell of stream s1 seq 1 failed" in caplog.text
+    caplog.clear()
+    assert release_due(waits, 0.25, 10.0, released, "again") == 2  # a second pass releases again, logs nothing new
+    assert released._value.get() == 2 and "releasing the doorbell waits" not in caplog.text
+    assert release_due(waits, 0.0, float("inf"), released, "their step did not finish") == 3  # every queued wait

@@ -4,7 +4,8 @@ A chunk whose audio or new state is not finite is not committed: its stream keep
 position, the chunk is refused (``internal``, counted in ``chunks_not_finite_total``), and the stream's next normal
 chunk is exactly what it would have been without the bad one. Other rows of the same batch are untouched,
 bit for bit. Inputs beyond the documented range are refused up front: VoxCPM2 latents of magnitude over
-``LATENT_ABS_MAX`` (1e4; the measured margin is in ``models.family``). Both families, eager steps and the graph
+``LATENT_ABS_MAX`` (1e4; the measured margin is in ``models.family``); and again by the step itself (CUDA IPC inputs
+reach it unchecked): such a row is ``ROW_BAD_INPUTS``, with the same guarantees. Both families, eager steps and the graph
 routine's step (the code a CUDA graph captures, run here on the CPU: the same check and commit), float32 and
 bfloat16, extreme finite values, denormals, mixed batches; and end to end through a real server and client, with a
 family defined here whose weights overflow within the input range.
@@ -18,6 +19,7 @@ import torch
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
 from code2wav.sidecar.engine import DecodeItem, Engine
+from code2wav.sidecar.forward import ROW_BAD_INPUTS, ROW_COMMITTED, ROW_NOT_FINITE, ROW_NOT_READY
 from code2wav.sidecar.graphs.routine import StreamRoutine
 from code2wav.sidecar.models import load_model
 from code2wav.sidecar.models.family import LATENT_ABS_MAX
@@ -38,17 +40,18 @@ def _snapshot(arena: StateArena, slot: int) -> tuple[torch.Tensor, int]:
     return arena.flat[slot].clone(), int(arena.positions[slot])
 
 
-def _run_routine(model, arena: StateArena, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[bool]]:
+def _run_routine(model, arena: StateArena, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[int]]:
     """One step through the graph routine (copy in, the captured forward's code, copy out) on its own buffers."""
     routine = StreamRoutine(model, arena, max_batch=4, max_frames=16)
     frames = max(it.num_frames for it in items)
     routine.copy_in(4, frames, items)  # two padding rows on the scratch slot
     with torch.inference_mode():
         wav = routine.forward(4, frames)
-    return routine.copy_out(wav, items), routine.committed[:len(items)].tolist()
+    return routine.copy_out(wav, items), routine.outcomes[:len(items)].tolist()
 
 
-def _step(path: str, engine: Engine, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[bool]]:
+def _step(path: str, engine: Engine, items: list[DecodeItem]) -> tuple[list[torch.Tensor], list[int]]:
+    """One step's audio and its rows' ``ROW_*`` outcomes."""
     if path == "eager":
         return engine.execute_checked(engine.plan(EXACT, [it.num_frames for it in items]), items)
     return _run_routine(engine.model, engine.arena, items)
@@ -56,19 +59,19 @@ def _step(path: str, engine: Engine, items: list[DecodeItem]) -> tuple[list[torc
 
 def _poisoned_run(model, path: str, good: list[torch.Tensor], bad: torch.Tensor, bystander: list[torch.Tensor]):
     """Streams P and B in one batch per step: [B0, P0], [B1, P_bad], [B2, P1]. Returns B's audio, P's audio of
-    steps 1 and 3, step 2's committed flags, and P's slot before and after step 2."""
+    steps 1 and 3, step 2's outcomes, and P's slot before and after step 2."""
     engine = _engine(model)
     slot_b, slot_p = engine.arena.allocate(), engine.arena.allocate()
     out_b, out_p = [], []
-    audio, ok = _step(path, engine, [DecodeItem(bystander[0], slot_b, 0), DecodeItem(good[0], slot_p, 0)])
-    assert ok == [True, True]
+    audio, outcomes = _step(path, engine, [DecodeItem(bystander[0], slot_b, 0), DecodeItem(good[0], slot_p, 0)])
+    assert outcomes == [ROW_COMMITTED, ROW_COMMITTED]
     out_b.append(audio[0]), out_p.append(audio[1])
     before = _snapshot(engine.arena, slot_p)
     audio, ok_bad = _step(path, engine, [DecodeItem(bystander[1], slot_b, 0), DecodeItem(bad, slot_p, 0)])
     out_b.append(audio[0])
     after = _snapshot(engine.arena, slot_p)
-    audio, ok = _step(path, engine, [DecodeItem(bystander[2], slot_b, 0), DecodeItem(good[1], slot_p, 0)])
-    assert ok == [True, True]
+    audio, outcomes = _step(path, engine, [DecodeItem(bystander[2], slot_b, 0), DecodeItem(good[1], slot_p, 0)])
+    assert outcomes == [ROW_COMMITTED, ROW_COMMITTED]
     out_b.append(audio[0]), out_p.append(audio[1])
     return out_b, out_p, ok_bad, before, after
 
@@ -93,10 +96,10 @@ def _total(counter) -> float:
                if sample.name.endswith("_total"))
 
 
-def _check_not_poisoned(model, path: str, good, bad, bystander) -> None:
-    out_b, out_p, ok_bad, before, after = _poisoned_run(model, path, good, bad, bystander)
+def _check_not_poisoned(model, path: str, good, bad, bystander, refused_as: int = ROW_NOT_FINITE) -> None:
+    out_b, out_p, outcomes_bad, before, after = _poisoned_run(model, path, good, bad, bystander)
     ref_b, ref_p = _clean_run(model, path, good, bystander)
-    assert ok_bad == [True, False]  # the bystander committed, the poisoned row did not
+    assert outcomes_bad == [ROW_COMMITTED, refused_as]  # the bystander committed, the poisoned row did not
     assert torch.equal(before[0], after[0]) and before[1] == after[1]  # P's slot: same state and position
     for got, ref in zip(out_b, ref_b):
         assert torch.equal(got, ref)  # the bystander in the same batch: bit-identical audio
@@ -117,7 +120,8 @@ def test_voxcpm2_extreme_latents_never_poison_a_stream(path, dtype):
     bad[::2] *= -1  # +-3.4e38: finite, and every sample of the audio comes out NaN
     staged = model.input.staged_dtype(model.dtype)
     cast = lambda ts: [t.to(staged) for t in ts]  # noqa: E731 - (engine items hold staged inputs)
-    _check_not_poisoned(model, path, cast(good), bad.to(staged), cast(bystander))
+    # beyond the bound: the step's own input check refuses the row before its audio is looked at
+    _check_not_poisoned(model, path, cast(good), bad.to(staged), cast(bystander), refused_as=ROW_BAD_INPUTS)
 
 
 @pytest.mark.parametrize("path", ["eager", "graph_routine"])
@@ -134,6 +138,24 @@ def test_qwen3_overflow_inside_the_model_never_poisons_a_stream(path):
     _check_not_poisoned(model, path, good, bad, bystander)
 
 
+@pytest.mark.parametrize("path", ["eager", "graph_routine"])
+@pytest.mark.parametrize("bad_code", [-1, 64, 10**6])
+def test_codes_out_of_range_that_skipped_the_host_check_are_refused_by_the_step(path, bad_code):
+    """CUDA IPC codes of an exact stream reach the step unchecked (``ipc.io.load_codes``): the step's own check
+    (``InputSpec.check_rows``) clamps them before any lookup (an index outside the codebook raises here on the CPU,
+    and would fault the device for every stream on a GPU), refuses the row as ``ROW_BAD_INPUTS`` and keeps its
+    stream's state; the bystander's audio is bit-identical, the stream's next chunk as if the bad one never came."""
+    model = load_model(str(TINY), torch.device("cpu"), "float32")
+    assert model.input.high == 64
+    gen = torch.Generator().manual_seed(11)
+    Q = model.num_channels
+    good = [torch.randint(0, 64, (Q, 5), generator=gen), torch.randint(0, 64, (Q, 4), generator=gen)]
+    bystander = [torch.randint(0, 64, (Q, n), generator=gen) for n in (5, 3, 4)]
+    bad = torch.randint(0, 64, (Q, 3), generator=gen)
+    bad[Q - 1, 2] = bad_code
+    _check_not_poisoned(model, path, good, bad, bystander, refused_as=ROW_BAD_INPUTS)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_denormal_and_bound_latents_are_accepted_and_committed(dtype):
     model = load_model(str(VOXCPM2_TINY), torch.device("cpu"), dtype)
@@ -144,8 +166,8 @@ def test_denormal_and_bound_latents_are_accepted_and_committed(dtype):
         assert model.input.problem(inputs) is None
         engine = _engine(model)
         slot = engine.arena.allocate()
-        audio, ok = engine.execute_checked(engine.plan(EXACT, [4]), [DecodeItem(inputs.to(staged), slot, 0)])
-        assert ok == [True] and bool(torch.isfinite(audio[0]).all()) and int(engine.arena.positions[slot]) == 4
+        audio, outcomes = engine.execute_checked(engine.plan(EXACT, [4]), [DecodeItem(inputs.to(staged), slot, 0)])
+        assert outcomes == [ROW_COMMITTED] and bool(torch.isfinite(audio[0]).all()) and int(engine.arena.positions[slot]) == 4
 
 
 def test_latents_beyond_the_bound_are_refused_up_front():
@@ -233,3 +255,30 @@ def test_a_chunk_that_overflows_in_the_model_is_refused_over_the_wire(tmp_path, 
                 assert _total(metrics.graph_misses) == 0 and _total(metrics.graph_replays) >= 8
     finally:
         running.stop()
+
+
+def test_split_outcomes_refuses_each_row_with_the_code_its_outcome_names():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from code2wav.proto import ErrorCode
+    from code2wav.sidecar.step_rows import split_outcomes
+
+    not_finite = Counter("not_finite", "rows whose audio or state was not finite", registry=CollectorRegistry())
+    armed = SimpleNamespace(event_index=3, region=SimpleNamespace(region_id=9), armed=SimpleNamespace(token=42))
+    jobs = [SimpleNamespace(seq=s) for s in (4, 5, 6, 7)] + [SimpleNamespace(seq=8, ipc_codes=armed)]
+    audios = ["a4", "a5", "a6", "a7", "a8"]
+    assert split_outcomes(jobs, audios, [ROW_COMMITTED] * 5, not_finite, "x") == (jobs, audios, [])
+    done, kept, refused = split_outcomes(
+        jobs, audios, [ROW_COMMITTED, ROW_BAD_INPUTS, ROW_NOT_FINITE, ROW_COMMITTED, ROW_NOT_READY], not_finite,
+        "a code out of range [0, 64)", armed_wait_s=0.25)
+    assert done == [jobs[0], jobs[3]] and kept == ["a4", "a7"]
+    (bad_job, bad_code, bad_message), (nan_job, nan_code, nan_message), (late_job, late_code, late_message) = refused
+    assert (bad_job, bad_code) == (jobs[1], ErrorCode.INVALID_ARGUMENT)
+    assert bad_message.startswith("seq 5 holds a code out of range [0, 64): the chunk was not committed")
+    assert (nan_job, nan_code) == (jobs[2], ErrorCode.INTERNAL) and "seq 6 is not finite" in nan_message
+    assert (late_job, late_code) == (jobs[4], ErrorCode.DEADLINE_EXCEEDED)
+    assert late_message.startswith("seq 8's codes were not ready: doorbell word 3 of region 9 had not reached "
+                                   "codes_token 42 0.25s after the step queued its wait (armed_wait_s)")
+    assert _total(not_finite) == 1  # only the row that overflowed is counted there

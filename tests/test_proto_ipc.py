@@ -46,8 +46,10 @@ def test_region_messages_round_trip() -> None:
             UnregisterRegion(3, 17)]
     for msg in msgs:
         assert decode_client_message(encode(msg)) == msg
-    for reply in [RegionRegistered(1, 17, (EVENT, HANDLE)), RegionRegistered(2, 18), RegionUnregistered(3, 17)]:
+    for reply in [RegionRegistered(1, 17, (EVENT, HANDLE)), RegionRegistered(2, 18), RegionUnregistered(3, 17),
+                  RegionRegistered(4, 19, (), HANDLE)]:  # a read region's doorbells
         assert decode_server_message(encode(reply)) == reply
+    assert "doorbells" not in RegionRegistered(2, 18).to_wire()  # a server that arms nothing sends none
 
 
 @pytest.mark.parametrize("changes, needle", [
@@ -103,6 +105,9 @@ def test_chunk_with_ipc_codes_and_audio_out() -> None:
 @pytest.mark.parametrize("changes, needle", [
     ({"codes_event": ...}, "missing required key 'codes_event'"),
     ({"codes_event": 64}, "codes_event must be in [0, 63]"),
+    ({"codes_token": 7}, "codes_token must be even (the server releases a doorbell with the odd token + 1), got 7"),
+    ({"codes_token": 0}, "codes_token must be in [2, 4294967294]"),
+    ({"codes_token": 1 << 32}, "codes_token must be in [2, 4294967294]"),
     ({"codes": ipc_codes(nbytes=3199)}, "nbytes is 3199 but"),
     ({"audio_out": {"dtype": "float32", "shape": [4], "loc": "inline", "frame": 1}}, "inline tensor descriptor in a"),
     ({"audio_out": {"dtype": "int64", "shape": [4], "loc": "cuda_ipc", "region": 1, "offset": 0, "nbytes": 32}},
@@ -118,6 +123,15 @@ def test_codes_event_not_allowed_with_inline_codes() -> None:
     inline = {"dtype": "int16", "shape": [1, 2], "loc": "inline", "frame": 1}
     with pytest.raises(ProtocolError, match="codes_event is only allowed with cuda_ipc codes"):
         decode_client_message(raw(chunk_header(codes=inline), b"\0" * 4))
+    with pytest.raises(ProtocolError, match="codes_token is only allowed with cuda_ipc codes"):
+        decode_client_message(raw(chunk_header(codes=inline, codes_event=..., codes_token=2), b"\0" * 4))
+
+
+def test_an_armed_chunk_round_trips_and_stays_off_the_wire_unarmed() -> None:
+    msg = decode_client_message(raw(chunk_header(codes_token=(1 << 32) - 2)))
+    assert msg.chunks[0].codes_token == (1 << 32) - 2 and msg.chunks[0].codes_event == 1
+    assert decode_client_message(encode(msg)) == msg
+    assert "codes_token" not in decode_client_message(raw(chunk_header())).chunks[0].to_wire()
 
 
 def test_result_with_ipc_audio_needs_its_event() -> None:

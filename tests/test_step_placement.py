@@ -18,14 +18,18 @@ import torch
 
 from code2wav.client import SidecarClient
 from code2wav.sidecar.config import load_config
-from code2wav.sidecar.step_placement import all_inline, on_loop, pipelined
+from code2wav.sidecar.modes import mode_for
+from code2wav.sidecar.step_placement import all_inline, on_loop, pipelined, reads_inputs_on_host
 from conftest import TINY
 from test_family_toy import InProcessServer
 
-INLINE = SimpleNamespace(audio_out=None, ipc_codes=None)
-IPC_BOTH = SimpleNamespace(audio_out=object(), ipc_codes=object())
-IPC_OUT = SimpleNamespace(audio_out=object(), ipc_codes=None)  # codes inline, audio into a client region
-IPC_IN = SimpleNamespace(audio_out=None, ipc_codes=object())  # codes from a client region, audio inline
+EXACT_STREAM = SimpleNamespace(mode=mode_for(True))
+WINDOW_STREAM = SimpleNamespace(mode=mode_for(False))  # keeps its inputs (on the host) as the next chunk's context
+INLINE = SimpleNamespace(audio_out=None, ipc_codes=None, stream=EXACT_STREAM)
+IPC_BOTH = SimpleNamespace(audio_out=object(), ipc_codes=object(), stream=EXACT_STREAM)
+IPC_OUT = SimpleNamespace(audio_out=object(), ipc_codes=None, stream=EXACT_STREAM)  # audio into a client region
+IPC_IN = SimpleNamespace(audio_out=None, ipc_codes=object(), stream=EXACT_STREAM)  # codes from a client region
+IPC_IN_WINDOW = SimpleNamespace(audio_out=None, ipc_codes=object(), stream=WINDOW_STREAM)
 
 
 @pytest.mark.parametrize("batch, capture_first, max_in_flight, in_flight, open_streams, expected", [
@@ -47,10 +51,12 @@ def test_pipelined_takes_only_inline_steps_that_something_could_overlap(batch, c
     ([INLINE], False, True, False, True, True),  # a GPU graph step of inline chunks: launched by the loop, end polled
     ([INLINE], False, False, False, True, False),  # eager on a GPU: a new shape's kernels measured, for seconds
     ([INLINE], False, True, False, False, False),  # the CPU: the forward would run on the loop thread
-    ([IPC_OUT, IPC_BOTH], False, True, False, False, True),  # the replies name events: never waits, on any device
+    ([IPC_OUT, IPC_BOTH], False, True, False, True, True),  # audio into regions, codes copied on the device
+    ([IPC_IN], False, True, False, True, True),  # codes copied and checked on the device: nothing read to the host
+    ([INLINE, IPC_OUT, IPC_IN], False, True, False, True, True),  # mixed: the same launch, the same wait
     ([IPC_OUT], False, False, False, True, False),  # eager, audio to regions: off the loop all the same
-    ([IPC_IN], False, True, False, True, False),  # codes read to the host first: the worker waits for them
-    ([INLINE, IPC_OUT], False, True, False, True, False),  # mixed: one kind of wait for the whole step
+    ([IPC_IN_WINDOW], False, True, False, True, False),  # a window stream's codes read to the host first: the worker
+    ([INLINE, IPC_IN_WINDOW], False, True, False, True, False),
     ([INLINE], True, True, False, True, False),  # a capture holds the thread for seconds
     ([IPC_OUT], False, True, True, True, False),  # a region is being opened or closed in the worker
 ])
@@ -58,6 +64,7 @@ def test_a_step_alone_runs_on_the_loop_only_where_the_loop_need_not_wait(batch, 
                                                                          region_ops, launches_async, expected):
     assert on_loop(batch, capture_first, replays_graph, region_ops, launches_async) is expected
     assert all_inline(batch) is all(job is INLINE for job in batch)
+    assert reads_inputs_on_host(batch) is any(job is IPC_IN_WINDOW for job in batch)
 
 
 class _LoopLaunches:

@@ -178,14 +178,16 @@ def test_client_wire_forms_of_latents():
 
 
 def test_ipc_bf16_regions_are_viewed_as_bf16_widened_exactly_and_checked():
-    """The server's CUDA IPC read of bfloat16 latents, on host memory standing in for a mapped region (the
-    device side is the CUDA test below): the view is bfloat16; one batch mixing bfloat16 and float32 chunks
-    loads both exactly as float32; bfloat16 NaN/inf chunks are refused per chunk, naming the shape."""
+    """The server's CUDA IPC read of bfloat16 latents to the host (a window stream's, which keeps its inputs), on
+    host memory standing in for a mapped region (the device side is the CUDA test below): the view is bfloat16;
+    one batch mixing bfloat16 and float32 chunks loads both exactly as float32; bfloat16 NaN/inf chunks are refused
+    per chunk, naming the shape. (An exact stream's stay on the device, checked by the step: test_poisoned_stream.)"""
     from types import SimpleNamespace
 
     from code2wav.sidecar.ipc.io import load_codes
     from code2wav.sidecar.jobs import IpcInputs
     from code2wav.sidecar.models import InputSpec
+    from code2wav.sidecar.modes import mode_for
     from test_ipc_cpu import _service_with_region, _StandInEvent
 
     service, region, _ = _service_with_region()
@@ -201,7 +203,7 @@ def test_ipc_bf16_regions_are_viewed_as_bf16_widened_exactly_and_checked():
     def job(dtype: str, offset: int):
         desc = proto.TensorDesc(dtype, (2, 3), proto.CudaIpcLoc(7, offset, 6 * proto.WIRE_DTYPE_ITEMSIZES[dtype]))
         return SimpleNamespace(ipc_codes=IpcInputs(region, service.view(region, desc, "codes"), 0), arrived_s=0.0,
-                               codes=None)
+                               codes=None, stream=SimpleNamespace(mode=mode_for(False)))
 
     jobs = [job("bfloat16", 0), job("bfloat16", 256), job("bfloat16", 512), job("float32", 768)]
     assert jobs[0].ipc_codes.view.dtype == torch.bfloat16 and jobs[3].ipc_codes.view.dtype == torch.float32

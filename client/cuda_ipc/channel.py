@@ -13,6 +13,13 @@ Ordering (no device-wide synchronisation anywhere):
   for that event (``cudaStreamWaitEvent``, no host wait) before handing out the view: work queued on that
   stream sees the finished audio, as with torch's own non-blocking copies; another stream or a host read
   through raw pointers must synchronise with that stream first.
+- Armed (the sidecar returned ``doorbells`` with the codes region, and the link arms): before the event, the
+  caller's stream writes the message's token into the sidecar's doorbell word of the event's index
+  (``cuStreamWriteValue32``). The sidecar queues the step behind a GPU wait for it, without looking at the event:
+  the decode starts when the codes land, with no CPU round trip after them. Each word's tokens grow by 2 (the
+  sidecar releases a word with the odd token + 1); a word, like an event, serves one message in flight. An armed
+  chunk's slot and event are reused only once its event completed: one refused before its codes came (the sidecar
+  released its wait) may still have its copy queued.
 - An audio view is released when the last tensor using it is freed. Its slot is reused only by a later
   chunk, and the sidecar writes into it only after that chunk's codes event, recorded on the sender's
   current stream: work queued on that stream with the view is therefore finished first.
@@ -31,7 +38,7 @@ import torch
 from code2wav.proto import CudaIpcLoc, RegisterRegion, TensorDesc
 
 from code2wav.cudart import Runtime, runtime
-from .slots import EventPool, SlotAllocator
+from .slots import EventPool, SlotAllocator, next_token
 
 __all__ = ["IpcChannel", "IpcUnavailable", "PackedChunk", "gpu_uuid"]
 
@@ -74,6 +81,7 @@ class PackedChunk:
     channel: IpcChannel
     codes: TensorDesc
     codes_event: int
+    codes_token: int | None  # armed: the token written into the doorbell word ``codes_event`` after the codes
     audio_out: TensorDesc
     codes_offset: int
     audio_offset: int
@@ -98,11 +106,14 @@ class IpcChannel:
         self._event_pool = EventPool(num_events)
         self._lock = threading.Lock()  # slots and released audio
         self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
+        self._fenced: list[tuple[int, int]] = []  # answered armed chunks' (codes offset, event), until the event
         self._live_audio = 0
         self.codes_region: int | None = None
         self.audio_region: int | None = None
         self.session: int | None = None  # the connection session the regions were registered in
         self._server_events: list = []
+        self._doorbells: int | None = None  # the sidecar's doorbell words, mapped here (armed chunks); None: events
+        self._tokens = [0] * num_events  # the last token written into each doorbell word
         self.closed = False
 
     # ------------------------------------------------------------------ registration
@@ -111,20 +122,43 @@ class IpcChannel:
         return (RegisterRegion(first_request_id, self.uuid, self._codes.handle, self._codes.nbytes, "read", handles),
                 RegisterRegion(first_request_id + 1, self.uuid, self._audio.handle, self._audio.nbytes, "write"))
 
-    def adopt(self, session: int, codes_region: int, audio_region: int, server_events: tuple[str, ...]) -> None:
+    def adopt(self, session: int, codes_region: int, audio_region: int, server_events: tuple[str, ...],
+              doorbells: str | None = None) -> None:
+        """The regions' ids and the sidecar's audio events; ``doorbells``: the handle of the sidecar's doorbell words
+        (armed chunks from now on), None: codes events."""
         if not server_events:
             raise IpcUnavailable("the sidecar returned no events for the audio region")
         self._server_events = [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in server_events]
+        self._close_doorbells()  # the last session's words, if any: this registration's (or none) replace them
+        if doorbells is not None:
+            try:
+                self._doorbells = self._rt.open_mem_handle(bytes.fromhex(doorbells), self.device.index)
+            except RuntimeError as exc:  # (CudaIpcError) codes events still work
+                log.warning("the sidecar's doorbells cannot be opened (%s): CUDA IPC chunks go unarmed", exc)
+            self._tokens = [0] * len(self._tokens)  # the new words start at zero
         self.codes_region, self.audio_region, self.session = codes_region, audio_region, session
 
+    @property
+    def armed(self) -> bool:
+        """Chunks are armed (the sidecar waits on the GPU for each message's doorbell token)."""
+        return self._doorbells is not None
+
+    def _next_token(self, word: int) -> int:
+        """The next token of doorbell ``word`` (``slots.next_token``)."""
+        self._tokens[word] = token = next_token(self._tokens[word])
+        return token
+
     # ------------------------------------------------------------------ per message (under the client's order lock)
-    def pack(self, codes: list[torch.Tensor], num_samples: list[int]) -> list[PackedChunk] | None:
+    def pack(self, codes: list[torch.Tensor], num_samples: list[int], arm: bool = True) -> list[PackedChunk] | None:
         """Copy each chunk's codes into the codes region, reserve its audio slot and an event; None when a region
-        is full or every event is named by a chunk still in flight."""
+        is full or every event is named by a chunk still in flight. ``arm``: the message may be armed (every chunk's
+        stream is exact) where the sidecar offers doorbells."""
         with self._lock:
             released, self._released = self._released, []
             for offset in released:
                 self._audio.slots.free(offset)
+            if self._fenced:
+                self._free_fenced()
             codes_offsets: list[int] = []
             audio_offsets: list[int] = []
             for tensor, samples in zip(codes, num_samples):
@@ -141,27 +175,49 @@ class IpcChannel:
             if event_index is None:
                 self._free(codes_offsets, audio_offsets)
                 return None
-        event = self._events[event_index]
         caller = torch.cuda.current_stream(self.device.index)  # codes were made there; released audio views too
         for tensor, offset in zip(codes, codes_offsets):  # contiguous, on this device (``cuda_wire_codes``)
             self._rt.copy_async(self._codes.pointer + offset, tensor.data_ptr(), tensor.nbytes, caller.cuda_stream)
-        event.record(caller)
+        token = None
+        if arm and self._doorbells is not None:  # armed: the word, written behind the copies, is what it waits on
+            token = self._next_token(event_index)
+            with torch.cuda.device(self.device):  # the driver call needs this device's context current
+                self._rt.write_value32(self._doorbells + 4 * event_index, token, caller.cuda_stream)
+        # the event, after the word: what the sidecar polls for an unarmed chunk (or one of a region it disarmed),
+        # and what tells this client that its copy is done before it reuses the slot of a refused armed chunk
+        self._events[event_index].record(caller)
         packed = []
         for tensor, samples, codes_offset, audio_offset in zip(codes, num_samples, codes_offsets, audio_offsets):
             codes_desc = TensorDesc(_WIRE_DTYPES[tensor.dtype], tuple(tensor.shape),
                                     CudaIpcLoc(self.codes_region, codes_offset, tensor.nbytes))
             audio_desc = TensorDesc("float32", (samples,), CudaIpcLoc(self.audio_region, audio_offset, samples * 4))
-            packed.append(PackedChunk(self, codes_desc, event_index, audio_desc, codes_offset, audio_offset, caller))
+            packed.append(PackedChunk(self, codes_desc, event_index, token, audio_desc, codes_offset, audio_offset,
+                                      caller))
         return packed
 
     def release(self, packed: PackedChunk, audio_used: bool) -> None:
-        """The chunk's reply arrived: its codes slot and event are free; its audio slot too unless a view now
+        """The chunk's reply arrived: its codes slot and event are free (an armed chunk's once its event is
+        complete: refused before its codes came, its copy may still be queued); its audio slot too unless a view now
         owns it."""
         with self._lock:
-            self._codes.slots.free(packed.codes_offset)
-            self._event_pool.free(packed.codes_event)
+            if packed.codes_token is None:
+                self._codes.slots.free(packed.codes_offset)
+                self._event_pool.free(packed.codes_event)
+            else:
+                self._fenced.append((packed.codes_offset, packed.codes_event))
             if not audio_used:
                 self._audio.slots.free(packed.audio_offset)
+
+    def _free_fenced(self) -> None:
+        """Free the codes slots and events of answered armed chunks whose event completed (one query each)."""
+        waiting = []
+        for codes_offset, event_index in self._fenced:
+            if self._events[event_index].query():
+                self._codes.slots.free(codes_offset)
+                self._event_pool.free(event_index)
+            else:
+                waiting.append((codes_offset, event_index))
+        self._fenced = waiting
 
     def _free(self, codes_offsets: list[int], audio_offsets: list[int]) -> None:
         for offset in codes_offsets:
@@ -191,6 +247,12 @@ class IpcChannel:
             return {"codes_bytes_in_use": self._codes.slots.used_nbytes,
                     "audio_bytes_in_use": self._audio.slots.used_nbytes, "live_audio_views": self._live_audio}
 
+    def _close_doorbells(self) -> None:
+        if self._doorbells is not None:
+            pointer, self._doorbells = self._doorbells, None
+            torch.cuda.synchronize(self.device)  # no write into the words still queued on a caller's stream
+            self._rt.close_mem_handle(pointer)
+
     def close(self) -> None:
         """Free both regions (after the sidecar unregistered them). Audio views still alive keep the audio
         region: it is then left allocated, with a warning, rather than freed under them."""
@@ -198,6 +260,7 @@ class IpcChannel:
             return
         self.closed = True
         try:
+            self._close_doorbells()
             self._rt.free(self._codes.pointer)
             with self._lock:
                 live = self._live_audio

@@ -42,9 +42,10 @@ def _resolve(future: Future) -> tuple[Any, Any]:
 
 class IpcLink:
     def __init__(self, conn: Connection, enabled: bool, host_id: str | None, codes_nbytes: int,
-                 audio_nbytes: int) -> None:
+                 audio_nbytes: int, armed: bool = True) -> None:
         self._conn = conn
         self.enabled = enabled
+        self.armed = armed  # arm chunks where the sidecar offers doorbells (else codes events)
         self.host_id = host_id
         self._codes_nbytes = codes_nbytes
         self._audio_nbytes = audio_nbytes
@@ -136,7 +137,8 @@ class IpcLink:
         if not isinstance(codes, RegionRegistered) or not isinstance(audio, RegionRegistered):
             return f"register_failed: unexpected replies {codes!r}, {audio!r}"
         try:
-            channel.adopt(session, codes.region_id, audio.region_id, audio.events)
+            channel.adopt(session, codes.region_id, audio.region_id, audio.events,
+                          codes.doorbells if self.armed else None)
         except (IpcUnavailable, RuntimeError) as exc:
             self._off = f"register_failed: {exc}"
             return self._off
@@ -159,7 +161,8 @@ class IpcLink:
             return packed
         num_samples = [audio_num_samples(planned[i][1].num_frames, planned[i][1].context_frames,
                                          planned[i][0].samples_per_frame) for i in rows]
-        placed = channel.pack([planned[i][1].codes for i in rows], num_samples)
+        arm = all(planned[i][0].mode == "exact" for i in rows)  # a window stream's codes are read on the host
+        placed = channel.pack([planned[i][1].codes for i in rows], num_samples, arm)
         if placed is None:
             self.fallback("region_full: codes or audio views in flight fill the regions, or every codes event "
                           "is named by a message in flight", len(rows))
@@ -167,6 +170,8 @@ class IpcLink:
         for i, ipc in zip(rows, placed):
             packed[i] = ipc
         self.stats["ipc_chunks"] += len(rows)
+        if placed[0].codes_token is not None:
+            self.stats["ipc_armed"] += len(rows)
         return packed
 
     def close(self, timeout_s: float = 1.0) -> None:

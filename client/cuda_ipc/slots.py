@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["EventPool", "SlotAllocator"]
+__all__ = ["EventPool", "SlotAllocator", "next_token"]
 
 
 class SlotAllocator:
@@ -80,3 +80,10 @@ class EventPool:
         if self.uses[index] <= 0:
             raise ValueError(f"event {index} is not in use")  # a double free is a bug
         self.uses[index] -= 1
+
+
+def next_token(last: int) -> int:
+    """The doorbell token after ``last`` (0: none yet): even, growing by 2, cyclic over 32 bits (2^32 - 2 is followed
+    by 2, never 0: the words start at 0). The sidecar releases a word with the odd token + 1, which the next token
+    passes (its wait is a cyclic ``>=``)."""
+    return (last + 2) & 0xFFFFFFFF or 2

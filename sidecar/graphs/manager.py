@@ -274,10 +274,10 @@ class GraphManager:
         state.replays.inc()
         return state.output
 
-    def committed_flags(self, key: BucketKey, num_rows: int) -> Tensor:
-        """After ``replay(key, items)``: which of its ``num_rows`` rows succeeded (finite audio and new state),
-        ``[num_rows]`` bool on the device, valid until the next replay."""
-        return self.routines[key.mode].committed[:num_rows]
+    def outcomes(self, key: BucketKey, num_rows: int) -> Tensor:
+        """After ``replay(key, items)``: the ``forward.ROW_*`` outcome of each of its ``num_rows`` rows,
+        ``[num_rows]`` uint8 on the device, valid until the next replay."""
+        return self.routines[key.mode].outcomes[:num_rows]
 
     def summary(self) -> list[dict]:
         return [{"mode": s.key.mode, "bucket": s.key.label, "status": s.status, "reason": s.reason,

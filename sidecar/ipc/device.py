@@ -1,4 +1,5 @@
-"""Opening a client's region on the sidecar's GPU (engine thread only): memory handle -> byte tensor, events.
+"""Opening a client's region on the sidecar's GPU (engine thread only): memory handle -> byte tensor, events, and
+for a ``read`` region the doorbells its armed chunks name (``doorbells``: this sidecar's memory, exported).
 
 Mechanism only; ``regions`` decides when to open and close. An opened region is checked three ways before
 use: it must live on this sidecar's device (a handle from another GPU may still map through peer access),
@@ -14,6 +15,7 @@ import torch
 from code2wav.proto import RegisterRegion
 
 from .cudart import Cudart, CudaIpcError, load_cudart
+from .doorbells import DeviceBytes, Doorbells
 
 __all__ = ["CudaIpcDevice", "OpenedRegion", "CudaIpcError", "gpu_uuid"]
 
@@ -27,14 +29,6 @@ def gpu_uuid(device: torch.device) -> str:
     return text if text.startswith("GPU-") else f"GPU-{text}"
 
 
-class _DeviceBytes:
-    """A raw device allocation as a CUDA array interface (torch wraps it without copying)."""
-
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
-                                         "version": 2, "strides": None}
-
-
 @dataclass(eq=False)
 class OpenedRegion:
     pointer: int
@@ -42,6 +36,7 @@ class OpenedRegion:
     data: torch.Tensor  # uint8 [nbytes], aliasing the client's memory
     events: list = field(default_factory=list)  # torch.cuda.Event, interprocess
     event_handles: tuple[str, ...] = ()  # for write regions: what the client opens
+    doorbells: Doorbells | None = None  # for read regions: the armed chunks' words (this sidecar's memory)
 
 
 class CudaIpcDevice:
@@ -50,6 +45,8 @@ class CudaIpcDevice:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.uuid = gpu_uuid(device)
         self.cudart = cudart or load_cudart()
+        # doorbell releases: a stream of its own, so a write queues beside the engine stream's wait, not behind it
+        self.release_stream = torch.cuda.Stream(device, priority=-1)
 
     def open(self, msg: RegisterRegion) -> OpenedRegion:
         """Map the region and its events; raises ``CudaIpcError`` saying what is wrong."""
@@ -61,10 +58,12 @@ class CudaIpcDevice:
             actual = self.cudart.allocation_nbytes(pointer)
             if actual < msg.nbytes:
                 raise CudaIpcError(f"the region claims {msg.nbytes} bytes but the allocation holds {actual}")
-            data = torch.as_tensor(_DeviceBytes(pointer, msg.nbytes), device=self.device)  # [nbytes] uint8
+            data = torch.as_tensor(DeviceBytes(pointer, msg.nbytes), device=self.device)  # [nbytes] uint8
+            doorbells = None
             if msg.access == "read":
                 events = [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in msg.events]
                 handles: tuple[str, ...] = ()
+                doorbells = Doorbells(self.cudart, self.device, self.index, len(msg.events), self.release_stream)
             else:
                 events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_SERVER_EVENTS)]
                 handles = tuple(ev.ipc_handle().hex() for ev in events)
@@ -74,7 +73,7 @@ class CudaIpcDevice:
         except RuntimeError as exc:  # torch's event IPC errors
             self.cudart.close_mem_handle(pointer)
             raise CudaIpcError(f"opening the region's events failed: {exc}") from None
-        return OpenedRegion(pointer, msg.nbytes, data, events, handles)
+        return OpenedRegion(pointer, msg.nbytes, data, events, handles, doorbells)
 
     def close(self, region: OpenedRegion) -> None:
         """Unmap, once the work queued on the engine stream (which may still write into it: replies do not wait
@@ -82,4 +81,7 @@ class CudaIpcDevice:
         torch.cuda.current_stream(self.device).synchronize()
         region.data = None  # type: ignore[assignment]
         region.events = []
+        if region.doorbells is not None:
+            region.doorbells.close()
+            region.doorbells = None
         self.cudart.close_mem_handle(region.pointer)

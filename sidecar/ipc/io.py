@@ -4,11 +4,16 @@ Codes: a chunk whose client event is not complete yet is not decoded in this ste
 queue (and fails with deadline_exceeded after ``codes_event_timeout_s``), so one client's slow producer
 never stalls a batch and the engine never waits on a client's unfinished work. A complete event means the
 client's work up to it is done (its copy, and its earlier use of any audio slot now written again), so the
-engine stream needs no wait on it. The codes of all IPC chunks of the batch are gathered and copied to the
-host in one read (the server forms a batch only once the device finished the previous one, so this waits for
-nothing else). On the host they are checked like inline codes: a code outside the codebook would fault the
-device for every client, so they are never handed to a kernel unchecked. After that copy the client may
-reuse the codes' bytes.
+engine stream needs no wait on it. A stream that keeps no inputs (exact mode) has its chunk's codes copied on the
+device, from the region into the step's inputs, and checked there (``InputSpec.check_rows``: a code outside the
+codebook would fault the device for every client, so it is clamped and its row refused, its state kept): no read
+to the host and no wait. A window stream keeps its inputs as context on the host: the codes of such IPC chunks are
+gathered and copied to the host in one read (the server forms a batch only once the device finished the previous
+one, so this waits for nothing else) and checked there like inline codes. Either way the step has read the codes'
+bytes before its reply leaves (its outcomes are read back first), so the client may reuse them then.
+
+Armed chunks (``ipc.doorbells``) are never deferred and their events are not queried: the step waits on the GPU for
+their doorbell words, and their codes stay on the device like an exact stream's.
 
 Audio: each row is copied from the decoder's output straight into the client's region and the region's next
 event is recorded on the engine stream. The reply leaves without waiting for it: it names the event, and
@@ -25,7 +30,7 @@ from code2wav.proto import ErrorCode
 
 from ..models.family import InputSpec
 
-__all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audio"]
+__all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audio", "store_rows"]
 
 
 def _codes_event(job):
@@ -41,25 +46,32 @@ def drop_complete(events: list) -> list:
 
 def incomplete_codes_events(jobs: list) -> list:
     """The distinct codes events of ``jobs``' CUDA IPC chunks that are not complete yet (one query each; chunks
-    of one message share theirs)."""
-    events = {id(event): event for event in (_codes_event(job) for job in jobs if job.ipc_codes is not None)}
+    of one message share theirs; armed chunks name none)."""
+    events = {id(event): event for event in (_codes_event(job) for job in jobs
+                                             if job.ipc_codes is not None and job.ipc_codes.armed is None)}
     return drop_complete(list(events.values()))
 
 
 def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s: float,
                incomplete: list) -> tuple[list, list]:
-    """Give each IPC job host inputs ``[C, n]`` (int64 codes or float32 latents, as ``spec`` says) checked
-    against ``spec``, but not those whose codes event is in ``incomplete``
-    (``incomplete_codes_events`` of the batch: the caller queried them). Returns ``(refused, deferred)``:
-    ``(job, code, message)`` for jobs refused, and jobs whose codes are not ready yet (to be queued again)."""
+    """Give each IPC job its inputs ``[C, n]``, but not those whose codes event is in ``incomplete``
+    (``incomplete_codes_events`` of the batch: the caller queried them): the region's view on the device, unchecked
+    (the step checks it), for a stream that keeps no inputs; else host inputs (int64 codes or float32 latents, as
+    ``spec`` says) checked against ``spec``. Returns ``(refused, deferred)``: ``(job, code, message)`` for jobs
+    refused, and jobs whose codes are not ready yet (to be queued again)."""
     ipc_jobs = [job for job in jobs if job.ipc_codes is not None]
     if not ipc_jobs:
         return [], []
     refused, ready, deferred = [], [], []
     waiting = {id(event) for event in incomplete}
     for job in ipc_jobs:
-        if id(_codes_event(job)) not in waiting:  # complete: the client's copy is done, nothing to wait on
-            ready.append(job)
+        if job.ipc_codes.armed is not None:  # the step waits for its doorbell on the device (an exact stream)
+            job.codes = job.ipc_codes.view  # [C, n] in the client's region and wire dtype
+        elif id(_codes_event(job)) not in waiting:  # complete: the client's copy is done, nothing to wait on
+            if job.stream.mode.keeps_inputs:
+                ready.append(job)
+            else:  # copied and checked by the step on the device
+                job.codes = job.ipc_codes.view  # [C, n] in the client's region and wire dtype
         elif now_s - job.arrived_s > codes_event_timeout_s:
             refused.append((job, ErrorCode.DEADLINE_EXCEEDED, f"codes_event {job.ipc_codes.event_index} of region "
                             f"{job.ipc_codes.region.region_id} did not complete within {codes_event_timeout_s:g}s"))
@@ -103,3 +115,16 @@ def store_audio(jobs: list, audios: list) -> list:
         for job in region_jobs:
             job.audio_event = event_index
     return kept
+
+
+def store_rows(done: list, audios: list, metrics) -> list:
+    """A step's decoded jobs: their CUDA IPC audio rows queued into their regions (``store_audio``) and counted with
+    their CUDA IPC inputs; returns the audio each job keeps."""
+    num_out = sum(job.audio_out is not None for job in done)
+    if num_out:
+        audios = store_audio(done, audios)
+        metrics.ipc_audio_out.inc(num_out)
+    num_in = sum(job.ipc_codes is not None for job in done)
+    if num_in:
+        metrics.ipc_codes_in.inc(num_in)
+    return audios

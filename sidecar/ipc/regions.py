@@ -177,7 +177,9 @@ class RegionService:
             self.device_ops.append(DeviceOp("close", region.client, region=region))
             return
         self.regions[region.region_id] = region
-        self._send(op.identity, proto.RegionRegistered(msg.request_id, region.region_id, op.result.event_handles))
+        doorbells = op.result.doorbells
+        self._send(op.identity, proto.RegionRegistered(msg.request_id, region.region_id, op.result.event_handles,
+                                                       None if doorbells is None else doorbells.handle))
 
     def _close_when_idle(self, region: Region) -> None:
         region.closing = True

@@ -92,6 +92,24 @@ class InputSpec:
         """The dtype checked inputs have on the host (int64 codes, float32 latents)."""
         return torch.long if self.is_integer else torch.float32
 
+    def check_rows(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """The device-side check of a staged batch ``[B, C, T]`` (padding is zero, which is valid): ``(inputs safe to
+        hand to the decoder, [B] bool: the row's inputs are valid)``, as ``problem`` says. Codes are clamped into
+        the codebook (an index outside it would fault the device for every stream); latents are passed as they are
+        (a bad value makes no kernel fault; its row is refused). Graph-capturable: no host reads. Inputs read from a
+        CUDA IPC region are checked only here; inline ones were checked on arrival and pass."""
+        if self.is_integer:
+            safe = inputs.clamp(0, self.high - 1)  # [B, C, T]
+            return safe, (safe == inputs).flatten(1).all(dim=1)  # [B]
+        return inputs, (inputs.abs() <= LATENT_ABS_MAX).flatten(1).all(dim=1)  # [B]: NaN compares False
+
+    def device_problem(self) -> str:
+        """What a row refused by ``check_rows`` held (the device keeps no value to quote)."""
+        if self.is_integer:
+            return f"a code out of range [0, {self.high}) (checked on the GPU: the codes came from a CUDA IPC region)"
+        return (f"a latent that is not finite or of magnitude beyond {LATENT_ABS_MAX:g} (checked on the GPU: the "
+                "latents came from a CUDA IPC region)")
+
     def problem(self, values: Tensor) -> str | None:
         """Why ``values`` (any shape, host or device) are not valid inputs, or None. One reduction per call."""
         if values.numel() == 0:

@@ -24,6 +24,10 @@ class StreamMode:
     """True: the stream holds an arena slot and each chunk continues its state; False: chunks decode from a zero
     state (stateless rows)."""
 
+    keeps_inputs: bool = False
+    """True: ``commit`` keeps a chunk's inputs (on the host) for the next chunk, so inputs from a CUDA IPC region are
+    read to the host; False: they stay on the device, copied into the step's inputs and checked there."""
+
     def left_context_frames(self, requested: int) -> int:
         """The left context a stream opened with ``requested`` keeps (echoed in ``opened``)."""
         raise NotImplementedError

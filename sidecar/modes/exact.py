@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class ExactMode(StreamMode):
     name = "exact"
     stateful = True
+    keeps_inputs = False
 
     def left_context_frames(self, requested: int) -> int:
         return 0  # the state is the context

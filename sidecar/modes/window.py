@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class WindowMode(StreamMode):
     name = "window"
     stateful = False
+    keeps_inputs = True
 
     def left_context_frames(self, requested: int) -> int:
         return requested

@@ -1,0 +1,173 @@
+"""The device-armed hand-off's doorbells (proto/README.md, section 3): sidecar memory a client's GPU stream writes a
+token into after its codes, which a step waits for on the GPU instead of the loop polling the client's event.
+
+Mechanism only. A ``read`` region's ``Doorbells`` are a device allocation of their own, never torch's caching
+allocator, and a whole ``DOORBELLS_NBYTES`` so that no other allocation shares its pages: the exported handle lets
+the client write these words and nothing else of the sidecar's (another client's words included). One 32-bit word
+per event the client registered, zero at first. An armed chunk's ``ArmedInputs`` names its word and token:
+
+- ``queue_wait``: on the engine stream, before the step reads the row's codes: the stream waits until the word
+  reaches the token (cyclic ``>=``). The engine then snapshots the word into the step's gates and only then copies
+  the codes: a word equal to the token means the client's codes before it are written (the sidecar never writes the
+  token itself, only the token + 1).
+- ``release``: the stepper's watchdog, ``armed_wait_s`` after the wait was queued (the client died, or its codes did
+  not come): on a stream of its own, a word still behind its token is raised to the token + 1, so the wait ends and
+  the snapshot refuses the row (``ROW_NOT_READY``, its state kept). A word that reached its token, or passed it, is
+  left alone: an armed row of another client in the same step, rung in time, is still decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cudart import Cudart
+
+__all__ = ["DeviceBytes", "Doorbells", "ArmedInputs", "DoorbellWatch", "as_int32", "raise_behind", "release_due", "DOORBELLS_NBYTES",
+           "WORD_NBYTES"]
+
+log = logging.getLogger(__name__)
+
+WORD_NBYTES = 4
+DOORBELLS_NBYTES = 2 << 20
+"""A region's doorbell allocation: 2 MiB, the GPU's large page, so that the exported block shares no page (and no
+word) with any other allocation of the sidecar's."""
+
+
+class DeviceBytes:
+    """A raw device allocation as a CUDA array interface (torch wraps it without copying)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 2, "strides": None}
+
+
+def as_int32(token: int) -> int:
+    """A 32-bit word's value as the int32 tensors that hold it (tokens run to 2^32 - 2)."""
+    return token - (1 << 32) if token >= 1 << 31 else token
+
+
+class Doorbells:
+    def __init__(self, cudart: Cudart, device: torch.device, device_index: int, num_words: int,
+                 release_stream: torch.cuda.Stream) -> None:
+        self.cudart = cudart
+        self.device = device
+        self.pointer = cudart.malloc(DOORBELLS_NBYTES, device_index)
+        try:
+            block = torch.as_tensor(DeviceBytes(self.pointer, DOORBELLS_NBYTES), device=device)  # [nbytes] uint8
+            self.words = block[: num_words * WORD_NBYTES].view(torch.int32)  # [E] int32
+            with torch.cuda.stream(release_stream):  # not the engine stream: a step may be parked on a wait there
+                block.zero_()
+            release_stream.synchronize()  # zero before the client may write
+            self.handle = cudart.export(self.pointer).hex()
+        except Exception:
+            cudart.free(self.pointer)
+            raise
+        self.release_stream = release_stream
+        self.released = False  # a wait on one of these words was released: the region's chunks go unarmed
+
+    def armed(self, index: int, token: int) -> ArmedInputs:
+        return ArmedInputs(self, index, token)
+
+    def close(self) -> None:
+        """Free the words: the caller has synchronised the engine stream (no wait still reads them)."""
+        self.release_stream.synchronize()
+        self.words = None  # type: ignore[assignment]
+        self.cudart.free(self.pointer)
+
+
+@dataclass(eq=False)
+class ArmedInputs:
+    """One armed chunk: its codes are ready once word ``index`` of ``doorbells`` reaches ``token`` (even)."""
+
+    doorbells: Doorbells
+    index: int
+    token: int
+    queued_s: float | None = field(default=None)  # monotonic: when its wait was queued on the engine stream
+    released: bool = False
+
+    @property
+    def word(self) -> torch.Tensor:
+        return self.doorbells.words[self.index: self.index + 1]  # [1] int32 on the device
+
+    @property
+    def token_int32(self) -> int:
+        return as_int32(self.token)
+
+    def queue_wait(self, device: torch.device) -> None:
+        """``device``'s current stream (the engine's) waits on the GPU until the word reaches the token."""
+        bells = self.doorbells
+        with torch.cuda.device(device):  # the driver call needs the device's context current on this thread
+            stream = torch.cuda.current_stream(device).cuda_stream
+            bells.cudart.wait_value32(bells.words[self.index:].data_ptr(), self.token, stream)
+        self.queued_s = time.monotonic()
+
+    def release(self) -> None:
+        """On the release stream: a word still behind the token (cyclic) becomes the token + 1; any other is left
+        as it is. Ends a wait queued for the token; the step's snapshot then refuses the row."""
+        bells = self.doorbells
+        with torch.cuda.stream(bells.release_stream):
+            raise_behind(self.word, self.token)
+        self.released = True
+        bells.released = True
+
+
+def raise_behind(word: torch.Tensor, token: int) -> None:
+    """``word`` ``[1]`` int32 (a doorbell, on the current stream): the token + 1 if it is behind ``token`` (cyclic:
+    ``(int32)(word - token) < 0``), else unchanged. Device ops only: no host read."""
+    value = word.to(torch.int64) & 0xFFFFFFFF  # [1] the word as uint32
+    behind = ((value - token) & 0xFFFFFFFF) >= 1 << 31  # [1]
+    word.copy_(torch.where(behind, as_int32((token + 1) & 0xFFFFFFFF), word))  # [1] int32
+
+
+def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s: float, released_metric,
+                why: str) -> int:
+    """Release the armed chunks among ``waits`` (``(stream_id, seq, ArmedInputs)``) whose wait was queued ``wait_s``
+    or more before ``now_s`` (again, if the watchdog comes back to them: a word that reached its token is left alone;
+    a wait not queued yet needs none). Logs (with ``why``) and counts each chunk's first release on
+    ``released_metric``; returns how many were released now. A release that fails is logged: the device is then
+    failing, and the next step reports it."""
+    due = [(stream_id, seq, armed) for stream_id, seq, armed in waits
+           if armed.queued_s is not None and now_s - armed.queued_s >= wait_s]
+    first = [stream_id for stream_id, _, armed in due if not armed.released]
+    if first:
+        log.warning("releasing the doorbell waits of %d armed CUDA IPC chunk(s): %s (streams %s); their regions' "
+                    "later chunks go unarmed", len(first), why, ", ".join(sorted(set(first))))
+        released_metric.inc(len(first))
+    for stream_id, seq, armed in due:
+        try:
+            armed.release()
+        except Exception:
+            log.exception("releasing the doorbell of stream %s seq %d failed", stream_id, seq)
+    return len(due)
+
+
+class DoorbellWatch:
+    """The watchdog of one step's armed chunks (``jobs``), on the event loop: every quarter of ``wait_s`` (10 ms at
+    least) it releases the waits queued ``wait_s`` or more ago (``release_due``), until ``stop``. Started with the
+    step, so a wait queued late (behind a capture, say) still gets its full ``wait_s``; coming back releases again a
+    wait whose first release did not land. It keeps what it needs of the jobs (their CUDA IPC records are cleared
+    when they complete or fail)."""
+
+    def __init__(self, loop, jobs: list, wait_s: float, released_metric) -> None:
+        self._loop = loop
+        self._waits = [(job.stream.stream_id, job.seq, job.ipc_codes.armed) for job in jobs]
+        self._wait_s = wait_s
+        self._metric = released_metric
+        self._period_s = max(wait_s / 4, 0.01)
+        self._handle = loop.call_later(self._period_s, self._check)
+
+    def _check(self) -> None:
+        release_due(self._waits, self._wait_s, time.monotonic(), self._metric,
+                    f"not rung within armed_wait_s {self._wait_s:g}s")
+        self._handle = self._loop.call_later(self._period_s, self._check)
+
+    def stop(self, release: bool = False) -> None:
+        """No more checks; ``release``: the step did not finish (it failed, or was cancelled), so every wait it
+        queued is released now, the engine stream never left parked on one."""
+        self._handle.cancel()
+        if release:
+            release_due(self._waits, 0.0, float("inf"), self._metric, "their step did not finish")
