@@ -75,7 +75,7 @@ class SidecarClient:
         curve_server_key: bytes | str | None = None,
         curve_client_key_file: str | None = None,
         cuda_ipc: bool = True,
-        ipc_armed: bool = True,
+        ipc_armed: bool = False,
         ipc_codes_nbytes: int = 4 << 20,
         ipc_audio_nbytes: int = 64 << 20,
         streams_lost_when_dead: bool = False,
@@ -91,11 +91,11 @@ class SidecarClient:
         ``cuda_ipc``: send CUDA codes by CUDA IPC when the sidecar shares this host and GPU. Two device regions
         are allocated on the codes' GPU on first use (``ipc_codes_nbytes`` for codes in flight,
         ``ipc_audio_nbytes`` for audio views alive at once; 64 MiB holds about 350 s of 24 kHz audio).
-        ``ipc_armed``: where the sidecar offers doorbells, arm each message (proto/README.md, section 3): the
-        sidecar queues its step behind a GPU wait for the codes, so the decode starts when they land on the GPU;
-        arm only codes already queued on the caller's stream (the sidecar releases a wait after its
-        ``armed_wait_s``, 0.25 s by default, and the chunk fails with ``DeadlineExceeded``). False: codes events,
-        which the sidecar polls from the host.
+        ``ipc_armed``: where the sidecar offers doorbells, arm each message of exact streams (proto/README.md,
+        section 3): the sidecar queues its step behind a GPU wait for the codes, so the decode starts when they land
+        on the GPU; arm only codes already queued on the caller's stream (the sidecar releases a wait after its
+        ``armed_wait_s``, 0.25 s by default, and the chunk fails with ``DeadlineExceeded``). False (the default
+        until the hand-off has run on a GPU, docs/design-notes.md): codes events, which the sidecar polls.
 
         ``streams_lost_when_dead``: a sidecar that stops answering heartbeats loses this client's streams at once
         (they fail with ``StreamLost``), as a ``SidecarPool`` wants of its members; by default they wait for it

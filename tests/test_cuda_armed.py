@@ -57,7 +57,7 @@ def test_armed_audio_equals_the_golden_decode_and_the_events_path(armed_sidecar,
     codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]  # [Q, T], [T * U]
     cuts = [0, 1, 4, 29, 30, codes.shape[1]]
     armed_before = _counter(armed_sidecar, "ipc_armed_chunks")
-    with SidecarClient(armed_sidecar.address) as armed, SidecarClient(armed_sidecar.address, ipc_armed=False) as plain:
+    with SidecarClient(armed_sidecar.address, ipc_armed=True) as armed, SidecarClient(armed_sidecar.address) as plain:
         a_stream, p_stream = armed.open_stream("armed"), plain.open_stream("events")
         outs = []
         for start, end in zip(cuts, cuts[1:]):
@@ -78,7 +78,7 @@ def test_a_message_sent_before_its_codes_exist_decodes_them_once_they_land(armed
     spf = full.numel() // codes.shape[1]
     busy = _sleep_cycles(50.0)
     armed_before = _counter(armed_sidecar, "ipc_armed_chunks")
-    with SidecarClient(armed_sidecar.address) as client:
+    with SidecarClient(armed_sidecar.address, ipc_armed=True) as client:
         stream = client.open_stream("ahead")
         first = stream.decode(codes[:, :10].cuda())  # leaves its codes in the region's slot
         host = codes[:, 10:20].pin_memory()
@@ -95,7 +95,7 @@ def test_a_message_sent_before_its_codes_exist_decodes_them_once_they_land(armed
 def test_codes_out_of_range_are_refused_on_the_gpu_and_the_seq_sent_again(armed_sidecar, golden_cases):
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     spf = full.numel() // codes.shape[1]
-    with SidecarClient(armed_sidecar.address) as client:
+    with SidecarClient(armed_sidecar.address, ipc_armed=True) as client:
         stream = client.open_stream("bad-codes")
         first = stream.decode(codes[:, :8].cuda())
         bad = codes[:, 8:16].clone()
@@ -115,7 +115,7 @@ def test_a_doorbell_rung_too_late_is_released_and_the_seq_sent_again(armed_sidec
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     spf = full.numel() // codes.shape[1]
     released_before = _counter(armed_sidecar, "ipc_armed_released")
-    with SidecarClient(armed_sidecar.address) as client, SidecarClient(armed_sidecar.address) as other:
+    with SidecarClient(armed_sidecar.address, ipc_armed=True) as client, SidecarClient(armed_sidecar.address) as other:
         stream, bystander = client.open_stream("late"), other.open_stream("bystander")
         first = stream.decode(codes[:, :6].cuda())
         host = codes[:, 6:12].pin_memory()
@@ -134,7 +134,7 @@ def test_a_doorbell_rung_too_late_is_released_and_the_seq_sent_again(armed_sidec
 _DYING_CLIENT = textwrap.dedent("""
     import sys, torch
     from code2wav.client import SidecarClient
-    client = SidecarClient(sys.argv[1])
+    client = SidecarClient(sys.argv[1], ipc_armed=True)
     stream = client.open_stream("dies-armed")
     codes = torch.randint(0, 64, (client.models[0].channels, 8)).pin_memory()
     stream.decode(codes.cuda())  # registers the regions; then a chunk whose codes wait behind 60 s of work
@@ -156,7 +156,7 @@ def test_a_client_that_dies_armed_leaves_every_other_stream_served(armed_sidecar
         time.sleep(0.1)  # the message is on its way (well within armed_wait_s): the sidecar's step waits for it
         child.kill()  # its GPU work dies with it: the doorbell is never written
         child.wait(timeout=30)
-        with SidecarClient(armed_sidecar.address) as client:
+        with SidecarClient(armed_sidecar.address, ipc_armed=True) as client:
             stream = client.open_stream("survivor")
             outs = [stream.decode(codes[:, a:b].cuda()).cpu() for a, b in ((0, 5), (5, 20), (20, 30))]
     finally:

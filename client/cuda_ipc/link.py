@@ -42,7 +42,7 @@ def _resolve(future: Future) -> tuple[Any, Any]:
 
 class IpcLink:
     def __init__(self, conn: Connection, enabled: bool, host_id: str | None, codes_nbytes: int,
-                 audio_nbytes: int, armed: bool = True) -> None:
+                 audio_nbytes: int, armed: bool = False) -> None:
         self._conn = conn
         self.enabled = enabled
         self.armed = armed  # arm chunks where the sidecar offers doorbells (else codes events)
