@@ -226,8 +226,8 @@ class Stepper:
             else:
                 wrote_regions = any(job.audio_out is not None for job in done)  # (completing a job clears it)
                 self._settle(done, audios, refused, deferred)
-                if wrote_regions:  # the step may still be running: the replies leave now, and the next batch
-                    # forms in the queue until the device is done
+                if wrote_regions:  # the audio's copies into the regions may still run: the replies (naming their
+                    # events) leave now, and the next batch forms in the queue until the device is done
                     io.flush()
                     await self.device_done()
         finally:
