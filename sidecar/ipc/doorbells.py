@@ -54,7 +54,6 @@ class Doorbells:
     def __init__(self, cudart: Cudart, device: torch.device, device_index: int, num_words: int,
                  release_stream: torch.cuda.Stream) -> None:
         self.cudart = cudart
-        self.device = device
         self.pointer = cudart.malloc(DOORBELLS_NBYTES, device_index)
         try:
             block = torch.as_tensor(DeviceBytes(self.pointer, DOORBELLS_NBYTES), device=device)  # [nbytes] uint8
