@@ -326,11 +326,14 @@ def test_doorbell_tokens_are_even_grow_by_two_and_skip_zero_when_they_wrap() -> 
     (2, (1 << 32) - 2, 3),  # across the wrap: 2^32 - 2 is behind 2
     (2, 3, 3),  # released already: left alone
 ])
-def test_a_release_raises_only_a_word_behind_its_token(token, before, after) -> None:
+@pytest.mark.parametrize("with_scratch", [False, True])
+def test_a_release_raises_only_a_word_behind_its_token(token, before, after, with_scratch) -> None:
     from code2wav.sidecar.ipc.doorbells import as_int32, raise_behind
 
     word = torch.tensor([as_int32(before)], dtype=torch.int32)  # [1]
-    raise_behind(word, token)
+    # the scratch holds stale values from an earlier release: the result must not depend on them
+    scratch = (torch.tensor([12345]), torch.tensor([True])) if with_scratch else None  # [1] int64, [1] bool
+    raise_behind(word, token, scratch)
     assert word.dtype == torch.int32 and int(word) == as_int32(after)
 
 

@@ -60,6 +60,11 @@ class Doorbells:
             self.words = block[: num_words * WORD_NBYTES].view(torch.int32)  # [E] int32
             with torch.cuda.stream(release_stream):  # not the engine stream: a step may be parked on a wait there
                 block.zero_()
+                # the release's working memory, allocated now: a release runs while the engine stream may be parked
+                # on a wait, and a device allocation then (the caching allocator's first block on this stream)
+                # is one of the operations CUDA may serialise against the other streams' work
+                self.scratch = (torch.empty(1, dtype=torch.int64, device=device),  # [1]
+                                torch.empty(1, dtype=torch.bool, device=device))  # [1]
             release_stream.synchronize()  # zero before the client may write
             self.handle = cudart.export(self.pointer).hex()
         except Exception:
@@ -109,17 +114,21 @@ class ArmedInputs:
         as it is. Ends a wait queued for the token; the step's snapshot then refuses the row."""
         bells = self.doorbells
         with torch.cuda.stream(bells.release_stream):
-            raise_behind(self.word, self.token)
+            raise_behind(self.word, self.token, bells.scratch)
         self.released = True
         bells.released = True
 
 
-def raise_behind(word: torch.Tensor, token: int) -> None:
+def raise_behind(word: torch.Tensor, token: int, scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``word`` ``[1]`` int32 (a doorbell, on the current stream): the token + 1 if it is behind ``token`` (cyclic:
-    ``(int32)(word - token) < 0``), else unchanged. Device ops only: no host read."""
-    value = word.to(torch.int64) & 0xFFFFFFFF  # [1] the word as uint32
-    behind = ((value - token) & 0xFFFFFFFF) >= 1 << 31  # [1]
-    word.copy_(torch.where(behind, as_int32((token + 1) & 0xFFFFFFFF), word))  # [1] int32
+    ``(word - token) mod 2^32 >= 2^31``), else unchanged. Device ops only, no host read; with ``scratch`` (``[1]``
+    int64 and ``[1]`` bool on the word's device) no allocation either."""
+    distance, behind = scratch if scratch is not None else (torch.empty(1, dtype=torch.int64, device=word.device),
+                                                             torch.empty(1, dtype=torch.bool, device=word.device))
+    distance.copy_(word)  # [1] int64, the word sign-extended
+    distance.sub_(as_int32(token)).bitwise_and_(0xFFFFFFFF)  # [1] (word - token) mod 2^32
+    torch.ge(distance, 1 << 31, out=behind)  # [1]
+    word.masked_fill_(behind, as_int32((token + 1) & 0xFFFFFFFF))  # [1] int32
 
 
 def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s: float, released_metric,
