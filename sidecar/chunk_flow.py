@@ -70,6 +70,8 @@ class ChunkFlow:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"stream '{chunk.stream_id}' is closing ({stream.closing})")
         verdict, reason = check_seq(stream, chunk.seq)
         if verdict == SeqVerdict.RESEND:
+            if stream.last_audio_event is not None:  # its host copy: queued before any later step, so this waits
+                stream.last_audio_event.synchronize()  # for that copy only, never behind a step parked on a wait
             return reply.resolve(index, stream.stream_id, chunk.seq, stream.last_audio, stream.last_num_frames)
         if verdict != SeqVerdict.ACCEPT:
             raise ChunkRejected(ErrorCode.OUT_OF_ORDER, reason)
@@ -115,7 +117,7 @@ class ChunkFlow:
         num_frames = proto.audio_num_frames(job.codes.shape[1], job.context_frames)  # frames that produced audio
         if not stream.closed:
             stream.committed_seq = job.seq
-            stream.last_audio = audio
+            stream.last_audio, stream.last_audio_event = audio, job.kept_event
             stream.last_num_frames = num_frames
             stream.last_active_s = self.clock()
             stream.mode.commit(stream, job.codes)

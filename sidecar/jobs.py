@@ -49,6 +49,7 @@ class ChunkJob:
     ipc_codes: IpcInputs | None = None  # inputs still in the client's region
     audio_out: IpcAudioOut | None = None  # write the audio there
     audio_event: int | None = None  # set by the engine step: the region event recorded after writing
+    kept_event: Any = None  # CUDA IPC audio: the event after the host copy kept for a resend (``store_audio``)
     stamps: Any = None  # chunk_trace.ChunkStamps of a traced chunk (``trace_chunks``), else None
 
     @property

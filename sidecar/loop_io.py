@@ -43,6 +43,7 @@ class SocketLoop:
         self.poll_until = 0.0  # monotonic: the step loop polls instead of sleeping until then
         self.trace = trace  # the chunks' stage recorder (``trace_chunks``); None: off
         self.region_ops_running = False  # a task is draining region open/close work
+        self.loop_step_running = False  # the stepper has a step on the loop thread (region ops wait for its end)
         self._work = asyncio.Event()
         self._close_slice_due = False  # a loop turn will free a slice of the sessions' close backlog
         self._polling = False  # the step loop is busy-polling now (input found now was not waited for)
@@ -116,7 +117,7 @@ class SocketLoop:
         if sessions.streams.close_backlog and not self._close_slice_due:  # a departed client's streams: a slice
             self._close_slice_due = True  # per loop turn, so other clients' messages are handled in between
             asyncio.get_running_loop().call_soon(self._close_slice)
-        if sessions.regions.device_ops and not self.region_ops_running:
+        if sessions.regions.device_ops and not self.region_ops_running and not self.loop_step_running:
             self.region_ops_running = True
             asyncio.get_running_loop().create_task(self._run_region_ops(), name="region-ops")
 

@@ -137,9 +137,9 @@ class Metrics:
                                           "their codes event was not complete when their batch formed", registry=r)
         self.ipc_armed_chunks = Counter(p + "ipc_armed_chunks", "Armed CUDA IPC chunks (codes_token) taken into a "
                                         "step: it waited on the GPU for their codes' doorbell", registry=r)
-        self.ipc_armed_released = Counter(p + "ipc_armed_released", "Armed chunks whose doorbell wait the sidecar "
-                                          "released (armed_wait_s passed, or their step failed); refused with "
-                                          "deadline_exceeded unless their word was rung first", registry=r)
+        self.ipc_armed_released = Counter(p + "ipc_armed_released", "Armed chunks refused not ready: their doorbell "
+                                          "word was not rung when the sidecar released the step's waits "
+                                          "(armed_wait_s); deadline_exceeded, their region disarmed", registry=r)
         self.input_pickups = Counter(p + "input_pickups", "Times the loop found input waiting: polled = taken by "
                                      "busy polling (busy_poll_us), woken = after sleeping", ["how"], registry=r)
         for how in ("polled", "woken"):

@@ -99,8 +99,7 @@ class PendingReply:
                 results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=ipc[0], num_frames=num_frames,
                                                  audio_event=ipc[1]))
                 continue
-            if audio.is_cuda:  # a resend of a chunk whose audio went to a region: answered inline
-                audio = audio.cpu()
+            # (a resend of a chunk whose audio went to a region is answered inline from its host copy, store_audio)
             buffers.append(memoryview(audio.numpy()).cast("B"))  # contiguous float32 [n * U], sent without a copy
             desc = proto.TensorDesc(dtype="float32", shape=(audio.numel(),), loc=proto.InlineLoc(frame=len(buffers)))
             results.append(proto.ChunkResult(stream_id=stream_id, seq=seq, audio=desc, num_frames=num_frames))

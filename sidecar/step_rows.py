@@ -19,12 +19,14 @@ BAD_INPUTS_MESSAGE = ("seq {seq} holds {what}: the chunk was not committed and t
 
 
 def split_outcomes(batch: list, audios: list, outcomes: list[int], not_finite, bad_inputs: str,
-                   armed_wait_s: float = 0.0) -> tuple[list, list, list]:
+                   armed_wait_s: float = 0.0, not_ready=None) -> tuple[list, list, list]:
     """Split a step's jobs by their rows' outcomes: ``(done, their audio, refused)``. A row that was not committed
     leaves its stream at its last good state and its chunk is refused: ``invalid_argument`` for inputs the device
     check refused (``bad_inputs``: what they held, ``InputSpec.device_problem``), ``deadline_exceeded`` for an armed
-    row whose doorbell the sidecar released after ``armed_wait_s``, ``internal`` for audio or new state that was
-    not finite (counted on ``not_finite``, the ``chunks_not_finite`` counter)."""
+    row whose doorbell was not rung when the sidecar released its wait after ``armed_wait_s`` (counted on
+    ``not_ready``, the ``ipc_armed_released`` counter; its region is disarmed, ``Doorbells.released``: the region's
+    later chunks go by their codes events), ``internal`` for audio or new state that was not finite (counted on
+    ``not_finite``, the ``chunks_not_finite`` counter)."""
     if not any(outcomes):  # every row ROW_COMMITTED (0)
         return batch, audios, []
     refused = []
@@ -33,6 +35,9 @@ def split_outcomes(batch: list, audios: list, outcomes: list[int], not_finite, b
             refused.append((job, ErrorCode.INVALID_ARGUMENT, BAD_INPUTS_MESSAGE.format(seq=job.seq, what=bad_inputs)))
         elif outcome == ROW_NOT_READY:
             ipc = job.ipc_codes
+            ipc.armed.doorbells.released = True
+            if not_ready is not None:
+                not_ready.inc()
             refused.append((job, ErrorCode.DEADLINE_EXCEEDED, NOT_READY_MESSAGE.format(
                 seq=job.seq, word=ipc.event_index, region=ipc.region.region_id, token=ipc.armed.token,
                 wait_s=armed_wait_s)))

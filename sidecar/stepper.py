@@ -40,7 +40,7 @@ from .chunk_trace import ChunkTrace
 from .engine import Engine, LaunchedStep
 from .graphs.routine import STAGING_BUFFERS
 from .ipc.doorbells import DoorbellWatch
-from .ipc.io import drop_complete, incomplete_codes_events, load_codes, store_rows
+from .ipc.io import disarm_released, drop_complete, incomplete_codes_events, load_codes, store_rows
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sessions import Sessions
@@ -64,6 +64,7 @@ class LoopIO(Protocol):
     busy_poll_s: float  # 0: never busy-poll
     poll_until: float  # monotonic: poll instead of sleeping until then
     region_ops_running: bool  # a region is being opened or closed in the worker thread
+    loop_step_running: bool  # set by the stepper while a step runs on the loop thread: no region op starts then
 
     async def poll(self, done: Callable[[], bool], until_s: float) -> None: ...
     def flush(self) -> None: ...
@@ -198,10 +199,11 @@ class Stepper:
         io = self.io
         now = time.monotonic()
         self.in_flight += 1  # (chunks of a stream closed meanwhile keep their slot until release_in_flight)
+        disarm_released(batch)
         armed = [job for job in batch if job.ipc_codes is not None and job.ipc_codes.armed is not None]
         watch = None
         if armed:
-            watch = DoorbellWatch(asyncio.get_running_loop(), armed, self.armed_wait_s, self.metrics.ipc_armed_released)
+            watch = DoorbellWatch(asyncio.get_running_loop(), armed, self.armed_wait_s)
             self.metrics.ipc_armed_chunks.inc(len(armed))
         try:
             pending = incomplete_codes_events(batch)  # the step's one query per codes event
@@ -210,7 +212,11 @@ class Stepper:
             now = time.monotonic()
             if on_loop(batch, plan.capture_first, plan.bucket is not None, io.region_ops_running,
                        self.launches_async):
-                done, audios, refused, deferred = await self.loop_step(batch, pending, plan)
+                io.loop_step_running = True  # a region op in the worker must not overlap it (step_placement)
+                try:
+                    done, audios, refused, deferred = await self.loop_step(batch, pending, plan)
+                finally:
+                    io.loop_step_running = False
             else:
                 done, audios, refused, deferred = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self.engine_step, batch, pending, plan)
@@ -239,7 +245,7 @@ class Stepper:
     def _split(self, batch: list, audios: list, outcomes: list[int]) -> tuple[list, list, list]:
         """``(done, their audio, refused)`` by the rows' outcomes (``step_rows.split_outcomes``)."""
         return split_outcomes(batch, audios, outcomes, self.metrics.chunks_not_finite, self._bad_inputs,
-                              self.armed_wait_s)
+                              self.armed_wait_s, self.metrics.ipc_armed_released)
 
     def _failed(self, batch: list, exc: Exception) -> None:
         log.error("engine step failed for a batch of %d %s chunks", len(batch), batch[0].stream.mode.name,

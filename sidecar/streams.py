@@ -15,6 +15,7 @@ A stream belongs to one client connection and is named by the client's ``stream_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -34,7 +35,8 @@ class ServedStream:
     options: dict[str, int] = field(default_factory=dict)  # the family's stream options, validated at open
     next_seq: int = 0  # the seq the next accepted chunk must carry
     committed_seq: int = -1
-    last_audio: Tensor | None = None  # reply of committed_seq, for idempotent resend
+    last_audio: Tensor | None = None  # reply of committed_seq, for idempotent resend (on the host)
+    last_audio_event: Any = None  # CUDA IPC audio: complete once ``last_audio``'s host copy is (None: it is)
     last_num_frames: int = 0
     num_pending: int = 0  # chunks queued or in the engine
     closing: str | None = None  # why the stream will close once num_pending reaches 0

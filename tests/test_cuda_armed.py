@@ -131,6 +131,33 @@ def test_a_doorbell_rung_too_late_is_released_and_the_seq_sent_again(armed_sidec
     assert _counter(armed_sidecar, "ipc_armed_released") - released_before == 1
 
 
+def test_a_resend_is_answered_while_a_step_is_parked_on_a_doorbell(armed_sidecar, golden_cases):
+    """While one client's armed step is parked on the GPU (its codes come 1 s late), another client resends its last
+    chunk, whose audio went into its region: the sidecar answers from the host copy it kept, on the loop thread,
+    without a device read (queued behind the parked wait, that read would block the loop, and with it the watchdog
+    that releases the wait: the late codes would then be rung before any release and decoded). So the resend gets
+    its audio, and the parked chunk is still released on time and fails ``DeadlineExceeded``."""
+    codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]  # [Q, T], [T * U]
+    spf = full.numel() // codes.shape[1]
+    with SidecarClient(armed_sidecar.address) as other, SidecarClient(armed_sidecar.address, ipc_armed=True) as client:
+        resent = other.open_stream("resent")
+        first = resent.decode(codes[:, :6].cuda()).cpu()  # IPC both ways: the sidecar keeps its audio for a resend
+        stream = client.open_stream("parks")
+        stream.decode(codes[:, :6].cuda())
+        host = codes[:, 6:12].pin_memory()
+        talker = torch.cuda.Stream()  # the late codes' stream: the default one stays free for the resend's audio
+        with torch.cuda.stream(talker):
+            torch.cuda._sleep(_sleep_cycles(1000.0))
+            future = stream.submit(host.cuda(non_blocking=True))
+        time.sleep(0.05)  # the armed step is queued and parked on its doorbell now
+        again = resent.resend().cpu()
+        with pytest.raises(cerr.DeadlineExceeded, match="were not ready"):
+            future.result(timeout=30)
+        talker.synchronize()
+    assert torch.equal(again, first)
+    torch.testing.assert_close(first, full[: 6 * spf], rtol=0, atol=1e-4)
+
+
 _DYING_CLIENT = textwrap.dedent("""
     import sys, torch
     from code2wav.client import SidecarClient

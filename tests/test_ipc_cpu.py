@@ -264,14 +264,16 @@ class _StandInDoorbells:
     released = False
 
     def armed(self, index: int, token: int):
-        return ("armed", index, token)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(doorbells=self, index=index, token=token)  # as ArmedInputs names them
 
 
 def test_an_armed_chunk_needs_doorbells_and_an_exact_stream_and_is_never_deferred() -> None:
     from types import SimpleNamespace
 
     from code2wav.sidecar.inputs import read_chunk_inputs
-    from code2wav.sidecar.ipc.io import incomplete_codes_events, load_codes
+    from code2wav.sidecar.ipc.io import disarm_released, incomplete_codes_events, load_codes
     from code2wav.sidecar.models import load_model
     from code2wav.sidecar.modes import mode_for
 
@@ -297,14 +299,20 @@ def test_an_armed_chunk_needs_doorbells_and_an_exact_stream_and_is_never_deferre
         read_chunk_inputs(model, service, b"client-a", job(False), chunk, [])
     armed = job(True)
     read_chunk_inputs(model, service, b"client-a", armed, chunk, [])
-    assert armed.ipc_codes.armed == ("armed", 0, 6) and armed.codes is None
+    assert (armed.ipc_codes.armed.index, armed.ipc_codes.armed.token) == (0, 6) and armed.codes is None
     assert incomplete_codes_events([armed]) == [] and region.opened.events[0].queries == 0
     assert load_codes([armed], model.input, now_s=100.0, codes_event_timeout_s=5.0, incomplete=[]) == ([], [])
     assert armed.codes is armed.ipc_codes.view  # [Q, 3] on the device, read by the step behind its wait
-    region.opened.doorbells.released = True  # one of the region's waits was released: its later chunks go unarmed
+    region.opened.doorbells.released = True  # a chunk of the region was refused not ready: the region is disarmed
     late = job(True)
     read_chunk_inputs(model, service, b"client-a", late, chunk, [])
     assert late.ipc_codes.armed is None and incomplete_codes_events([late]) == [region.opened.events[0]]
+    # a chunk armed before that and still queued goes by its event too (a dead client's queued chunks never park
+    # another step); an inline chunk and an unarmed one are left as they are
+    inline = job(True)
+    assert disarm_released([armed, late, inline]) == 1
+    assert armed.ipc_codes.armed is None and armed.ipc_codes.event_index == 0
+    assert incomplete_codes_events([armed]) == [region.opened.events[0]] and inline.ipc_codes is None
 
 
 def test_doorbell_tokens_are_even_grow_by_two_and_skip_zero_when_they_wrap() -> None:
@@ -338,8 +346,6 @@ def test_a_release_raises_only_a_word_behind_its_token(token, before, after, wit
 
 
 def test_release_due_releases_only_waits_queued_long_enough_and_survives_a_failing_one(caplog) -> None:
-    from prometheus_client import CollectorRegistry, Counter
-
     from code2wav.sidecar.ipc.doorbells import release_due
 
     class _Armed:  # stands in for ArmedInputs (its release writes into device memory, on a stream of its own)
@@ -354,14 +360,12 @@ def test_release_due_releases_only_waits_queued_long_enough_and_survives_a_faili
 
     late, failing, recent, unqueued = _Armed(1.0), _Armed(1.5, fails=True), _Armed(9.9), _Armed(None)
     waits = [("s0", 0, late), ("s1", 1, failing), ("s2", 2, recent), ("s3", 3, unqueued)]
-    released = Counter("released", "doorbell waits released", registry=CollectorRegistry())
     with caplog.at_level(logging.WARNING):
-        assert release_due(waits, 0.25, 10.0, released, "not rung within armed_wait_s 0.25s") == 2
+        assert release_due(waits, 0.25, 10.0, "queued armed_wait_s 0.25s ago") == 2
     assert [a.releases for a in (late, failing, recent, unqueued)] == [1, 1, 0, 0]
-    assert released._value.get() == 2
-    assert "2 armed CUDA IPC chunk(s): not rung within armed_wait_s 0.25s (streams s0, s1)" in caplog.text
+    assert "2 armed CUDA IPC chunk(s): queued armed_wait_s 0.25s ago (streams s0, s1)" in caplog.text
     assert "releasing the doorbell of stream s1 seq 1 failed" in caplog.text
     caplog.clear()
-    assert release_due(waits, 0.25, 10.0, released, "again") == 2  # a second pass releases again, logs nothing new
-    assert released._value.get() == 2 and "releasing the doorbell waits" not in caplog.text
-    assert release_due(waits, 0.0, float("inf"), released, "their step did not finish") == 3  # every queued wait
+    assert release_due(waits, 0.25, 10.0, "again") == 2  # a second pass releases again, logs nothing new
+    assert "releasing the doorbell waits" not in caplog.text
+    assert release_due(waits, 0.0, float("inf"), "their step did not finish") == 3  # every queued wait

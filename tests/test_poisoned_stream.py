@@ -133,7 +133,7 @@ def test_qwen3_overflow_inside_the_model_never_poisons_a_stream(path):
     Q = model.num_channels
     good = [torch.randint(0, 63, (Q, 5), generator=gen), torch.randint(0, 63, (Q, 4), generator=gen)]
     bystander = [torch.randint(0, 63, (Q, n), generator=gen) for n in (5, 3, 4)]
-    bad = torch.randint(0, 63, (Q, 3), generator=gen)
+    bad = torch.randint(0, 63, (Q, 4), generator=gen)  # as long as good[1]: the clean run's step has the same shape
     bad[0, 1] = 63
     _check_not_poisoned(model, path, good, bad, bystander)
 
@@ -151,7 +151,7 @@ def test_codes_out_of_range_that_skipped_the_host_check_are_refused_by_the_step(
     Q = model.num_channels
     good = [torch.randint(0, 64, (Q, 5), generator=gen), torch.randint(0, 64, (Q, 4), generator=gen)]
     bystander = [torch.randint(0, 64, (Q, n), generator=gen) for n in (5, 3, 4)]
-    bad = torch.randint(0, 64, (Q, 3), generator=gen)
+    bad = torch.randint(0, 64, (Q, 4), generator=gen)  # as long as good[1]: the clean run's step has the same shape
     bad[Q - 1, 2] = bad_code
     _check_not_poisoned(model, path, good, bad, bystander, refused_as=ROW_BAD_INPUTS)
 
@@ -266,13 +266,21 @@ def test_split_outcomes_refuses_each_row_with_the_code_its_outcome_names():
     from code2wav.sidecar.step_rows import split_outcomes
 
     not_finite = Counter("not_finite", "rows whose audio or state was not finite", registry=CollectorRegistry())
-    armed = SimpleNamespace(event_index=3, region=SimpleNamespace(region_id=9), armed=SimpleNamespace(token=42))
-    jobs = [SimpleNamespace(seq=s) for s in (4, 5, 6, 7)] + [SimpleNamespace(seq=8, ipc_codes=armed)]
+    not_ready = Counter("not_ready", "armed rows not rung when released", registry=CollectorRegistry())
+
+    def armed(token: int):  # an armed chunk's CUDA IPC inputs: its word, region and the region's doorbells
+        return SimpleNamespace(event_index=3, region=SimpleNamespace(region_id=9),
+                               armed=SimpleNamespace(token=token, doorbells=SimpleNamespace(released=False)))
+
+    late, rung = armed(42), armed(44)
+    jobs = [SimpleNamespace(seq=s) for s in (4, 5, 6, 7)] + [SimpleNamespace(seq=8, ipc_codes=late)]
     audios = ["a4", "a5", "a6", "a7", "a8"]
     assert split_outcomes(jobs, audios, [ROW_COMMITTED] * 5, not_finite, "x") == (jobs, audios, [])
+    # an armed row of another client in the same step, rung in time: decoded, its region stays armed
+    jobs[3].ipc_codes = rung
     done, kept, refused = split_outcomes(
         jobs, audios, [ROW_COMMITTED, ROW_BAD_INPUTS, ROW_NOT_FINITE, ROW_COMMITTED, ROW_NOT_READY], not_finite,
-        "a code out of range [0, 64)", armed_wait_s=0.25)
+        "a code out of range [0, 64)", armed_wait_s=0.25, not_ready=not_ready)
     assert done == [jobs[0], jobs[3]] and kept == ["a4", "a7"]
     (bad_job, bad_code, bad_message), (nan_job, nan_code, nan_message), (late_job, late_code, late_message) = refused
     assert (bad_job, bad_code) == (jobs[1], ErrorCode.INVALID_ARGUMENT)
@@ -282,3 +290,5 @@ def test_split_outcomes_refuses_each_row_with_the_code_its_outcome_names():
     assert late_message.startswith("seq 8's codes were not ready: doorbell word 3 of region 9 had not reached "
                                    "codes_token 42 0.25s after the step queued its wait (armed_wait_s)")
     assert _total(not_finite) == 1  # only the row that overflowed is counted there
+    # the row not ready disarms its region (its later chunks go by their event) and is counted; the rung one not
+    assert late.armed.doorbells.released and not rung.armed.doorbells.released and _total(not_ready) == 1

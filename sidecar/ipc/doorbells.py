@@ -71,7 +71,7 @@ class Doorbells:
             cudart.free(self.pointer)
             raise
         self.release_stream = release_stream
-        self.released = False  # a wait on one of these words was released: the region's chunks go unarmed
+        self.released = False  # an armed chunk of the region was refused not ready: its later chunks go unarmed
 
     def armed(self, index: int, token: int) -> ArmedInputs:
         return ArmedInputs(self, index, token)
@@ -111,12 +111,13 @@ class ArmedInputs:
 
     def release(self) -> None:
         """On the release stream: a word still behind the token (cyclic) becomes the token + 1; any other is left
-        as it is. Ends a wait queued for the token; the step's snapshot then refuses the row."""
+        as it is. Ends a wait queued for the token; the step's snapshot then refuses the row (``ROW_NOT_READY``,
+        which disarms the region: ``step_rows.split_outcomes``). A word rung in time is untouched and its row
+        decoded: whether this release mattered is known only from the row's outcome."""
         bells = self.doorbells
         with torch.cuda.stream(bells.release_stream):
             raise_behind(self.word, self.token, bells.scratch)
         self.released = True
-        bells.released = True
 
 
 def raise_behind(word: torch.Tensor, token: int, scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -131,20 +132,19 @@ def raise_behind(word: torch.Tensor, token: int, scratch: tuple[torch.Tensor, to
     word.masked_fill_(behind, as_int32((token + 1) & 0xFFFFFFFF))  # [1] int32
 
 
-def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s: float, released_metric,
-                why: str) -> int:
+def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s: float, why: str) -> int:
     """Release the armed chunks among ``waits`` (``(stream_id, seq, ArmedInputs)``) whose wait was queued ``wait_s``
     or more before ``now_s`` (again, if the watchdog comes back to them: a word that reached its token is left alone;
-    a wait not queued yet needs none). Logs (with ``why``) and counts each chunk's first release on
-    ``released_metric``; returns how many were released now. A release that fails is logged: the device is then
-    failing, and the next step reports it."""
+    a wait not queued yet needs none). Logs (with ``why``) each chunk's first release; returns how many were
+    released now. The rows' outcomes say which were not rung (those are counted and disarm their regions,
+    ``step_rows.split_outcomes``): a release also reaches the words of the step's other armed chunks, rung in time
+    or not. A release that fails is logged: the device is then failing, and the next step reports it."""
     due = [(stream_id, seq, armed) for stream_id, seq, armed in waits
            if armed.queued_s is not None and now_s - armed.queued_s >= wait_s]
     first = [stream_id for stream_id, _, armed in due if not armed.released]
     if first:
-        log.warning("releasing the doorbell waits of %d armed CUDA IPC chunk(s): %s (streams %s); their regions' "
-                    "later chunks go unarmed", len(first), why, ", ".join(sorted(set(first))))
-        released_metric.inc(len(first))
+        log.warning("releasing the doorbell waits of %d armed CUDA IPC chunk(s): %s (streams %s); a chunk whose "
+                    "word was not rung by then fails deadline_exceeded", len(first), why, ", ".join(sorted(set(first))))
     for stream_id, seq, armed in due:
         try:
             armed.release()
@@ -160,17 +160,15 @@ class DoorbellWatch:
     wait whose first release did not land. It keeps what it needs of the jobs (their CUDA IPC records are cleared
     when they complete or fail)."""
 
-    def __init__(self, loop, jobs: list, wait_s: float, released_metric) -> None:
+    def __init__(self, loop, jobs: list, wait_s: float) -> None:
         self._loop = loop
         self._waits = [(job.stream.stream_id, job.seq, job.ipc_codes.armed) for job in jobs]
         self._wait_s = wait_s
-        self._metric = released_metric
         self._period_s = max(wait_s / 4, 0.01)
         self._handle = loop.call_later(self._period_s, self._check)
 
     def _check(self) -> None:
-        release_due(self._waits, self._wait_s, time.monotonic(), self._metric,
-                    f"not rung within armed_wait_s {self._wait_s:g}s")
+        release_due(self._waits, self._wait_s, time.monotonic(), f"queued armed_wait_s {self._wait_s:g}s ago")
         self._handle = self._loop.call_later(self._period_s, self._check)
 
     def stop(self, release: bool = False) -> None:
@@ -178,4 +176,4 @@ class DoorbellWatch:
         queued is released now, the engine stream never left parked on one."""
         self._handle.cancel()
         if release:
-            release_due(self._waits, 0.0, float("inf"), self._metric, "their step did not finish")
+            release_due(self._waits, 0.0, float("inf"), "their step did not finish")

@@ -24,13 +24,15 @@ waits on an event re-recorded since waits for later work of the same stream, whi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from code2wav.proto import ErrorCode
 
 from ..models.family import InputSpec
 
-__all__ = ["drop_complete", "incomplete_codes_events", "load_codes", "store_audio", "store_rows"]
+__all__ = ["disarm_released", "drop_complete", "incomplete_codes_events", "load_codes", "store_audio", "store_rows"]
 
 
 def _codes_event(job):
@@ -42,6 +44,19 @@ def drop_complete(events: list) -> list:
     """Query each of ``events`` once and keep, in place, those not complete yet; returns the list."""
     events[:] = [event for event in events if not event.query()]
     return events
+
+
+def disarm_released(jobs: list) -> int:
+    """Armed chunks of a region disarmed since they arrived (``Doorbells.released``: one of its chunks was refused
+    not ready) go by their codes event instead, like the region's later chunks: a dead client's chunks still queued
+    never park another step. Returns how many were disarmed."""
+    count = 0
+    for job in jobs:
+        ipc = job.ipc_codes
+        if ipc is not None and ipc.armed is not None and ipc.armed.doorbells.released:
+            job.ipc_codes = dataclasses.replace(ipc, armed=None)
+            count += 1
+    return count
 
 
 def incomplete_codes_events(jobs: list) -> list:
@@ -96,7 +111,8 @@ def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s:
 
 
 def store_audio(jobs: list, audios: list) -> list:
-    """Write IPC rows into their regions; returns the audio each job keeps for resends (owned tensors)."""
+    """Write IPC rows into their regions; returns the audio each job keeps for resends (owned tensors): for a row
+    written into a region, a host copy queued into pinned memory, complete once the job's ``kept_event`` is."""
     kept = list(audios)
     written = {}
     for i, job in enumerate(jobs):
@@ -104,16 +120,23 @@ def store_audio(jobs: list, audios: list) -> list:
             continue
         region = job.audio_out.region
         job.audio_out.view.copy_(audios[i])  # into the client's memory
-        # Our own copy for an idempotent resend (the decoder output is reused next step); one per row, so an
-        # idle stream never pins the rows of other streams.
-        kept[i] = audios[i].clone()
+        # Our own copy for an idempotent resend (the decoder output is reused next step), on the host: a resend is
+        # answered on the loop thread, which must never wait on the engine stream (a later step may be parked there
+        # on a doorbell wait that only the loop's watchdog releases). One per row, so an idle stream never pins the
+        # rows of other streams.
+        kept[i] = torch.empty(audios[i].shape, dtype=audios[i].dtype, pin_memory=True)  # [n * U] float32
+        kept[i].copy_(audios[i], non_blocking=True)
         written.setdefault(id(region), (region, []))[1].append(job)
+    if not written:
+        return kept
+    kept_event = torch.cuda.Event()
+    kept_event.record()  # after the host copies (a resend waits on it: it never waits behind a later step)
     for region, region_jobs in written.values():
         event_index = region.next_event
         region.next_event = (event_index + 1) % len(region.opened.events)
         region.opened.events[event_index].record()  # not waited for here: the reply names it
         for job in region_jobs:
-            job.audio_event = event_index
+            job.audio_event, job.kept_event = event_index, kept_event
     return kept
 
 
