@@ -5,7 +5,8 @@ whatever ``PYTORCH_CUDA_ALLOC_CONF`` says), exports it and copies into it; the s
 which device and how many bytes the pointer really has, and closes it.
 
 The device-armed hand-off uses two driver calls on the same streams: the client's stream writes a doorbell word
-after its codes (``write_value32``), the sidecar's stream waits for it (``wait_value32``).
+after its codes (``write_value32``), the sidecar's stream waits for it (``wait_value32``). The words are shared host
+memory (``cudart.doorbell_words``), which both processes register for the GPU (``host_register``).
 
 The binding talks to the same CUDA runtime and driver as torch in this process (same contexts, same streams).
 Every call checks its status and raises ``CudaIpcError`` with the runtime's message; without the binding,
@@ -21,6 +22,8 @@ from typing import Any
 __all__ = ["CudaIpcError", "CudaBindingsMissing", "Runtime", "runtime", "IPC_HANDLE_NBYTES"]
 
 IPC_HANDLE_NBYTES = 64  # cudaIpcMemHandle_t
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: registered for every context, not just the current one
+HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped: mapped into the device's address space
 
 
 class CudaIpcError(RuntimeError):
@@ -83,6 +86,21 @@ class Runtime:
         current on this thread."""
         self._check_driver(self._driver.cuStreamWaitValue32(
             self._driver.CUstream(stream), self._driver.CUdeviceptr(pointer), value, 0), "cuStreamWaitValue32")
+
+    def host_register(self, pointer: int, nbytes: int) -> int:
+        """``cudaHostRegister`` (mapped, portable) of ``nbytes`` of this process's host memory at ``pointer`` (page
+        aligned); returns the device pointer the GPU reaches it by (``cudaHostGetDevicePointer``): the doorbell words
+        of the device-armed hand-off, which one process's stream writes and another's waits on."""
+        flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
+        self._check(self._rt.cudaHostRegister(pointer, nbytes, flags), f"cudaHostRegister({nbytes})")
+        try:
+            return int(self._check(self._rt.cudaHostGetDevicePointer(pointer, 0), "cudaHostGetDevicePointer"))
+        except CudaIpcError:
+            self._rt.cudaHostUnregister(pointer)
+            raise
+
+    def host_unregister(self, pointer: int) -> None:
+        self._check(self._rt.cudaHostUnregister(pointer), "cudaHostUnregister")
 
     def _check_driver(self, result: Any, what: str) -> None:
         """A driver call's ``(CUresult,)``: ``CudaIpcError`` with the driver's name and message unless it is 0."""

@@ -21,8 +21,9 @@ says ``bye``, re-handshakes or is forgotten after the server's TTL.
   writing. The result may arrive before that event completes (the server does
   not wait for it): clients wait on it (stream- or host-side) before reading.
 
-Device-armed hand-off: a server that arms steps returns ``doorbells`` with a ``read`` region: its own device memory,
-one 32-bit word per registered event. A chunk with ``codes_token`` T (even) names word ``codes_event``: on one GPU
+Device-armed hand-off: a server that arms steps returns ``doorbells`` with a ``read`` region: the name of a file of
+shared host memory in ``/dev/shm``, which both processes map and register for the GPU, one 32-bit word per
+registered event. A chunk with ``codes_token`` T (even) names word ``codes_event``: on one GPU
 stream the client writes its codes, then T into that word (``cuStreamWriteValue32``), then records the event. The
 server queues the step behind a GPU wait for the word to reach T (cyclic ``>=``), without looking at the event, and
 snapshots the word before it reads the codes: a row whose word was not T there is refused, not decoded. A word
@@ -33,6 +34,7 @@ a time, with tokens that grow (cyclic); proto/README.md, section 3, has the rule
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from ._check import check_str, invalid
@@ -47,6 +49,8 @@ __all__ = [
     "MAX_REGION_NBYTES",
     "REGION_ACCESS",
     "Handle",
+    "DoorbellsName",
+    "DOORBELLS_NAME",
     "RegisterRegion",
     "RegionRegistered",
     "UnregisterRegion",
@@ -77,6 +81,26 @@ class Handle(WireType):
     def __init__(self) -> None:
         def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> str:
             return check_handle(value, field_name(path, key))
+        self.parse = parse
+
+
+DOORBELLS_NAME = re.compile(r"code2wav-doorbells-[0-9]{1,10}-[0-9a-f]{24}")
+"""The name of a server's doorbell file in ``/dev/shm`` (no path: a client opens nothing else by it)."""
+
+
+class DoorbellsName(WireType):
+    """A doorbell file's name (``DOORBELLS_NAME``)."""
+
+    type_doc, plural_doc = "str", "str"
+    limits_doc = "`code2wav-doorbells-`, the server's pid, `-`, 24 lowercase hex digits"
+
+    def __init__(self) -> None:
+        def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> str:
+            name = field_name(path, key)
+            text = check_str(value, name, max_nbytes=64)
+            if DOORBELLS_NAME.fullmatch(text) is None:
+                invalid(f"{name} must be a doorbell file's name ({DOORBELLS_NAME.pattern}), got {text!r}")
+            return text
         self.parse = parse
 
 
@@ -124,10 +148,11 @@ class RegionRegistered:
     region_id: int = wire(Int(0), doc="what descriptors name as `region`")
     events: tuple[str, ...] = wire(_EVENTS, default=(), doc="`write` regions: the server's event handles (16 "
                                                             "today), which results name in `audio_event`")
-    doorbells: str | None = wire(Nullable(Handle()), default=None, omit_default=True,
-                                 doc="`read` regions of a server that arms steps: the `cudaIpcMemHandle_t` of its "
-                                     "doorbell words, one 32-bit word per registered event (zero at first), which "
-                                     "armed chunks name (`codes_event`, `codes_token`)")
+    doorbells: str | None = wire(Nullable(DoorbellsName()), default=None, omit_default=True,
+                                 doc="`read` regions of a server that arms steps: the name of its doorbell words, a "
+                                     "file in `/dev/shm` (shared host memory both processes map and register for "
+                                     "the GPU), one 32-bit word per registered event (zero at first), which armed "
+                                     "chunks name (`codes_event`, `codes_token`)")
 
 
 @message("region_unregistered", sender="server")

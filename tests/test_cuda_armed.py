@@ -1,6 +1,7 @@
 """The device-armed hand-off on a real GPU (skipped without one): the test process is the client, the sidecar a spawned
 ``serve`` process. A chunk is armed (``codes_token``): the sidecar queues its step behind a GPU wait for the codes'
-doorbell word in its own memory, which the client's stream writes after the codes (proto/README.md, section 3).
+doorbell word (shared host memory both processes map for the GPU), which the client's stream writes after the codes
+(proto/README.md, section 3).
 
 What must hold: armed audio equals the golden decode and the events path bit for bit; a message sent before its codes
 exist on the GPU decodes those codes (the step waited for them: reading early would decode the slot's previous

@@ -330,19 +330,59 @@ def test_doorbell_tokens_are_even_grow_by_two_and_skip_zero_when_they_wrap() -> 
     (6, 4, 7),  # still holding the last chunk's token
     (6, 6, 6),  # rung in time: left alone (another client's row in the same step is still decoded)
     (6, 8, 8),  # ahead (the client's next message rang already): never lowered
-    ((1 << 32) - 2, (1 << 32) - 4, (1 << 32) - 1),  # tokens past 2^31, as the int32 word holds them
+    ((1 << 32) - 2, (1 << 32) - 4, (1 << 32) - 1),  # tokens past 2^31
     (2, (1 << 32) - 2, 3),  # across the wrap: 2^32 - 2 is behind 2
     (2, 3, 3),  # released already: left alone
 ])
-@pytest.mark.parametrize("with_scratch", [False, True])
-def test_a_release_raises_only_a_word_behind_its_token(token, before, after, with_scratch) -> None:
-    from code2wav.sidecar.ipc.doorbells import as_int32, raise_behind
+def test_a_release_raises_only_a_word_behind_its_token(token, before, after, tmp_path) -> None:
+    """The release is a CPU write into shared memory (no GPU queue can hold it up behind the wait it ends): the
+    client's mapping of the same file sees it."""
+    from code2wav.cudart.doorbell_words import DoorbellWords, raised_word
 
-    word = torch.tensor([as_int32(before)], dtype=torch.int32)  # [1]
-    # the scratch holds stale values from an earlier release: the result must not depend on them
-    scratch = (torch.tensor([12345]), torch.tensor([True])) if with_scratch else None  # [1] int64, [1] bool
-    raise_behind(word, token, scratch)
-    assert word.dtype == torch.int32 and int(word) == as_int32(after)
+    assert raised_word(before, token) == after
+    sidecar = DoorbellWords.create(64, folder=tmp_path)
+    client = DoorbellWords.open(sidecar.name, 64, folder=tmp_path)
+    try:
+        client.words[5] = before  # as the client's stream writes it
+        sidecar.raise_behind(5, token)
+        assert client.words[5] == after and sidecar.words[5] == after
+        assert [client.words[i] for i in range(64) if i != 5] == [0] * 63  # the other words untouched
+    finally:
+        client.close()
+        sidecar.close()
+
+
+def test_doorbell_words_are_a_private_file_the_client_maps_by_name_and_unlinks(tmp_path) -> None:
+    import os
+    import stat
+
+    from code2wav.cudart.doorbell_words import NAME_PATTERN, DoorbellWords
+
+    sidecar = DoorbellWords.create(64, folder=tmp_path)
+    assert NAME_PATTERN.fullmatch(sidecar.name) and sidecar.name.split("-")[2] == str(os.getpid())
+    assert stat.S_IMODE(os.stat(sidecar.path).st_mode) == 0o600  # another user cannot ring (or release) them
+    assert sidecar.address % 4096 == 0 and sidecar.nbytes == 4096  # whole pages: what host registration pins
+    assert [sidecar.words[i] for i in range(64)] == [0] * 64
+    for bad in ("../" + sidecar.name, sidecar.name + "x", "passwd", ""):
+        with pytest.raises(ValueError, match="is not a doorbell file's name"):
+            DoorbellWords.open(bad, 64, folder=tmp_path)
+    with pytest.raises(ValueError, match="too few for 2048 doorbell words"):
+        DoorbellWords.open(sidecar.name, 2048, folder=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        DoorbellWords.open("code2wav-doorbells-1-" + "0" * 24, 64, folder=tmp_path)
+    client = DoorbellWords.open(sidecar.name, 64, folder=tmp_path)
+    client.unlink()  # both processes have it mapped: nobody else can find it now
+    assert not sidecar.path.exists()
+    client.words[63] = (1 << 32) - 2
+    assert sidecar.words[63] == (1 << 32) - 2  # one memory, two mappings
+    client.close()
+    sidecar.close()
+    sidecar.close()  # twice: a no-op
+    late = DoorbellWords.create(4, folder=tmp_path)  # a client that never mapped it: the sidecar removes the name
+    late.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="num_words must be 1 to 1024"):
+        DoorbellWords.create(0, folder=tmp_path)
 
 
 def test_release_due_releases_only_waits_queued_long_enough_and_survives_a_failing_one(caplog) -> None:

@@ -28,6 +28,7 @@ from code2wav.proto import (
 
 HANDLE = "ab" * 64
 EVENT = "0f" * 64
+DOORBELLS = "code2wav-doorbells-4242-" + "0123456789abcdef01234567"
 
 
 def raw(header: dict[str, Any], *frames: bytes) -> list[bytes]:
@@ -47,9 +48,23 @@ def test_region_messages_round_trip() -> None:
     for msg in msgs:
         assert decode_client_message(encode(msg)) == msg
     for reply in [RegionRegistered(1, 17, (EVENT, HANDLE)), RegionRegistered(2, 18), RegionUnregistered(3, 17),
-                  RegionRegistered(4, 19, (), HANDLE)]:  # a read region's doorbells
+                  RegionRegistered(4, 19, (), DOORBELLS)]:  # a read region's doorbells
         assert decode_server_message(encode(reply)) == reply
     assert "doorbells" not in RegionRegistered(2, 18).to_wire()  # a server that arms nothing sends none
+
+
+@pytest.mark.parametrize("name", [
+    HANDLE,  # (what the field held before the words moved to host memory)
+    "../../etc/passwd", "/dev/shm/" + DOORBELLS, DOORBELLS + "/x", DOORBELLS[:-1], DOORBELLS.upper(),
+    "code2wav-doorbells--" + "0" * 24, "",
+])
+def test_doorbells_are_a_doorbell_files_name_and_nothing_else(name: str) -> None:
+    """A client opens the file this names in /dev/shm: a path, another file's name or any other text is refused by
+    the decoder, before the client sees it."""
+    wire = RegionRegistered(4, 19, (), DOORBELLS).to_wire()
+    wire["doorbells"] = name
+    with pytest.raises(ProtocolError, match="region_registered.doorbells"):
+        decode_server_message(raw(wire))
 
 
 @pytest.mark.parametrize("changes, needle", [

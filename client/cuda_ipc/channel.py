@@ -15,7 +15,8 @@ Ordering (no device-wide synchronisation anywhere):
   through raw pointers must synchronise with that stream first.
 - Armed (the sidecar returned ``doorbells`` with the codes region, and the link arms): before the event, the
   caller's stream writes the message's token into the sidecar's doorbell word of the event's index
-  (``cuStreamWriteValue32``). The sidecar queues the step behind a GPU wait for it, without looking at the event:
+  (``cuStreamWriteValue32``; the words are shared host memory, ``code2wav.cudart.doorbell_words``, mapped here and
+  registered for the GPU). The sidecar queues the step behind a GPU wait for it, without looking at the event:
   the decode starts when the codes land, with no CPU round trip after them. Each word's tokens grow by 2 (the
   sidecar releases a word with the odd token + 1); a word, like an event, serves one message in flight. An armed
   chunk's slot and event are reused only once its event completed: one refused before its codes came (the sidecar
@@ -38,6 +39,7 @@ import torch
 from code2wav.proto import CudaIpcLoc, RegisterRegion, TensorDesc
 
 from code2wav.cudart import Runtime, runtime
+from code2wav.cudart.doorbell_words import WORD_NBYTES, DoorbellWords
 from .slots import EventPool, SlotAllocator, next_token
 
 __all__ = ["IpcChannel", "IpcUnavailable", "PackedChunk", "gpu_uuid"]
@@ -112,7 +114,8 @@ class IpcChannel:
         self.audio_region: int | None = None
         self.session: int | None = None  # the connection session the regions were registered in
         self._server_events: list = []
-        self._doorbells: int | None = None  # the sidecar's doorbell words, mapped here (armed chunks); None: events
+        self._doorbells: int | None = None  # the device pointer of the sidecar's doorbell words (armed); None: events
+        self._doorbell_words: DoorbellWords | None = None  # their mapping here
         self._tokens = [0] * num_events  # the last token written into each doorbell word
         self.closed = False
 
@@ -124,7 +127,7 @@ class IpcChannel:
 
     def adopt(self, session: int, codes_region: int, audio_region: int, server_events: tuple[str, ...],
               doorbells: str | None = None) -> None:
-        """The regions' ids and the sidecar's audio events; ``doorbells``: the handle of the sidecar's doorbell words
+        """The regions' ids and the sidecar's audio events; ``doorbells``: the name of the sidecar's doorbell words
         (armed chunks from now on), None: codes events."""
         if not server_events:
             raise IpcUnavailable("the sidecar returned no events for the audio region")
@@ -132,9 +135,11 @@ class IpcChannel:
         self._close_doorbells()  # the last session's words, if any: this registration's (or none) replace them
         if doorbells is not None:
             try:
-                self._doorbells = self._rt.open_mem_handle(bytes.fromhex(doorbells), self.device.index)
-            except RuntimeError as exc:  # (CudaIpcError) codes events still work
-                log.warning("the sidecar's doorbells cannot be opened (%s): CUDA IPC chunks go unarmed", exc)
+                self._open_doorbells(doorbells)
+            except (OSError, ValueError, RuntimeError) as exc:  # (CudaIpcError) codes events still work
+                log.warning("the sidecar's doorbells %s cannot be opened (%s: %s): CUDA IPC chunks go unarmed "
+                            "(the sidecar and this client need one /dev/shm and the same user)", doorbells,
+                            type(exc).__name__, exc)
             self._tokens = [0] * len(self._tokens)  # the new words start at zero
         self.codes_region, self.audio_region, self.session = codes_region, audio_region, session
 
@@ -182,7 +187,7 @@ class IpcChannel:
         if arm and self._doorbells is not None:  # armed: the word, written behind the copies, is what it waits on
             token = self._next_token(event_index)
             with torch.cuda.device(self.device):  # the driver call needs this device's context current
-                self._rt.write_value32(self._doorbells + 4 * event_index, token, caller.cuda_stream)
+                self._rt.write_value32(self._doorbells + WORD_NBYTES * event_index, token, caller.cuda_stream)
         # the event, after the word: what the sidecar polls for an unarmed chunk (or one of a region it disarmed),
         # and what tells this client that its copy is done before it reuses the slot of a refused armed chunk
         self._events[event_index].record(caller)
@@ -247,11 +252,25 @@ class IpcChannel:
             return {"codes_bytes_in_use": self._codes.slots.used_nbytes,
                     "audio_bytes_in_use": self._audio.slots.used_nbytes, "live_audio_views": self._live_audio}
 
+    def _open_doorbells(self, name: str) -> None:
+        """Map the sidecar's doorbell file ``name``, register it for the GPU, remove its name (both processes have
+        it mapped now: nobody else needs to find it)."""
+        words = DoorbellWords.open(name, len(self._tokens))
+        try:
+            with torch.cuda.device(self.device):
+                pointer = self._rt.host_register(words.address, words.nbytes)
+        except Exception:
+            words.close()
+            raise
+        words.unlink()
+        self._doorbell_words, self._doorbells = words, pointer
+
     def _close_doorbells(self) -> None:
-        if self._doorbells is not None:
-            pointer, self._doorbells = self._doorbells, None
+        if self._doorbell_words is not None:
+            words, self._doorbell_words, self._doorbells = self._doorbell_words, None, None
             torch.cuda.synchronize(self.device)  # no write into the words still queued on a caller's stream
-            self._rt.close_mem_handle(pointer)
+            self._rt.host_unregister(words.address)
+            words.close()
 
     def close(self) -> None:
         """Free both regions (after the sidecar unregistered them). Audio views still alive keep the audio

@@ -1,5 +1,5 @@
 """Opening a client's region on the sidecar's GPU (engine thread only): memory handle -> byte tensor, events, and
-for a ``read`` region the doorbells its armed chunks name (``doorbells``: this sidecar's memory, exported).
+for a ``read`` region the doorbells its armed chunks name (``doorbells``: shared host memory, named to the client).
 
 Mechanism only; ``regions`` decides when to open and close. An opened region is checked three ways before
 use: it must live on this sidecar's device (a handle from another GPU may still map through peer access),
@@ -8,6 +8,7 @@ its real allocation must be at least the size the client claimed, and its events
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,8 @@ from .cudart import Cudart, CudaIpcError, load_cudart
 from .doorbells import DeviceBytes, Doorbells
 
 __all__ = ["CudaIpcDevice", "OpenedRegion", "CudaIpcError", "gpu_uuid"]
+
+log = logging.getLogger(__name__)
 
 NUM_SERVER_EVENTS = 16
 """Events per write region, recorded round-robin: one is re-recorded only 16 steps later."""
@@ -36,7 +39,7 @@ class OpenedRegion:
     data: torch.Tensor  # uint8 [nbytes], aliasing the client's memory
     events: list = field(default_factory=list)  # torch.cuda.Event, interprocess
     event_handles: tuple[str, ...] = ()  # for write regions: what the client opens
-    doorbells: Doorbells | None = None  # for read regions: the armed chunks' words (this sidecar's memory)
+    doorbells: Doorbells | None = None  # for read regions: the armed chunks' words (shared host memory)
 
 
 class CudaIpcDevice:
@@ -45,8 +48,6 @@ class CudaIpcDevice:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.uuid = gpu_uuid(device)
         self.cudart = cudart or load_cudart()
-        # doorbell releases: a stream of its own, so a write queues beside the engine stream's wait, not behind it
-        self.release_stream = torch.cuda.Stream(device, priority=-1)
 
     def open(self, msg: RegisterRegion) -> OpenedRegion:
         """Map the region and its events; raises ``CudaIpcError`` saying what is wrong."""
@@ -63,7 +64,7 @@ class CudaIpcDevice:
             if msg.access == "read":
                 events = [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in msg.events]
                 handles: tuple[str, ...] = ()
-                doorbells = Doorbells(self.cudart, self.device, self.index, len(msg.events), self.release_stream)
+                doorbells = self._doorbells(len(msg.events))
             else:
                 events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_SERVER_EVENTS)]
                 handles = tuple(ev.ipc_handle().hex() for ev in events)
@@ -74,6 +75,16 @@ class CudaIpcDevice:
             self.cudart.close_mem_handle(pointer)
             raise CudaIpcError(f"opening the region's events failed: {exc}") from None
         return OpenedRegion(pointer, msg.nbytes, data, events, handles, doorbells)
+
+    def _doorbells(self, num_words: int) -> Doorbells | None:
+        """A read region's doorbells, or None (its chunks then go by their codes events) where they cannot be made:
+        no writable ``/dev/shm``, or host memory that cannot be registered for the GPU (logged)."""
+        try:
+            return Doorbells(self.cudart, self.device, num_words)
+        except (OSError, CudaIpcError, RuntimeError) as exc:
+            log.warning("no doorbells for this region (%s: %s): its CUDA IPC chunks go by their codes events",
+                        type(exc).__name__, exc)
+            return None
 
     def close(self, region: OpenedRegion) -> None:
         """Unmap, once the work queued on the engine stream (which may still write into it: replies do not wait

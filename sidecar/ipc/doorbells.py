@@ -1,19 +1,19 @@
-"""The device-armed hand-off's doorbells (proto/README.md, section 3): sidecar memory a client's GPU stream writes a
-token into after its codes, which a step waits for on the GPU instead of the loop polling the client's event.
+"""The device-armed hand-off's doorbells (proto/README.md, section 3): words a client's GPU stream writes a token into
+after its codes, which a step waits for on the GPU instead of the loop polling the client's event.
 
-Mechanism only. A ``read`` region's ``Doorbells`` are a device allocation of their own, never torch's caching
-allocator, and a whole ``DOORBELLS_NBYTES`` so that no other allocation shares its pages: the exported handle lets
-the client write these words and nothing else of the sidecar's (another client's words included). One 32-bit word
-per event the client registered, zero at first. An armed chunk's ``ArmedInputs`` names its word and token:
+Mechanism only. A ``read`` region's ``Doorbells`` are a file of shared host memory (``code2wav.cudart.doorbell_words``:
+one 32-bit word per event the client registered, zero at first), registered for the GPU here and by the client. An
+armed chunk's ``ArmedInputs`` names its word and token:
 
 - ``queue_wait``: on the engine stream, before the step reads the row's codes: the stream waits until the word
   reaches the token (cyclic ``>=``). The engine then snapshots the word into the step's gates and only then copies
   the codes: a word equal to the token means the client's codes before it are written (the sidecar never writes the
   token itself, only the token + 1).
 - ``release``: the stepper's watchdog, ``armed_wait_s`` after the wait was queued (the client died, or its codes did
-  not come): on a stream of its own, a word still behind its token is raised to the token + 1, so the wait ends and
-  the snapshot refuses the row (``ROW_NOT_READY``, its state kept). A word that reached its token, or passed it, is
-  left alone: an armed row of another client in the same step, rung in time, is still decoded.
+  not come): a word still behind its token is raised to the token + 1, from the CPU, so the wait ends and the
+  snapshot refuses the row (``ROW_NOT_READY``, its state kept). No GPU queue is involved, so nothing queued on the
+  GPU can hold the release up. A word that reached its token, or passed it, is left alone: an armed row of another
+  client in the same step, rung in time, is still decoded.
 """
 
 from __future__ import annotations
@@ -24,21 +24,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from code2wav.cudart.doorbell_words import WORD_NBYTES, DoorbellWords
+
 from .cudart import Cudart
 
-__all__ = ["DeviceBytes", "Doorbells", "ArmedInputs", "DoorbellWatch", "as_int32", "raise_behind", "release_due", "DOORBELLS_NBYTES",
-           "WORD_NBYTES"]
+__all__ = ["DeviceBytes", "Doorbells", "ArmedInputs", "DoorbellWatch", "as_int32", "release_due"]
 
 log = logging.getLogger(__name__)
 
-WORD_NBYTES = 4
-DOORBELLS_NBYTES = 2 << 20
-"""A region's doorbell allocation: 2 MiB, the GPU's large page, so that the exported block shares no page (and no
-word) with any other allocation of the sidecar's."""
-
 
 class DeviceBytes:
-    """A raw device allocation as a CUDA array interface (torch wraps it without copying)."""
+    """A raw device allocation (or host memory mapped for the device) as a CUDA array interface (torch wraps it
+    without copying)."""
 
     def __init__(self, pointer: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
@@ -51,36 +48,34 @@ def as_int32(token: int) -> int:
 
 
 class Doorbells:
-    def __init__(self, cudart: Cudart, device: torch.device, device_index: int, num_words: int,
-                 release_stream: torch.cuda.Stream) -> None:
+    """A read region's doorbell words: ``shared`` (the host mapping; its ``name`` goes to the client), registered for
+    the GPU at ``device_pointer``; ``words`` is the device's int32 view of them (the step's snapshot reads it)."""
+
+    def __init__(self, cudart: Cudart, device: torch.device, num_words: int) -> None:
         self.cudart = cudart
-        self.pointer = cudart.malloc(DOORBELLS_NBYTES, device_index)
+        self.shared = DoorbellWords.create(num_words)
         try:
-            block = torch.as_tensor(DeviceBytes(self.pointer, DOORBELLS_NBYTES), device=device)  # [nbytes] uint8
-            self.words = block[: num_words * WORD_NBYTES].view(torch.int32)  # [E] int32
-            with torch.cuda.stream(release_stream):  # not the engine stream: a step may be parked on a wait there
-                block.zero_()
-                # the release's working memory, allocated now: a release runs while the engine stream may be parked
-                # on a wait, and a device allocation then (the caching allocator's first block on this stream)
-                # is one of the operations CUDA may serialise against the other streams' work
-                self.scratch = (torch.empty(1, dtype=torch.int64, device=device),  # [1]
-                                torch.empty(1, dtype=torch.bool, device=device))  # [1]
-            release_stream.synchronize()  # zero before the client may write
-            self.handle = cudart.export(self.pointer).hex()
+            self.device_pointer = cudart.host_register(self.shared.address, self.shared.nbytes)
+            try:
+                block = torch.as_tensor(DeviceBytes(self.device_pointer, self.shared.nbytes), device=device)  # [nbytes]
+                self.words = block[: num_words * WORD_NBYTES].view(torch.int32)  # [E] int32, host memory
+            except Exception:
+                cudart.host_unregister(self.shared.address)
+                raise
         except Exception:
-            cudart.free(self.pointer)
+            self.shared.close()
             raise
-        self.release_stream = release_stream
+        self.name = self.shared.name
         self.released = False  # an armed chunk of the region was refused not ready: its later chunks go unarmed
 
     def armed(self, index: int, token: int) -> ArmedInputs:
         return ArmedInputs(self, index, token)
 
     def close(self) -> None:
-        """Free the words: the caller has synchronised the engine stream (no wait still reads them)."""
-        self.release_stream.synchronize()
+        """Unmap the words: the caller has synchronised the engine stream (no wait still reads them)."""
         self.words = None  # type: ignore[assignment]
-        self.cudart.free(self.pointer)
+        self.cudart.host_unregister(self.shared.address)
+        self.shared.close()
 
 
 @dataclass(eq=False)
@@ -95,7 +90,7 @@ class ArmedInputs:
 
     @property
     def word(self) -> torch.Tensor:
-        return self.doorbells.words[self.index: self.index + 1]  # [1] int32 on the device
+        return self.doorbells.words[self.index: self.index + 1]  # [1] int32: the device's view of the host word
 
     @property
     def token_int32(self) -> int:
@@ -106,30 +101,16 @@ class ArmedInputs:
         bells = self.doorbells
         with torch.cuda.device(device):  # the driver call needs the device's context current on this thread
             stream = torch.cuda.current_stream(device).cuda_stream
-            bells.cudart.wait_value32(bells.words[self.index:].data_ptr(), self.token, stream)
+            bells.cudart.wait_value32(bells.device_pointer + WORD_NBYTES * self.index, self.token, stream)
         self.queued_s = time.monotonic()
 
     def release(self) -> None:
-        """On the release stream: a word still behind the token (cyclic) becomes the token + 1; any other is left
-        as it is. Ends a wait queued for the token; the step's snapshot then refuses the row (``ROW_NOT_READY``,
-        which disarms the region: ``step_rows.split_outcomes``). A word rung in time is untouched and its row
-        decoded: whether this release mattered is known only from the row's outcome."""
-        bells = self.doorbells
-        with torch.cuda.stream(bells.release_stream):
-            raise_behind(self.word, self.token, bells.scratch)
+        """From the CPU: a word still behind the token (cyclic) becomes the token + 1; any other is left as it is
+        (``DoorbellWords.raise_behind``). Ends a wait queued for the token; the step's snapshot then refuses the row
+        (``ROW_NOT_READY``, which disarms the region: ``step_rows.split_outcomes``). A word rung in time is untouched
+        and its row decoded: whether this release mattered is known only from the row's outcome."""
+        self.doorbells.shared.raise_behind(self.index, self.token)
         self.released = True
-
-
-def raise_behind(word: torch.Tensor, token: int, scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """``word`` ``[1]`` int32 (a doorbell, on the current stream): the token + 1 if it is behind ``token`` (cyclic:
-    ``(word - token) mod 2^32 >= 2^31``), else unchanged. Device ops only, no host read; with ``scratch`` (``[1]``
-    int64 and ``[1]`` bool on the word's device) no allocation either."""
-    distance, behind = scratch if scratch is not None else (torch.empty(1, dtype=torch.int64, device=word.device),
-                                                             torch.empty(1, dtype=torch.bool, device=word.device))
-    distance.copy_(word)  # [1] int64, the word sign-extended
-    distance.sub_(as_int32(token)).bitwise_and_(0xFFFFFFFF)  # [1] (word - token) mod 2^32
-    torch.ge(distance, 1 << 31, out=behind)  # [1]
-    word.masked_fill_(behind, as_int32((token + 1) & 0xFFFFFFFF))  # [1] int32
 
 
 def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s: float, why: str) -> int:

@@ -179,7 +179,7 @@ class RegionService:
         self.regions[region.region_id] = region
         doorbells = op.result.doorbells
         self._send(op.identity, proto.RegionRegistered(msg.request_id, region.region_id, op.result.event_handles,
-                                                       None if doorbells is None else doorbells.handle))
+                                                       None if doorbells is None else doorbells.name))
 
     def _close_when_idle(self, region: Region) -> None:
         region.closing = True
