@@ -55,7 +55,8 @@ class Doorbells:
         self.cudart = cudart
         self.shared = DoorbellWords.create(num_words)
         try:
-            self.device_pointer = cudart.host_register(self.shared.address, self.shared.nbytes)
+            with torch.cuda.device(device):  # registered against the engine's device: torch then places the view there
+                self.device_pointer = cudart.host_register(self.shared.address, self.shared.nbytes)
             try:
                 block = torch.as_tensor(DeviceBytes(self.device_pointer, self.shared.nbytes), device=device)  # [nbytes]
                 self.words = block[: num_words * WORD_NBYTES].view(torch.int32)  # [E] int32, host memory
