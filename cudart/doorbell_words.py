@@ -27,14 +27,12 @@ import os
 import secrets
 from pathlib import Path
 
-from code2wav.proto.ipc import DOORBELLS_NAME
+from code2wav.proto.ipc import DOORBELLS_PREFIX as PREFIX
+from code2wav.proto.ipc import is_doorbells_name
 
-__all__ = ["DoorbellWords", "PREFIX", "NAME_PATTERN", "SHM_DIR", "WORD_NBYTES", "raised_word"]
+__all__ = ["DoorbellWords", "PREFIX", "SHM_DIR", "WORD_NBYTES", "is_doorbells_name", "raised_word"]
 
 SHM_DIR = Path("/dev/shm")
-PREFIX = "code2wav-doorbells-"
-NAME_PATTERN = DOORBELLS_NAME
-"""A doorbell file's name (no path): what ``region_registered.doorbells`` carries (``proto.ipc``)."""
 WORD_NBYTES = 4
 
 
@@ -82,8 +80,8 @@ class DoorbellWords:
     def open(cls, name: str, num_words: int, folder: Path = SHM_DIR) -> DoorbellWords:
         """Map the sidecar's file ``name`` (the client); raises ``ValueError`` for a name that is not a doorbell
         file's or a file too small for ``num_words``, ``OSError`` if it cannot be opened."""
-        if NAME_PATTERN.fullmatch(name) is None:
-            raise ValueError(f"{name!r} is not a doorbell file's name ({NAME_PATTERN.pattern})")
+        if not is_doorbells_name(name):  # what region_registered.doorbells carries (proto.ipc)
+            raise ValueError(f"{name!r} is not a doorbell file's name ({PREFIX}<pid>-<24 hex digits>)")
         path = folder / name
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:

@@ -34,7 +34,6 @@ a time, with tokens that grow (cyclic); proto/README.md, section 3, has the rule
 
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
 
 from ._check import check_str, invalid
@@ -50,7 +49,8 @@ __all__ = [
     "REGION_ACCESS",
     "Handle",
     "DoorbellsName",
-    "DOORBELLS_NAME",
+    "DOORBELLS_PREFIX",
+    "is_doorbells_name",
     "RegisterRegion",
     "RegionRegistered",
     "UnregisterRegion",
@@ -84,12 +84,22 @@ class Handle(WireType):
         self.parse = parse
 
 
-DOORBELLS_NAME = re.compile(r"code2wav-doorbells-[0-9]{1,10}-[0-9a-f]{24}")
-"""The name of a server's doorbell file in ``/dev/shm`` (no path: a client opens nothing else by it)."""
+DOORBELLS_PREFIX = "code2wav-doorbells-"
+_DIGITS = frozenset("0123456789")
+
+
+def is_doorbells_name(text: str) -> bool:
+    """``text`` is a doorbell file's name in ``/dev/shm`` (no path: a client opens nothing else by it):
+    ``DOORBELLS_PREFIX``, the server's pid (1 to 10 digits), ``-``, 24 lowercase hex digits."""
+    if not text.startswith(DOORBELLS_PREFIX):
+        return False
+    pid, dash, random = text[len(DOORBELLS_PREFIX):].partition("-")
+    return (bool(dash) and 1 <= len(pid) <= 10 and set(pid) <= _DIGITS and len(random) == 24
+            and set(random) <= _HEX)
 
 
 class DoorbellsName(WireType):
-    """A doorbell file's name (``DOORBELLS_NAME``)."""
+    """A doorbell file's name (``is_doorbells_name``)."""
 
     type_doc, plural_doc = "str", "str"
     limits_doc = "`code2wav-doorbells-`, the server's pid, `-`, 24 lowercase hex digits"
@@ -98,8 +108,9 @@ class DoorbellsName(WireType):
         def parse(value: Any, path: str, key: str, limits: Any, frames: Sequence[Any]) -> str:
             name = field_name(path, key)
             text = check_str(value, name, max_nbytes=64)
-            if DOORBELLS_NAME.fullmatch(text) is None:
-                invalid(f"{name} must be a doorbell file's name ({DOORBELLS_NAME.pattern}), got {text!r}")
+            if not is_doorbells_name(text):
+                invalid(f"{name} must be a doorbell file's name ({DOORBELLS_PREFIX}<pid>-<24 lowercase hex "
+                        f"digits>), got {text!r}")
             return text
         self.parse = parse
 

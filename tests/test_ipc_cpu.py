@@ -356,10 +356,10 @@ def test_doorbell_words_are_a_private_file_the_client_maps_by_name_and_unlinks(t
     import os
     import stat
 
-    from code2wav.cudart.doorbell_words import NAME_PATTERN, DoorbellWords
+    from code2wav.cudart.doorbell_words import DoorbellWords, is_doorbells_name
 
     sidecar = DoorbellWords.create(64, folder=tmp_path)
-    assert NAME_PATTERN.fullmatch(sidecar.name) and sidecar.name.split("-")[2] == str(os.getpid())
+    assert is_doorbells_name(sidecar.name) and sidecar.name.split("-")[2] == str(os.getpid())
     assert stat.S_IMODE(os.stat(sidecar.path).st_mode) == 0o600  # another user cannot ring (or release) them
     assert sidecar.address % 4096 == 0 and sidecar.nbytes == 4096  # whole pages: what host registration pins
     assert [sidecar.words[i] for i in range(64)] == [0] * 64
