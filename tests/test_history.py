@@ -20,6 +20,11 @@ from code2wav.sidecar.welcome import model_entry
 from conftest import TINY, VOXCPM2_TINY
 
 TOL = 1e-5  # the exact-streaming tolerance (tests/test_exact_streaming.py)
+STATE_RTOL = 1e-4
+"""The rebuilt state against the original, relative to the state's largest magnitude: float32 state built by one
+replayed chunk and by 7-frame chunks sums in different orders; on an AVX-512 CPU (torch 2.13) Qwen3's transformer
+state (``decoder.4``, magnitude 13) differs by 1.3e-5 of its scale, on AVX2 by less than 1e-5. The audio after the
+split, what a client gets, is held to ``TOL``; a missing frame is caught in float64 below."""
 CHUNK_FRAMES = 7  # the original stream's chunks (replay is one chunk of H frames: a different chunking)
 FAMILIES = {"qwen3_tts": (TINY, 25), "voxcpm2_audiovae": (VOXCPM2_TINY, 24)}
 
@@ -82,7 +87,7 @@ def test_replaying_the_last_h_frames_rebuilds_state_and_audio(family, max_forwar
     assert int(position_rebuilt) == split
     for name, value in state_at_split.items():
         scale = max(1.0, value.abs().max().item())
-        assert (state_rebuilt[name] - value).abs().max().item() <= TOL * scale, name
+        assert (state_rebuilt[name] - value).abs().max().item() <= STATE_RTOL * scale, name
     for a, b in _chunks(split, total, CHUNK_FRAMES):
         (want,) = engine.decode([DecodeItem(codes=inputs[:, a:b], slot=original, skip_frames=0)])
         (got,) = engine.decode([DecodeItem(codes=inputs[:, a:b], slot=replayed, skip_frames=0)])
