@@ -130,7 +130,9 @@ def store_audio(jobs: list, audios: list) -> list:
     if not written:
         return kept
     kept_event = torch.cuda.Event()
-    kept_event.record()  # after the host copies (a resend waits on it: it never waits behind a later step)
+    # after the host copies, on the stream they were queued on (the audio's device's: on cuda:N it need not be the
+    # current device's); a resend waits on it, never behind a later step
+    kept_event.record(torch.cuda.current_stream(audios[0].device))
     for region, region_jobs in written.values():
         event_index = region.next_event
         region.next_event = (event_index + 1) % len(region.opened.events)
