@@ -115,6 +115,7 @@ def store_audio(jobs: list, audios: list) -> list:
     written into a region, a host copy queued into pinned memory, complete once the job's ``kept_event`` is."""
     kept = list(audios)
     written = {}
+    device = None  # the IPC rows' device (a step's other rows may be host copies already)
     for i, job in enumerate(jobs):
         if job.audio_out is None:
             continue
@@ -126,13 +127,14 @@ def store_audio(jobs: list, audios: list) -> list:
         # rows of other streams.
         kept[i] = torch.empty(audios[i].shape, dtype=audios[i].dtype, pin_memory=True)  # [n * U] float32
         kept[i].copy_(audios[i], non_blocking=True)
+        device = audios[i].device
         written.setdefault(id(region), (region, []))[1].append(job)
     if not written:
         return kept
     kept_event = torch.cuda.Event()
     # after the host copies, on the stream they were queued on (the audio's device's: on cuda:N it need not be the
     # current device's); a resend waits on it, never behind a later step
-    kept_event.record(torch.cuda.current_stream(audios[0].device))
+    kept_event.record(torch.cuda.current_stream(device))
     for region, region_jobs in written.values():
         event_index = region.next_event
         region.next_event = (event_index + 1) % len(region.opened.events)
