@@ -66,8 +66,12 @@ class Doorbells:
         except Exception:
             self.shared.close()
             raise
-        self.name = self.shared.name
         self.released = False  # an armed chunk of the region was refused not ready: its later chunks go unarmed
+
+    @property
+    def name(self) -> str:
+        """What ``region_registered.doorbells`` sends the client: the shared file's name."""
+        return self.shared.name
 
     def armed(self, index: int, token: int) -> ArmedInputs:
         return ArmedInputs(self, index, token)
