@@ -30,6 +30,18 @@ def slot_nbytes(layout: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> in
     return sum(math.prod(shape) for shape in layout.values()) * dtype.itemsize + POSITION_NBYTES
 
 
+VECTOR_NBYTES = 32
+"""The widest alignment torch's vectorised elementwise kernels test a row's address for (4 x 8 bytes)."""
+
+
+def warm_slots(row_nbytes: int, num_rows: int) -> int:
+    """How many rows, from the first, take every alignment a row of ``row_nbytes`` can have (modulo
+    ``VECTOR_NBYTES``), of ``num_rows``: resetting them when the arena is made runs each vectorised kernel form a
+    later reset needs. On a GPU each form is loaded on its first launch (CUDA's lazy loading), and loading waits for
+    the device; a stream opened while a step is parked on a doorbell would wait for its release."""
+    return min(num_rows, VECTOR_NBYTES // math.gcd(VECTOR_NBYTES, row_nbytes))
+
+
 class ArenaFull(Exception):
     """No free slot: the caller maps this to a typed busy error."""
 
@@ -53,6 +65,9 @@ class StateArena:
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out low slots first
         self._in_use = bytearray(num_slots)  # 1 where a slot is handed out: O(1) double-free check
         self.bytes_per_stream = slot_nbytes(layout, dtype)
+        row_nbytes = math.gcd(self.flat.shape[1] * dtype.itemsize, POSITION_NBYTES)  # both tensors' row strides
+        for slot in range(warm_slots(row_nbytes, num_slots + 1)):
+            self.reset(slot)  # every alignment's kernels loaded now, not while a stream opens during a step
 
     @property
     def num_used(self) -> int:
@@ -78,9 +93,12 @@ class StateArena:
         """Each entry's view ``[N, *shape]`` of ``rows`` ``[N, total]``."""
         return {name: rows[:, start:end].view(rows.shape[0], *shape) for name, start, end, shape in self._columns}
 
-    def reset(self, slot: int) -> None:
+    def reset(self, slot: int, position: int = 0) -> None:
+        """Zero ``slot``'s state and set its position (frames decoded so far). Kernels with the values as arguments,
+        queued on the current stream: no copy from the host, which would wait for the device (a step in flight, or
+        one parked on a doorbell: ``ipc/watchdog.py``)."""
         self.flat[slot].zero_()
-        self.positions[slot] = 0
+        self.positions[slot].fill_(position)
 
     def gather(self, slots: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         """State rows for ``slots`` ``[B]`` (one copy, split into views): ``({name: [B, ...]}, positions [B])``."""

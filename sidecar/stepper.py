@@ -39,7 +39,7 @@ from code2wav.proto import ErrorCode
 from .chunk_trace import ChunkTrace
 from .engine import Engine, LaunchedStep
 from .graphs.routine import STAGING_BUFFERS
-from .ipc.doorbells import DoorbellWatch
+from .ipc.watchdog import DoorbellWatchdog
 from .ipc.io import disarm_released, drop_complete, incomplete_codes_events, load_codes, store_rows
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -83,7 +83,8 @@ class Stepper:
         self.pool = pool
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
-        self.armed_wait_s = armed_wait_s  # an armed chunk's wait is released after this (``DoorbellWatch``)
+        self.armed_wait_s = armed_wait_s  # an armed chunk's wait is released after this
+        self.watchdog = DoorbellWatchdog(armed_wait_s)  # its thread starts with the first armed step
         self.trace = trace  # the chunks' stage recorder (``trace_chunks``): taken, launched, done; None: off
         if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
             raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
@@ -147,6 +148,7 @@ class Stepper:
         finally:
             if self._waiter is not None:
                 self._waiter.shutdown(wait=False)
+            self.watchdog.close()
 
     def _start(self, batch: list, plan: StepPlan) -> None:
         if self.in_flight:
@@ -203,7 +205,7 @@ class Stepper:
         armed = [job for job in batch if job.ipc_codes is not None and job.ipc_codes.armed is not None]
         watch = None
         if armed:
-            watch = DoorbellWatch(asyncio.get_running_loop(), armed, self.armed_wait_s)
+            watch = self.watchdog.watch(armed)
             self.metrics.ipc_armed_chunks.inc(len(armed))
         try:
             pending = incomplete_codes_events(batch)  # the step's one query per codes event

@@ -86,7 +86,7 @@ class StreamTable:
                                       f"{exc}; retry later or raise streams.max_streams")
             self._arena_used.set(self.arena.num_used)
             if msg.start_frame:  # a failover replay resumes at its original positions (proto/README.md, section 11)
-                self.arena.positions[slot] = msg.start_frame
+                self.arena.reset(slot, msg.start_frame)
         stream = ServedStream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
                               left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
         self.streams[stream.key] = stream

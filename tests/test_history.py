@@ -79,7 +79,7 @@ def test_replaying_the_last_h_frames_rebuilds_state_and_audio(family, max_forwar
     assert int(position) == split
 
     replayed = arena.allocate()
-    arena.positions[replayed] = split - history  # what open_stream.start_frame does (stream_table.open)
+    arena.reset(replayed, split - history)  # what open_stream.start_frame does (stream_table.open)
     (audio,) = engine.decode([DecodeItem(codes=inputs[:, split - history:split], slot=replayed,
                                          skip_frames=history)])
     assert audio.numel() == 0  # replayed frames are all context: no audio comes back

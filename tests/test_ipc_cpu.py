@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,7 +156,6 @@ def test_load_codes_reads_ready_chunks_defers_the_rest_and_refuses_bad_or_late_o
     """Window streams (their inputs kept as context on the host): the ready chunks' codes read to the host in one
     read and checked there; an exact stream's chunk gets the region's view itself, unchecked (the step copies and
     checks it on the device: ``test_poisoned_stream``)."""
-    from types import SimpleNamespace
 
     from code2wav.sidecar.ipc.io import drop_complete, incomplete_codes_events, load_codes
     from code2wav.sidecar.jobs import IpcInputs
@@ -388,7 +390,7 @@ def test_doorbell_words_are_a_private_file_the_client_maps_by_name_and_unlinks(t
 def test_release_due_releases_only_waits_queued_long_enough_and_survives_a_failing_one(caplog) -> None:
     from code2wav.sidecar.ipc.doorbells import release_due
 
-    class _Armed:  # stands in for ArmedInputs (its release writes into device memory, on a stream of its own)
+    class _Armed:  # stands in for ArmedInputs (whose Doorbells register their words for a GPU)
         def __init__(self, queued_s, fails: bool = False) -> None:
             self.queued_s, self.fails, self.released, self.releases = queued_s, fails, False, 0
 
@@ -409,3 +411,59 @@ def test_release_due_releases_only_waits_queued_long_enough_and_survives_a_faili
     assert release_due(waits, 0.25, 10.0, "again") == 2  # a second pass releases again, logs nothing new
     assert "releasing the doorbell waits" not in caplog.text
     assert release_due(waits, 0.0, float("inf"), "their step did not finish") == 3  # every queued wait
+
+
+class _BlockingArmed:
+    """Stands in for ArmedInputs: its release sets ``rung``, which the test's own thread blocks on, as the loop thread
+    blocks in a CUDA call that waits for the device while a step is parked on its doorbell."""
+
+    def __init__(self, queued_s: float | None) -> None:
+        self.queued_s, self.released, self.releases = queued_s, False, 0
+        self.rung = threading.Event()
+
+    def release(self) -> None:
+        self.releases += 1
+        self.released = True
+        self.rung.set()
+
+
+def _armed_job(stream_id: str, armed) -> SimpleNamespace:
+    return SimpleNamespace(stream=SimpleNamespace(stream_id=stream_id), seq=0, ipc_codes=SimpleNamespace(armed=armed))
+
+
+def test_the_watchdog_releases_a_wait_while_the_thread_that_queued_it_is_blocked(caplog) -> None:
+    from code2wav.sidecar.ipc.watchdog import DoorbellWatchdog
+
+    dog = DoorbellWatchdog(0.05)
+    parked = _BlockingArmed(time.monotonic())
+    started_s = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        watch = dog.watch([_armed_job("dies", parked)])
+        assert parked.rung.wait(10.0), "the watchdog did not release the wait"  # this thread waits, like the loop
+    assert time.monotonic() - started_s >= 0.05
+    assert "(streams dies)" in caplog.text
+    watch.stop()
+    later = _BlockingArmed(time.monotonic() - 1.0)  # due at once, but its step ended: never released by the watchdog
+    ended = dog.watch([_armed_job("ended", later)])
+    ended.stop()
+    time.sleep(0.1)
+    assert later.releases == 0
+    failed = _BlockingArmed(time.monotonic())
+    dog.watch([_armed_job("failed", failed)]).stop(release=True)  # a step that did not finish: released at once
+    assert failed.releases == 1
+    dog.close()
+    assert not any(t.name == "doorbell-watchdog" for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match="closed"):
+        dog.watch([_armed_job("late", _BlockingArmed(None))])
+
+
+def test_warm_slots_cover_every_row_alignment_and_a_reset_sets_a_position() -> None:
+    from code2wav.sidecar.state_store import StateArena, warm_slots
+
+    assert [warm_slots(n, 1000) for n in (8, 4, 2, 1)] == [4, 8, 16, 32]  # row strides' common divisor, bytes
+    assert warm_slots(8, 3) == 3
+    arena = StateArena({"a": (5,)}, 40, torch.float32, torch.device("cpu"))  # 20-byte rows: 8 alignments
+    arena.flat.fill_(1.0)
+    arena.positions.fill_(9)
+    arena.reset(3, 17)
+    assert not arena.flat[3].any() and int(arena.positions[3]) == 17 and arena.flat[2].all()

@@ -120,3 +120,20 @@ def test_pong_reports_the_load_the_server_has(sessions, tiny):
     assert pong.load.step_s == pytest.approx(0.012) and pong.load.draining  # 0.010 + 0.2 * (0.020 - 0.010)
     (error,) = _send(sessions, proto.OpenStream(request_id=6, stream_id="t"))
     assert error.code == ErrorCode.UNAVAILABLE  # what draining: true announces
+
+
+def test_an_open_at_a_start_frame_sets_its_slot_and_a_reused_slot_starts_from_zero(sessions, tiny):
+    _send(sessions, proto.Hello(request_id=1, version=proto.PROTOCOL_VERSION, client_id="a"))
+    arena = sessions.streams.arena
+    (opened,) = _send(sessions, proto.OpenStream(request_id=2, stream_id="replay", start_frame=37))
+    assert isinstance(opened, proto.Opened)
+    (stream,) = sessions.streams.streams.values()
+    assert int(arena.positions[stream.slot]) == 37 and not arena.flat[stream.slot].any()
+    slot = stream.slot
+    arena.flat[slot].fill_(1.0)  # state it decoded
+    assert _send(sessions, proto.Bye(request_id=3)) == []
+    _send(sessions, proto.Hello(request_id=4, version=proto.PROTOCOL_VERSION, client_id="a"))
+    _send(sessions, proto.OpenStream(request_id=5, stream_id="fresh"))
+    (fresh,) = sessions.streams.streams.values()
+    assert fresh.slot == slot  # the slot just freed, zeroed again
+    assert int(arena.positions[fresh.slot]) == 0 and not arena.flat[fresh.slot].any()

@@ -9,10 +9,11 @@ armed chunk's ``ArmedInputs`` names its word and token:
   reaches the token (cyclic ``>=``). The engine then snapshots the word into the step's gates and only then copies
   the codes: a word equal to the token means the client's codes before it are written (the sidecar never writes the
   token itself, only the token + 1).
-- ``release``: the stepper's watchdog, ``armed_wait_s`` after the wait was queued (the client died, or its codes did
-  not come): a word still behind its token is raised to the token + 1, from the CPU, so the wait ends and the
-  snapshot refuses the row (``ROW_NOT_READY``, its state kept). No GPU queue is involved, so nothing queued on the
-  GPU can hold the release up. A word that reached its token, or passed it, is left alone: an armed row of another
+- ``release``: the watchdog (``watchdog.DoorbellWatchdog``, a thread of its own), ``armed_wait_s`` after the wait was
+  queued (the client died, or its codes did not come): a word still behind its token is raised to the token + 1,
+  from the CPU, so the wait ends and the snapshot refuses the row (``ROW_NOT_READY``, its state kept). No GPU queue
+  and no other thread is involved, so nothing queued on the GPU and no thread blocked on the device can hold the
+  release up. A word that reached its token, or passed it, is left alone: an armed row of another
   client in the same step, rung in time, is still decoded.
 """
 
@@ -28,7 +29,7 @@ from code2wav.cudart.doorbell_words import WORD_NBYTES, DoorbellWords
 
 from .cudart import Cudart
 
-__all__ = ["DeviceBytes", "Doorbells", "ArmedInputs", "DoorbellWatch", "as_int32", "release_due"]
+__all__ = ["DeviceBytes", "Doorbells", "ArmedInputs", "as_int32", "release_due"]
 
 log = logging.getLogger(__name__)
 
@@ -138,28 +139,3 @@ def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s:
             log.exception("releasing the doorbell of stream %s seq %d failed", stream_id, seq)
     return len(due)
 
-
-class DoorbellWatch:
-    """The watchdog of one step's armed chunks (``jobs``), on the event loop: every quarter of ``wait_s`` (10 ms at
-    least) it releases the waits queued ``wait_s`` or more ago (``release_due``), until ``stop``. Started with the
-    step, so a wait queued late (behind a capture, say) still gets its full ``wait_s``; coming back releases again a
-    wait whose first release did not land. It keeps what it needs of the jobs (their CUDA IPC records are cleared
-    when they complete or fail)."""
-
-    def __init__(self, loop, jobs: list, wait_s: float) -> None:
-        self._loop = loop
-        self._waits = [(job.stream.stream_id, job.seq, job.ipc_codes.armed) for job in jobs]
-        self._wait_s = wait_s
-        self._period_s = max(wait_s / 4, 0.01)
-        self._handle = loop.call_later(self._period_s, self._check)
-
-    def _check(self) -> None:
-        release_due(self._waits, self._wait_s, time.monotonic(), f"queued armed_wait_s {self._wait_s:g}s ago")
-        self._handle = self._loop.call_later(self._period_s, self._check)
-
-    def stop(self, release: bool = False) -> None:
-        """No more checks; ``release``: the step did not finish (it failed, or was cancelled), so every wait it
-        queued is released now, the engine stream never left parked on one."""
-        self._handle.cancel()
-        if release:
-            release_due(self._waits, 0.0, float("inf"), "their step did not finish")
