@@ -110,18 +110,24 @@ def test_the_bench_prints_and_writes_the_table(tmp_path):
 
 @pytest.mark.cuda
 def test_the_bench_measures_host_and_device_inputs_on_cuda(tmp_path):
-    """On a GPU: two tables, the device one's chunks all by CUDA IPC, every stage >= 0 at the median."""
+    """On a GPU: three tables (host, device armed, device by codes events), the device ones' chunks all by CUDA IPC,
+    every stage >= 0 at the median; the hand-off on the GPU's clock, armed (every chunk) and by codes events."""
     out = tmp_path / "stages.json"
     proc = subprocess.run([sys.executable, "-m", "code2wav.sidecar", "bench", "--stages", "--model", "default",
                            "--device", "cuda", "--stages-chunks", "20", "--stages-warmup", "3", "--json", str(out)],
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    host, device = json.loads(out.read_text())["stages"]
-    assert (host["inputs_on"], device["inputs_on"]) == ("host", "device")
-    assert host["chunks"] == device["chunks"] == 20 and host["unmatched"] == device["unmatched"] == 0
-    assert device["ipc_chunks"] == 23 and host["ipc_chunks"] == 0  # warm-up chunks included
-    for table in (host, device):
+    results = json.loads(out.read_text())
+    host, device, events = results["stages"]
+    assert [t["inputs_on"] for t in (host, device, events)] == ["host", "device", "device-events"]
+    for table in (host, device, events):
+        assert (table["chunks"], table["unmatched"]) == (20, 0)
         assert all(row["p50_us"] >= 0 for row in table["stages"])
+    assert device["ipc_chunks"] == events["ipc_chunks"] == 23 and host["ipc_chunks"] == 0  # warm-up included
+    armed, by_events = results["handoff"]
+    assert (armed["armed"], armed["ipc_armed"], armed["ipc_chunks"]) == (True, 23, 23)
+    assert (by_events["armed"], by_events["ipc_armed"], by_events["ipc_chunks"]) == (False, 0, 23)
+    assert armed["p50_us"] > 0 and by_events["p50_us"] > 0
 
 
 def test_the_key_is_validated():
