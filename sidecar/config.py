@@ -132,7 +132,7 @@ class ServerConfig(_Section):
     armed_wait_s: float = Field(0.25, gt=0, description="an armed CUDA IPC chunk (codes_token) whose doorbell has "
                                 "not reached its token this long after its step was queued: the sidecar releases "
                                 "the step's wait on the GPU and the chunk fails with deadline_exceeded (steps queued "
-                                "behind it wait meanwhile)")
+                                "behind it wait meanwhile); at most heartbeat_interval_s")
     shutdown_timeout_s: float = Field(20.0, gt=0, description="after the drain (SIGTERM/SIGINT), how long the "
                                       "socket stays open to send the replies still queued to connected clients; "
                                       "what is still queued then is dropped (a log line and "
@@ -166,6 +166,12 @@ class ServerConfig(_Section):
             raise ValueError(f"streams.client_silence_s ({self.streams.client_silence_s:g}) must be at least 4 x "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s:g}): a live client is silent for up "
                              "to one interval between pings; raise client_silence_s or lower the interval")
+        if self.armed_wait_s > self.heartbeat_interval_s:
+            raise ValueError(f"armed_wait_s ({self.armed_wait_s:g}) must be at most heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s:g}): while a step waits for a doorbell the loop can "
+                             "wait with it (a kernel loaded for the first time waits for the device), and clients "
+                             "take a sidecar silent for 3 intervals for dead; lower armed_wait_s or raise the "
+                             "interval")
         return self
 
 

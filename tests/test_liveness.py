@@ -161,6 +161,17 @@ def test_client_silence_must_outlast_the_heartbeats(tmp_path):
         load_config(path)
 
 
+def test_an_armed_wait_may_not_outlast_a_heartbeat_interval(tmp_path):
+    from code2wav.sidecar.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("heartbeat_interval_s: 0.5\narmed_wait_s: 0.6\n")
+    with pytest.raises(ValueError, match=r"armed_wait_s \(0.6\) must be at most heartbeat_interval_s \(0.5\)"):
+        load_config(path)
+    path.write_text("heartbeat_interval_s: 0.5\narmed_wait_s: 0.5\n")
+    assert load_config(path).armed_wait_s == 0.5
+
+
 STOPPED_CLIENT = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
