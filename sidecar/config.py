@@ -132,7 +132,8 @@ class ServerConfig(_Section):
     armed_wait_s: float = Field(0.25, gt=0, description="an armed CUDA IPC chunk (codes_token) whose doorbell has "
                                 "not reached its token this long after its step was queued: the sidecar releases "
                                 "the step's wait on the GPU and the chunk fails with deadline_exceeded (steps queued "
-                                "behind it wait meanwhile); at most heartbeat_interval_s")
+                                "behind it wait meanwhile); at most heartbeat_interval_s (the default: the lower "
+                                "of the two)")
     shutdown_timeout_s: float = Field(20.0, gt=0, description="after the drain (SIGTERM/SIGINT), how long the "
                                       "socket stays open to send the replies still queued to connected clients; "
                                       "what is still queued then is dropped (a log line and "
@@ -166,7 +167,7 @@ class ServerConfig(_Section):
             raise ValueError(f"streams.client_silence_s ({self.streams.client_silence_s:g}) must be at least 4 x "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s:g}): a live client is silent for up "
                              "to one interval between pings; raise client_silence_s or lower the interval")
-        if self.armed_wait_s > self.heartbeat_interval_s:
+        if "armed_wait_s" in self.model_fields_set and self.armed_wait_s > self.heartbeat_interval_s:
             raise ValueError(f"armed_wait_s ({self.armed_wait_s:g}) must be at most heartbeat_interval_s "
                              f"({self.heartbeat_interval_s:g}): while a step waits for a doorbell the loop can "
                              "wait with it (a kernel loaded for the first time waits for the device), and clients "
@@ -184,6 +185,12 @@ def busy_poll_s(cfg: ServerConfig, device_type: str) -> float:
     if cfg.busy_poll_us == "auto":
         return AUTO_BUSY_POLL_US / 1e6 if device_type == "cuda" else 0.0
     return cfg.busy_poll_us / 1e6
+
+
+def armed_wait_s(cfg: ServerConfig) -> float:
+    """``armed_wait_s``, at most ``heartbeat_interval_s``: a value set above it is refused at load, the default (0.25 s)
+    under a shorter interval takes the interval."""
+    return min(cfg.armed_wait_s, cfg.heartbeat_interval_s)
 
 
 def steps_in_flight(cfg: ServerConfig, device_type: str) -> int:

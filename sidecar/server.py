@@ -33,7 +33,7 @@ import zmq
 from . import bootstrap
 from .auth import start_client_auth
 from .chunk_trace import CHUNK_STAGES_PATH, ChunkTrace
-from .config import ServerConfig, busy_poll_s, cpu_threads, steps_in_flight
+from .config import ServerConfig, armed_wait_s, busy_poll_s, cpu_threads, steps_in_flight
 from .connlog import shutdown_summary
 from .engine import Engine
 from .loop_io import SocketLoop
@@ -96,7 +96,7 @@ class Server:
                              self.trace)
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
                                cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type), self.trace,
-                               armed_wait_s=cfg.armed_wait_s)
+                               armed_wait_s=armed_wait_s(cfg))
         self.ready = True
         self.metrics.ready.set(1)
 

@@ -31,7 +31,8 @@ def slot_nbytes(layout: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> in
 
 
 VECTOR_NBYTES = 32
-"""The widest alignment torch's vectorised elementwise kernels test a row's address for (4 x 8 bytes)."""
+"""Twice the widest access torch's vectorised elementwise kernels make (16 bytes in torch 2.11-2.13, whose form they
+pick by the output's alignment): a margin should a later torch widen it."""
 
 
 def warm_slots(row_nbytes: int, num_rows: int) -> int:

@@ -84,7 +84,7 @@ class Stepper:
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
         self.armed_wait_s = armed_wait_s  # an armed chunk's wait is released after this
-        self.watchdog = DoorbellWatchdog(armed_wait_s)  # its thread starts with the first armed step
+        self.watchdog = DoorbellWatchdog(armed_wait_s)  # its thread starts with ``run`` on a GPU
         self.trace = trace  # the chunks' stage recorder (``trace_chunks``): taken, launched, done; None: off
         if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
             raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
@@ -115,6 +115,8 @@ class Stepper:
     async def run(self) -> None:
         """The step loop: until cancelled."""
         io = self.io
+        if self.launches_async:  # a GPU: armed chunks may come (a thread that cannot start fails here, not later)
+            self.watchdog.start()
         try:
             while True:
                 if self.in_flight >= self.max_steps_in_flight:
@@ -204,10 +206,10 @@ class Stepper:
         disarm_released(batch)
         armed = [job for job in batch if job.ipc_codes is not None and job.ipc_codes.armed is not None]
         watch = None
-        if armed:
-            watch = self.watchdog.watch(armed)
-            self.metrics.ipc_armed_chunks.inc(len(armed))
         try:
+            if armed:
+                watch = self.watchdog.watch(armed)
+                self.metrics.ipc_armed_chunks.inc(len(armed))
             pending = incomplete_codes_events(batch)  # the step's one query per codes event
             if pending and io.busy_poll_s:  # a moment's grace rather than a whole step's delay for them
                 await io.poll(lambda: not drop_complete(pending), time.monotonic() + CODES_GRACE_S)

@@ -448,13 +448,46 @@ def test_the_watchdog_releases_a_wait_while_the_thread_that_queued_it_is_blocked
     ended.stop()
     time.sleep(0.1)
     assert later.releases == 0
-    failed = _BlockingArmed(time.monotonic())
+    failed = _BlockingArmed(time.monotonic() + 3600.0)  # not due for the watchdog: only the stop releases it
     dog.watch([_armed_job("failed", failed)]).stop(release=True)  # a step that did not finish: released at once
     assert failed.releases == 1
+    forgotten = _BlockingArmed(time.monotonic() + 3600.0)
+    dog.watch([_armed_job("forgotten", forgotten)])  # a watch nobody stopped: the close releases it
+    assert dog.running
     dog.close()
-    assert not any(t.name == "doorbell-watchdog" for t in threading.enumerate())
+    assert forgotten.releases == 1 and not dog.running
     with pytest.raises(RuntimeError, match="closed"):
         dog.watch([_armed_job("late", _BlockingArmed(None))])
+
+
+def test_stop_waits_for_a_release_under_way() -> None:
+    """A pass of the watchdog runs under its lock: ``stop`` returns only once a release under way has ended, so the
+    caller may close the words then."""
+    from code2wav.sidecar.ipc.watchdog import DoorbellWatchdog
+
+    class _SlowArmed(_BlockingArmed):
+        def __init__(self) -> None:
+            super().__init__(time.monotonic() - 1.0)  # due at once
+            self.entered, self.proceed = threading.Event(), threading.Event()
+
+        def release(self) -> None:
+            self.entered.set()
+            self.proceed.wait(10.0)
+            super().release()
+
+    dog = DoorbellWatchdog(0.05)
+    armed = _SlowArmed()
+    watch = dog.watch([_armed_job("slow", armed)])
+    assert armed.entered.wait(10.0)  # the watchdog is inside the release
+    stopped = threading.Event()
+    stopper = threading.Thread(target=lambda: (watch.stop(), stopped.set()))
+    stopper.start()
+    assert not stopped.wait(0.2)  # the stop waits for the release under way
+    armed.proceed.set()
+    assert stopped.wait(10.0) and armed.releases == 1
+    stopper.join(10.0)
+    dog.close()
+    assert armed.releases == 1  # and nothing after the stop
 
 
 def test_warm_slots_cover_every_row_alignment_and_a_reset_sets_a_position() -> None:

@@ -162,14 +162,17 @@ def test_client_silence_must_outlast_the_heartbeats(tmp_path):
 
 
 def test_an_armed_wait_may_not_outlast_a_heartbeat_interval(tmp_path):
-    from code2wav.sidecar.config import load_config
+    from code2wav.sidecar.config import armed_wait_s, load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("heartbeat_interval_s: 0.5\narmed_wait_s: 0.6\n")
     with pytest.raises(ValueError, match=r"armed_wait_s \(0.6\) must be at most heartbeat_interval_s \(0.5\)"):
         load_config(path)
     path.write_text("heartbeat_interval_s: 0.5\narmed_wait_s: 0.5\n")
-    assert load_config(path).armed_wait_s == 0.5
+    assert armed_wait_s(load_config(path)) == 0.5
+    path.write_text("heartbeat_interval_s: 0.1\nstreams: {client_silence_s: 1}\n")  # the default wait, 0.25 s
+    assert armed_wait_s(load_config(path)) == 0.1
+    assert armed_wait_s(load_config()) == 0.25
 
 
 STOPPED_CLIENT = """

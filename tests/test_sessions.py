@@ -137,3 +137,28 @@ def test_an_open_at_a_start_frame_sets_its_slot_and_a_reused_slot_starts_from_ze
     (fresh,) = sessions.streams.streams.values()
     assert fresh.slot == slot  # the slot just freed, zeroed again
     assert int(arena.positions[fresh.slot]) == 0 and not arena.flat[fresh.slot].any()
+
+
+def test_an_open_sends_nothing_from_the_host_to_the_arena(sessions):
+    """Opening a stream zeroes its slot and sets its position with kernels that take the values as arguments: a copy
+    from host memory (``positions[slot] = n`` makes one) would wait for the device, on a GPU for a step in flight or
+    parked on a doorbell (``sidecar/ipc/watchdog.py``). The ops are recorded below torch's Python layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    _send(sessions, proto.Hello(request_id=1, version=proto.PROTOCOL_VERSION, client_id="a"))
+    with _Ops() as ops:
+        (opened,) = _send(sessions, proto.OpenStream(request_id=2, stream_id="replay", start_frame=37))
+    assert isinstance(opened, proto.Opened)
+    assert {"aten.zero_.default", "aten.fill_.Scalar"} <= set(ops.names)
+    moved = [name for name in ops.names if "copy" in name or "lift" in name or name in
+             ("aten.fill_.Tensor", "aten.index_put_.default", "aten._local_scalar_dense.default")]
+    assert moved == [], ops.names

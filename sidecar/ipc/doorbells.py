@@ -129,13 +129,16 @@ def release_due(waits: list[tuple[str, int, ArmedInputs]], wait_s: float, now_s:
     due = [(stream_id, seq, armed) for stream_id, seq, armed in waits
            if armed.queued_s is not None and now_s - armed.queued_s >= wait_s]
     first = [stream_id for stream_id, _, armed in due if not armed.released]
+    failed = []
+    for stream_id, seq, armed in due:  # the stores first: logging can block (a handler's lock, a full stderr pipe)
+        try:
+            armed.release()
+        except Exception as exc:
+            failed.append((stream_id, seq, exc))
     if first:
         log.warning("releasing the doorbell waits of %d armed CUDA IPC chunk(s): %s (streams %s); a chunk whose "
                     "word was not rung by then fails deadline_exceeded", len(first), why, ", ".join(sorted(set(first))))
-    for stream_id, seq, armed in due:
-        try:
-            armed.release()
-        except Exception:
-            log.exception("releasing the doorbell of stream %s seq %d failed", stream_id, seq)
+    for stream_id, seq, exc in failed:
+        log.error("releasing the doorbell of stream %s seq %d failed", stream_id, seq, exc_info=exc)
     return len(due)
 
