@@ -74,13 +74,14 @@ class StateArena:
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    def allocate(self) -> int:
-        """A zeroed slot (zero state at position 0 is "nothing decoded yet")."""
+    def allocate(self, position: int = 0) -> int:
+        """A zeroed slot at ``position`` (zero state at position 0 is "nothing decoded yet"; a failover replay starts
+        at its original position)."""
         if not self._free:
             raise ArenaFull(f"all {self.num_slots} stream slots are in use")
         slot = self._free.pop()
         self._in_use[slot] = 1
-        self.reset(slot)
+        self.reset(slot, position)
         return slot
 
     def release(self, slot: int) -> None:

@@ -83,8 +83,7 @@ class Stepper:
         self.pool = pool
         self.io = io
         self.codes_event_timeout_s = codes_event_timeout_s
-        self.armed_wait_s = armed_wait_s  # an armed chunk's wait is released after this
-        self.watchdog = DoorbellWatchdog(armed_wait_s)  # its thread starts with ``run`` on a GPU
+        self.watchdog = DoorbellWatchdog(armed_wait_s)  # releases armed waits after armed_wait_s; starts with ``run``
         self.trace = trace  # the chunks' stage recorder (``trace_chunks``): taken, launched, done; None: off
         if not 1 <= max_steps_in_flight <= STAGING_BUFFERS:  # each step in flight holds a routine's staging set
             raise ValueError(f"max_steps_in_flight must be 1 to {STAGING_BUFFERS}, got {max_steps_in_flight}")
@@ -249,7 +248,7 @@ class Stepper:
     def _split(self, batch: list, audios: list, outcomes: list[int]) -> tuple[list, list, list]:
         """``(done, their audio, refused)`` by the rows' outcomes (``step_rows.split_outcomes``)."""
         return split_outcomes(batch, audios, outcomes, self.metrics.chunks_not_finite, self._bad_inputs,
-                              self.armed_wait_s, self.metrics.ipc_armed_released)
+                              self.watchdog.wait_s, self.metrics.ipc_armed_released)
 
     def _failed(self, batch: list, exc: Exception) -> None:
         log.error("engine step failed for a batch of %d %s chunks", len(batch), batch[0].stream.mode.name,

@@ -80,13 +80,12 @@ class StreamTable:
         slot = None
         if mode.stateful:
             try:
-                slot = self.arena.allocate()
+                # a failover replay resumes at its original positions (proto/README.md, section 11)
+                slot = self.arena.allocate(msg.start_frame)
             except ArenaFull as exc:
                 return self.out.error(identity, rid, ErrorCode.BUSY,
                                       f"{exc}; retry later or raise streams.max_streams")
             self._arena_used.set(self.arena.num_used)
-            if msg.start_frame:  # a failover replay resumes at its original positions (proto/README.md, section 11)
-                self.arena.reset(slot, msg.start_frame)
         stream = ServedStream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
                               left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
         self.streams[stream.key] = stream

@@ -78,8 +78,7 @@ def test_replaying_the_last_h_frames_rebuilds_state_and_audio(family, max_forwar
     state_at_split, position = arena.gather(torch.tensor([original]))
     assert int(position) == split
 
-    replayed = arena.allocate()
-    arena.reset(replayed, split - history)  # what open_stream.start_frame does (stream_table.open)
+    replayed = arena.allocate(split - history)  # what open_stream.start_frame does (stream_table.open)
     (audio,) = engine.decode([DecodeItem(codes=inputs[:, split - history:split], slot=replayed,
                                          skip_frames=history)])
     assert audio.numel() == 0  # replayed frames are all context: no audio comes back
