@@ -205,6 +205,11 @@ class SidecarClient:
 
     # ------------------------------------------------------------------ streams
 
+    def _is_live(self, stream_id: str) -> bool:
+        """A Stream of ``stream_id`` is alive in this client and neither closed nor lost."""
+        live = self._streams_by_id.get(stream_id)
+        return live is not None and not live.closed and not live.lost
+
     def submit_open_stream(
         self,
         stream_id: str,
@@ -239,8 +244,8 @@ class SidecarClient:
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:
             if not isinstance(msg, Opened) or msg.stream_id != stream_id:
                 raise Internal(f"expected opened for {stream_id!r}, got {msg!r}")
-            live = self._streams_by_id.get(stream_id)
-            if live is not None and not live.closed and not live.lost:
+            if self._is_live(stream_id):  # (no reference to that Stream in this frame: the error's traceback
+                # would keep it alive for as long as the caller keeps the error)
                 raise AlreadyExists(f"stream {stream_id!r} is already open in this client (finish, abort or drop "
                                     "that Stream first)")
             info = self.server_info.model(msg.model)
