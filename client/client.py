@@ -5,7 +5,9 @@
 One API for threads and asyncio: every operation has a ``submit...`` form that
 returns a ``concurrent.futures.Future`` (asyncio: ``await
 asyncio.wrap_future(fut)``) and a blocking form that is ``submit(...).result()``.
-A background I/O thread owns the socket (see ``_io.py``).
+A background I/O thread owns the socket (see ``_io.py``); a caller blocked in a blocking form receives its own
+reply while the socket is free (no hand-off between threads). Future callbacks run where replies are received
+and must not block.
 
     with SidecarClient("ipc:///run/code2wav/sidecar.sock", timeout_s=30) as c:
         s = c.open_stream("req-1", mode="window", left_context_frames=25)
@@ -319,3 +321,8 @@ class SidecarClient:
     ) -> list[Any]:
         return self._sender.wait(self.submit_batch(items, return_exceptions=return_exceptions, timeout_s=timeout_s),
                                  timeout_s)
+
+    def wait(self, future: Future[Any], timeout_s: float | None = None) -> Any:
+        """The result of a future this client returned, as the blocking forms wait: on this thread, receiving the
+        reply here while the socket is free. ``DeadlineExceeded`` past ``timeout_s`` (default: the client's)."""
+        return self._sender.wait(future, timeout_s)
