@@ -53,9 +53,10 @@ class Connection(Liveness, CallerRole):
 
     def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any],
                  curve_server_key: bytes | str | None = None, curve_client_keys: tuple | None = None,
-                 dead_loses_streams: bool = False) -> None:
+                 dead_loses_streams: bool = False, busy_poll_s: float = 0.0) -> None:
         self.address = address
         self.dead_loses_streams = dead_loses_streams  # (see _liveness)
+        self.busy_poll_s = busy_poll_s  # a blocked caller in the I/O role polls without sleeping this long (_role)
         self.client_id = client_id
         self._capabilities = dict(capabilities)
         self._ids = itertools.count(1)

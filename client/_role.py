@@ -8,10 +8,11 @@ thread until its reply is in. The reply then reaches it without waking the I/O t
 between threads (at one stream, that hand-off is part of every chunk's latency). Meanwhile the I/O thread only
 finds the lock taken; a call another thread queues (``submit`` with the lock taken goes through the inbox and the
 wake pipe) is sent by the caller's next turn, and its reply settled there. A close request hands the role back at
-once. Callbacks run where replies are received, so ``on_io_thread`` is true in the role too: a blocking call from a
+once. With ``busy_poll_s`` it polls without sleeping for that long first (no wake-up latency when the reply
+comes). Callbacks run where replies are received, so ``on_io_thread`` is true in the role too: a blocking call from a
 callback is refused there as on the I/O thread.
 
-``CallerRole`` is mixed into ``Connection``; it relies on its ``_io_lock``, ``_io_role``, ``_thread``, ``_turn``,
+``CallerRole`` is mixed into ``Connection``; it relies on its ``busy_poll_s``, ``_io_lock``, ``_io_role``, ``_thread``, ``_turn``,
 ``_poller``, ``_wake_r``, ``_wake_at``, ``_inbox``, ``_unsent``, ``_closed``, ``_state``, ``_readable``,
 ``_poll_timeout_ms``, ``_drain_wake_pipe``, ``_wake`` and ``_fail_all``.
 """
@@ -58,6 +59,7 @@ class CallerRole:
         """Caller's thread, holding ``_io_lock`` (released here): the I/O thread's turns until ``future`` is done,
         ``end_s`` passes or close is requested."""
         self._io_role = threading.get_ident()
+        spin_until_s = time.monotonic() + self.busy_poll_s
         try:
             while not future.done():
                 timeout_ms = self._turn()
@@ -66,7 +68,8 @@ class CallerRole:
                     break
                 if timeout_ms == 0:
                     continue
-                if (self._wake_r, zmq.POLLIN) in self._poller.poll(min(timeout_ms, int(left_s * 1000.0) + 1)):
+                sleep_ms = 0 if time.monotonic() < spin_until_s else min(timeout_ms, int(left_s * 1000.0) + 1)
+                if (self._wake_r, zmq.POLLIN) in self._poller.poll(sleep_ms):
                     self._drain_wake_pipe()  # a call queued by another thread: the next turn takes it
         except Exception as exc:  # as on the I/O thread: a bug here must not leave callers waiting forever
             log.exception("sidecar client I/O turn failed on a caller's thread")
