@@ -10,9 +10,6 @@ socket itself, which only the lock holder may touch) and, holding the lock, send
 matches replies to calls by request_id, enforces each call's deadline (``DeadlineExceeded``), and keeps
 track of the server (``_liveness``: heartbeats, a dead server, a restart that loses the streams).
 
-A caller that blocks on its call takes that I/O role itself while the lock is free (``_role.py``): the I/O
-thread's turns (``_turn``) then run on the caller's thread until its reply is in.
-
 ZeroMQ's descriptor only signals that the socket's state may have changed, and any operation on the socket
 (a caller's send included) may consume that signal; so every lock holder checks ``ZMQ_EVENTS`` before
 letting go, and wakes the I/O thread when a message is waiting.
@@ -31,11 +28,22 @@ from typing import Any, Callable
 
 import zmq
 
-from code2wav.proto import Bye, Error, Pong, ProtocolError, decode_server_message, encode, exceeded_limit
+from code2wav.proto import (
+    PROTOCOL_VERSION,
+    Bye,
+    Error,
+    Hello,
+    Pong,
+    ProtocolError,
+    ServerMessage,
+    Welcome,
+    decode_server_message,
+    encode,
+    exceeded_limit,
+)
 
-from ._call import RECEIVE_LIMITS, Call, Outcome
+from ._call import RECEIVE_LIMITS, Call, OnFailure, Outcome
 from ._liveness import DEAD_AFTER_INTERVALS, LINK_EVENTS, LINK_GRACE_S, LinkState, Liveness
-from ._role import CallerRole
 from .errors import DeadlineExceeded, Internal, LimitExceeded, SidecarError, Unavailable, error_from
 
 __all__ = ["Call", "Connection", "Outcome", "DEAD_AFTER_INTERVALS"]
@@ -48,15 +56,14 @@ _RECEIVE_BATCH = 256
 """Messages received per wake-up before deadlines and heartbeats get a turn."""
 
 
-class Connection(Liveness, CallerRole):
+class Connection(Liveness):
     """Owns the DEALER socket and the I/O thread. Thread-safe entry points: ``submit``, ``close``."""
 
     def __init__(self, address: str, client_id: str, routing_id: bytes, capabilities: dict[str, Any],
                  curve_server_key: bytes | str | None = None, curve_client_keys: tuple | None = None,
-                 dead_loses_streams: bool = False, busy_poll_s: float = 0.0) -> None:
+                 dead_loses_streams: bool = False) -> None:
         self.address = address
         self.dead_loses_streams = dead_loses_streams  # (see _liveness)
-        self.busy_poll_s = busy_poll_s  # a blocked caller in the I/O role polls without sleeping this long (_role)
         self.client_id = client_id
         self._capabilities = dict(capabilities)
         self._ids = itertools.count(1)
@@ -71,7 +78,6 @@ class Connection(Liveness, CallerRole):
         self._io_lock = threading.Lock()  # the socket, _pending, _unsent, _deadlines, _state
         self._wake_at = 0.0  # when the sleeping I/O thread will look at deadlines next (monotonic)
         self._held_failures: list | None = None  # set while a caller sends directly
-        self._io_role: int | None = None  # the thread ident of a caller in the I/O role (``wait``)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -99,6 +105,10 @@ class Connection(Liveness, CallerRole):
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
+
+    @property
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def next_request_id(self) -> int:
         return next(self._ids)
@@ -141,6 +151,22 @@ class Connection(Liveness, CallerRole):
             self._io_lock.release()
         return failures
 
+    def hello_call(self, timeout_s: float, on_welcome: Callable[[Welcome], None],
+                   on_failure: OnFailure) -> Call:
+        """A ``hello`` call; on success the connection adopts the welcome before ``on_welcome``."""
+        request_id = self.next_request_id()
+        last = self._state.welcome  # a re-handshake presents the session's secret (it may still exist)
+        msg = Hello(request_id, PROTOCOL_VERSION, self.client_id, self._capabilities,
+                    session_secret=last.session_secret if last is not None else None)
+
+        def on_reply(reply: ServerMessage, frames: list[memoryview]) -> None:
+            if not isinstance(reply, Welcome):
+                raise Internal(f"expected welcome, got {reply.TYPE}")
+            self._adopt_welcome(reply)
+            on_welcome(reply)
+
+        return Call(request_id, encode(msg), timeout_s, on_reply, on_failure, internal=True)
+
     def close(self, timeout_s: float = 2.0) -> None:
         with self._submit_lock:
             if self._closed.is_set():
@@ -165,13 +191,20 @@ class Connection(Liveness, CallerRole):
         try:
             while True:
                 with self._io_lock:
-                    timeout_ms = self._turn()
-                    if timeout_ms is None:
+                    if not self._intake():
                         break
-                    if timeout_ms > 0:
-                        self._wake_at = time.monotonic() + timeout_ms / 1000.0
-                if timeout_ms == 0:
-                    continue
+                    self._flush()
+                    self._receive()
+                    now = time.monotonic()
+                    self._expire(now)
+                    self._link_events(now)
+                    self._heartbeat(now)
+                    self._flush()  # a re-handshake may have been queued
+                    events = self._sock.getsockopt(zmq.EVENTS)  # also re-arms the descriptor's signal
+                    if events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
+                        continue
+                    timeout_ms = self._poll_timeout_ms()
+                    self._wake_at = time.monotonic() + timeout_ms / 1000.0
                 self._poller.poll(timeout_ms)
                 self._wake_at = 0.0
                 self._drain_wake_pipe()
@@ -183,36 +216,16 @@ class Connection(Liveness, CallerRole):
             with self._io_lock:
                 self._shutdown()
 
-    def _turn(self) -> int | None:
-        """One turn of the I/O role (holder of ``_io_lock``): take submitted calls, send, receive, enforce deadlines
-        and the heartbeat. Returns how long to sleep before the next turn (ms; 0: at once), or None once close was
-        requested (the ``None`` stays queued)."""
-        if not self._intake():
-            return None
-        self._flush()
-        self._receive()
-        now = time.monotonic()
-        self._expire(now)
-        self._link_events(now)
-        self._heartbeat(now)
-        self._flush()  # a re-handshake may have been queued
-        events = self._sock.getsockopt(zmq.EVENTS)  # also re-arms the descriptor's signal
-        if events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
-            return 0
-        return self._poll_timeout_ms()
-
     def _readable(self) -> bool:
         """A message is waiting (lock holder only; also re-arms the descriptor's signal)."""
         return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _intake(self) -> bool:
-        """Move submitted calls into the send queue; False once close was requested (the ``None`` stays queued:
-        the I/O thread ends on it, a caller in the I/O role hands over)."""
+        """Move submitted calls into the send queue; False once close was requested."""
         while self._inbox:
-            call = self._inbox[0]
+            call = self._inbox.popleft()
             if call is None:
                 return False
-            self._inbox.popleft()
             self._accept(call, front=False)
         return True
 

@@ -8,7 +8,7 @@ closed and did not come back within ``LINK_GRACE_S``: the server process is gone
 ``Liveness`` is mixed into ``Connection`` and runs with its ``_io_lock`` held; it relies on the connection's
 ``_state``, ``_monitor`` (the socket's monitor, a pool member's only), ``dead_loses_streams`` (a pool member's policy:
 a server silent for ``DEAD_AFTER_INTERVALS`` loses its streams at once, ``StreamLost``, instead of keeping them for a
-reconnect), ``address``, ``client_id``, ``_capabilities``, ``_sock``, ``next_request_id``, ``_accept``, ``_fail_all`` and
+reconnect), ``address``, ``_sock``, ``next_request_id``, ``hello_call``, ``_accept``, ``_fail_all`` and
 ``_fail_calls``.
 """
 
@@ -18,15 +18,14 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from code2wav.proto import PROTOCOL_VERSION, Hello, Load, Ping, ServerMessage, Welcome, encode
+from code2wav.proto import Load, Ping, Welcome, encode
 
-from ._call import Call, OnFailure, Outcome
-from .errors import Internal, SidecarError, StreamLost, Unavailable, VersionMismatch
+from ._call import Call, Outcome
+from .errors import SidecarError, StreamLost, Unavailable, VersionMismatch
 
 __all__ = ["DEAD_AFTER_INTERVALS", "LINK_EVENTS", "LINK_GRACE_S", "LinkState", "Liveness"]
 
@@ -101,22 +100,6 @@ class Liveness:
     @property
     def boot_epoch(self) -> str | None:
         return self._state.boot_epoch
-
-    def hello_call(self, timeout_s: float, on_welcome: Callable[[Welcome], None],
-                   on_failure: OnFailure) -> Call:
-        """A ``hello`` call; on success the connection adopts the welcome before ``on_welcome``."""
-        request_id = self.next_request_id()
-        last = self._state.welcome  # a re-handshake presents the session's secret (it may still exist)
-        msg = Hello(request_id, PROTOCOL_VERSION, self.client_id, self._capabilities,
-                    session_secret=last.session_secret if last is not None else None)
-
-        def on_reply(reply: ServerMessage, frames: list[memoryview]) -> None:
-            if not isinstance(reply, Welcome):
-                raise Internal(f"expected welcome, got {reply.TYPE}")
-            self._adopt_welcome(reply)
-            on_welcome(reply)
-
-        return Call(request_id, encode(msg), timeout_s, on_reply, on_failure, internal=True)
 
     def _adopt_welcome(self, welcome: Welcome) -> None:
         state = self._state

@@ -5,9 +5,7 @@
 One API for threads and asyncio: every operation has a ``submit...`` form that
 returns a ``concurrent.futures.Future`` (asyncio: ``await
 asyncio.wrap_future(fut)``) and a blocking form that is ``submit(...).result()``.
-A background I/O thread owns the socket (see ``_io.py``); a caller blocked in a blocking form receives its own
-reply while the socket is free (no hand-off between threads). Future callbacks run where replies are received
-and must not block.
+A background I/O thread owns the socket (see ``_io.py``).
 
     with SidecarClient("ipc:///run/code2wav/sidecar.sock", timeout_s=30) as c:
         s = c.open_stream("req-1", mode="window", left_context_frames=25)
@@ -82,7 +80,6 @@ class SidecarClient:
         ipc_audio_nbytes: int = 64 << 20,
         streams_lost_when_dead: bool = False,
         trace: CallTrace | None = None,
-        busy_poll_s: float = 0.0,
     ) -> None:
         """``address``: default ``code2wav.proto.address.default_address`` (the address ``serve`` binds by default).
 
@@ -103,10 +100,6 @@ class SidecarClient:
         ``streams_lost_when_dead``: a sidecar that stops answering heartbeats loses this client's streams at once
         (they fail with ``StreamLost``), as a ``SidecarPool`` wants of its members; by default they wait for it
         to answer again (its streams survive a reconnect to the same server).
-
-        ``busy_poll_s``: a caller blocked on its reply (``decode()`` and every blocking form, ``wait``) polls the
-        socket without sleeping for up to this long per wait before it sleeps in the poll: no wake-up latency on
-        the reply, for one CPU core busy meanwhile (as the sidecar's ``busy_poll_s``). 0 (the default): it sleeps.
 
         ``trace``: a ``call_trace.CallTrace`` that records when each decode call was sent and its reply received
         (``code2wav-sidecar bench --stages``); None (the default): nothing is recorded.
@@ -129,10 +122,8 @@ class SidecarClient:
         routing_id = b"c2w-" + uuid.uuid4().bytes
         curve_key = None if curve_server_key is None else server_public_key(curve_server_key)
         client_keys = zmq.auth.load_certificate(curve_client_key_file) if curve_client_key_file else None
-        if not 0.0 <= busy_poll_s <= 1.0:
-            raise InvalidArgument(f"busy_poll_s={busy_poll_s!r}: give 0 (off) to 1 seconds")
         self._conn = Connection(self.address, self.client_id, routing_id, capabilities, curve_key, client_keys,
-                                streams_lost_when_dead, float(busy_poll_s))
+                                streams_lost_when_dead)
         self._ipc = IpcLink(self._conn, bool(cuda_ipc), capabilities["host_id"], ipc_codes_nbytes, ipc_audio_nbytes,
                             bool(ipc_armed))
         self._sender = Sender(self._conn, self._ipc, InlineTransport(), address, self.timeout_s, lambda: self.limits,
@@ -328,8 +319,3 @@ class SidecarClient:
     ) -> list[Any]:
         return self._sender.wait(self.submit_batch(items, return_exceptions=return_exceptions, timeout_s=timeout_s),
                                  timeout_s)
-
-    def wait(self, future: Future[Any], timeout_s: float | None = None) -> Any:
-        """The result of a future this client returned, as the blocking forms wait: on this thread, receiving the
-        reply here while the socket is free. ``DeadlineExceeded`` past ``timeout_s`` (default: the client's)."""
-        return self._sender.wait(future, timeout_s)

@@ -77,7 +77,7 @@ class Sender:
             raise RuntimeError("blocking call from a future callback (the client's I/O thread); use submit()")
         wait_s = (self.timeout_s if timeout_s is None else timeout_s) + WAIT_GRACE_S
         try:
-            return self.conn.wait(future, wait_s)  # receives the reply on this thread when the socket is free
+            return future.result(wait_s)
         except concurrent.futures.TimeoutError:  # backstop: the I/O thread enforces deadlines itself
             raise DeadlineExceeded(f"no reply from {self.address} within {wait_s:g}s") from None
 

@@ -132,8 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages-warmup", type=int_at_least(0), default=10, help="--stages: untimed chunks first")
     p.add_argument("--stages-busy-ms", type=float, default=5.0, help="--stages on CUDA, the hand-off table: GPU work "
                    "before each chunk's codes are made (the talker's step), during which the message is sent")
-    p.add_argument("--client-busy-poll-s", type=float, default=0.0, help="--stages: the client's busy_poll_s (a "
-                   "caller waiting for its reply polls without sleeping this long; 0: it sleeps)")
     add_stock_args(p)
     add_upstream_args(p)
     return p

@@ -41,13 +41,12 @@ def sleep_cycles(ms: float, device: torch.device) -> int:
 
 
 def measure_handoff(address: str, device: torch.device, armed: bool, num_chunks: int, warmup: int,
-                    chunk_frames: int, busy_ms: float, busy_poll_s: float = 0.0) -> dict:
+                    chunk_frames: int, busy_ms: float) -> dict:
     """One stream of ``warmup + num_chunks`` chunks handed over before their codes exist (see the module); the
     percentiles of the GPU gap ``made -> ready`` over the timed chunks, in microseconds."""
     busy = sleep_cycles(busy_ms, device)
     gaps_us = []
-    with torch.cuda.device(device), SidecarClient(address, timeout_s=120, ipc_armed=armed,
-                                                  busy_poll_s=busy_poll_s) as client:
+    with torch.cuda.device(device), SidecarClient(address, timeout_s=120, ipc_armed=armed) as client:
         inputs = synthetic_inputs(InputContract.of(client.models[0]), (warmup + num_chunks) * chunk_frames,
                                   seed=1).to(device)  # [Q|D, T]
         stream = client.open_stream(f"handoff-{'armed' if armed else 'events'}")

@@ -42,8 +42,7 @@ STAGES = (
     Stage("device", "launched -> the step's audio on the host (CUDA IPC audio: its copy into the client's region "
           "queued)"),
     Stage("reply", "the chunk committed, its reply assembled and encoded, going into the sidecar's socket"),
-    Stage("wire_out", "libzmq both ways -> the client took the reply off its socket (the caller waiting in "
-          "decode(), or the I/O thread)"),
+    Stage("wire_out", "libzmq both ways -> the client's I/O thread took the reply off its socket"),
     Stage("client_deliver", "the reply parsed and checked, the audio tensor made, the caller's future set -> "
           "decode() returned"),
     Stage("audio_ready", "inputs on the GPU: the caller's sync on its CUDA stream until the audio is ready there (0 "

@@ -39,14 +39,13 @@ from .stage_table import format_table, join, legend, summarize
 
 
 def run_stream(address: str, inputs_on: str, device: torch.device | None, num_chunks: int, warmup: int,
-               chunk_frames: int, armed: bool = True, busy_poll_s: float = 0.0) -> tuple[list[dict], dict, dict]:
+               chunk_frames: int, armed: bool = True) -> tuple[list[dict], dict, dict]:
     """One stream of ``warmup + num_chunks`` chunks at concurrency 1; returns the caller's stamps of the timed
     chunks (stream_id, seq, called_ns, returned_ns, ready_ns), the client's (``CallTrace.chunks``) and the
     client's CUDA IPC counts."""
     trace = CallTrace(capacity=warmup + num_chunks)
     calls = []
-    with SidecarClient(address, timeout_s=120, trace=trace, cuda_ipc=device is not None, ipc_armed=armed,
-                       busy_poll_s=busy_poll_s) as client:
+    with SidecarClient(address, timeout_s=120, trace=trace, cuda_ipc=device is not None, ipc_armed=armed) as client:
         inputs = synthetic_inputs(InputContract.of(client.models[0]), (warmup + num_chunks) * chunk_frames, seed=0)
         if device is not None:  # [Q|D, T] on the GPU, where a talker leaves them
             inputs = inputs.to(device)
@@ -70,12 +69,11 @@ def run_stream(address: str, inputs_on: str, device: torch.device | None, num_ch
 
 
 def measure(spawned: SpawnedSidecar, inputs_on: str, device: torch.device, num_chunks: int, warmup: int,
-            chunk_frames: int, busy_poll_s: float = 0.0) -> dict:
+            chunk_frames: int) -> dict:
     """The table of one kind of inputs (``host``, ``device``: armed, ``device-events``), with its joined chunks'
     count and IPC counts."""
     calls, client_chunks, ipc = run_stream(spawned.address, inputs_on, None if inputs_on == "host" else device,
-                                           num_chunks, warmup, chunk_frames, armed=inputs_on == "device",
-                                           busy_poll_s=busy_poll_s)
+                                           num_chunks, warmup, chunk_frames, armed=inputs_on == "device")
     document = json.loads(spawned.get(CHUNK_STAGES_PATH))
     joined, missing = join(calls, client_chunks, document["chunks"])
     if not joined:
@@ -112,15 +110,14 @@ def run(args) -> int:
         for kind in kinds:
             progress.say(f"stages: one stream, inputs on the {kind}, {warmup} + {num_chunks} chunks of "
                          f"{args.chunk_frames} frames ...")
-            tables.append(measure(spawned, kind, device, num_chunks, warmup, args.chunk_frames,
-                                  args.client_busy_poll_s))
+            tables.append(measure(spawned, kind, device, num_chunks, warmup, args.chunk_frames))
             rt = tables[-1]["round_trip"]
             progress.say(f"stages: {kind} done: round trip p50 {rt['p50_us']:.1f} us, p90 {rt['p90_us']:.1f} us")
         for armed in (True, False) if device.type == "cuda" else ():
             progress.say(f"stages: the hand-off on the GPU's clock, {'armed' if armed else 'codes events'}, codes made "
                          f"after {args.stages_busy_ms:g} ms of GPU work ...")
             handoffs.append(measure_handoff(spawned.address, device, armed, num_chunks, warmup, args.chunk_frames,
-                                            args.stages_busy_ms, args.client_busy_poll_s))
+                                            args.stages_busy_ms))
     except KeyboardInterrupt:
         interrupted = (f"inputs on the {kinds[len(tables)]}" if len(tables) < len(kinds)
                        else "the hand-off on the GPU's clock")
@@ -143,7 +140,6 @@ def run(args) -> int:
                                   "torch": torch.__version__},
                   "settings": {"chunk_frames": args.chunk_frames, "stages_chunks": num_chunks,
                                "stages_warmup": warmup, "stages_busy_ms": args.stages_busy_ms,
-                               "client_busy_poll_s": args.client_busy_poll_s,
                                "serve_arg": list(args.serve_arg)},
                   "stages": tables, "handoff": handoffs}
         if interrupted is not None:

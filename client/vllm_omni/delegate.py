@@ -26,6 +26,7 @@ CPU waveform per request, in batch order, after ONE ``decode`` round trip to the
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -298,8 +299,8 @@ class Code2WavDelegate:
         results: list[Any] = []
         for future in futures:
             try:
-                results.extend(self.client.wait(future, timeout_s=self.settings.timeout_s))  # replies taken here
-            except DeadlineExceeded as exc:
+                results.extend(future.result(self.settings.timeout_s + 1.0))
+            except concurrent.futures.TimeoutError as exc:
                 raise SidecarUnavailableError(f"code2wav sidecar at {self.settings.address} did not answer a "
                                               f"decode of {len(items)} chunks in time") from exc
         fatal = [r for r in results if isinstance(r, (Unavailable, DeadlineExceeded))]
