@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages-warmup", type=int_at_least(0), default=10, help="--stages: untimed chunks first")
     p.add_argument("--stages-busy-ms", type=float, default=5.0, help="--stages on CUDA, the hand-off table: GPU work "
                    "before each chunk's codes are made (the talker's step), during which the message is sent")
+    p.add_argument("--stages-loop-profile", type=int_at_least(0), default=0, help="--stages: also profile the "
+                   "sidecar's loop thread over each kind's timed chunks (profile_loop) and print its N functions with "
+                   "the most self time per chunk; the stage table of such a run is slowed by the profiler")
     add_stock_args(p)
     add_upstream_args(p)
     return p

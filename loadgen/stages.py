@@ -33,16 +33,19 @@ from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH
 
 from .handoff import format_handoff, measure_handoff
 from .inputs import InputContract, synthetic_inputs
+from .loop_table import LoopProfileWindow, format_loop_profile, per_chunk
 from .phases import Progress
 from .spawn import SpawnedSidecar, spawn_sidecar
 from .stage_table import format_table, join, legend, summarize
 
 
 def run_stream(address: str, inputs_on: str, device: torch.device | None, num_chunks: int, warmup: int,
-               chunk_frames: int, armed: bool = True) -> tuple[list[dict], dict, dict]:
+               chunk_frames: int, armed: bool = True,
+               window: LoopProfileWindow | None = None) -> tuple[list[dict], dict, dict]:
     """One stream of ``warmup + num_chunks`` chunks at concurrency 1; returns the caller's stamps of the timed
     chunks (stream_id, seq, called_ns, returned_ns, ready_ns), the client's (``CallTrace.chunks``) and the
-    client's CUDA IPC counts."""
+    client's CUDA IPC counts. ``window``: the sidecar's loop profile, started before the first timed chunk and
+    stopped after the last."""
     trace = CallTrace(capacity=warmup + num_chunks)
     calls = []
     with SidecarClient(address, timeout_s=120, trace=trace, cuda_ipc=device is not None, ipc_armed=armed) as client:
@@ -52,6 +55,8 @@ def run_stream(address: str, inputs_on: str, device: torch.device | None, num_ch
             torch.cuda.synchronize(device)
         stream = client.open_stream(f"stages-{inputs_on}-{time.monotonic_ns()}")
         for i in range(warmup + num_chunks):
+            if window is not None and i == warmup:
+                window.start()
             chunk = inputs[:, i * chunk_frames:(i + 1) * chunk_frames]  # [Q|D, chunk_frames]
             seq = stream.next_seq
             called_ns = time.monotonic_ns()
@@ -64,23 +69,30 @@ def run_stream(address: str, inputs_on: str, device: torch.device | None, num_ch
                 calls.append({"stream_id": stream.stream_id, "seq": seq, "called_ns": called_ns,
                               "returned_ns": returned_ns, "ready_ns": ready_ns})
             del audio
+        if window is not None:
+            window.stop()
         ipc = client.ipc_stats
     return calls, trace.chunks(), ipc
 
 
 def measure(spawned: SpawnedSidecar, inputs_on: str, device: torch.device, num_chunks: int, warmup: int,
-            chunk_frames: int) -> dict:
+            chunk_frames: int, loop_profile_rows: int = 0) -> dict:
     """The table of one kind of inputs (``host``, ``device``: armed, ``device-events``), with its joined chunks'
-    count and IPC counts."""
+    count and IPC counts; with ``loop_profile_rows``, the sidecar's loop thread per chunk (``loop_table``)."""
+    window = LoopProfileWindow(spawned) if loop_profile_rows else None
     calls, client_chunks, ipc = run_stream(spawned.address, inputs_on, None if inputs_on == "host" else device,
-                                           num_chunks, warmup, chunk_frames, armed=inputs_on == "device")
+                                           num_chunks, warmup, chunk_frames, armed=inputs_on == "device",
+                                           window=window)
     document = json.loads(spawned.get(CHUNK_STAGES_PATH))
     joined, missing = join(calls, client_chunks, document["chunks"])
     if not joined:
         raise RuntimeError(f"no chunk of the {inputs_on} run was stamped by both the client and the sidecar "
                            f"({missing} calls unmatched; the sidecar recorded {document['recorded']})")
-    return {"inputs_on": inputs_on, "chunk_frames": chunk_frames, "unmatched": missing,
-            "ipc_chunks": ipc.get("ipc_chunks", 0), **summarize(joined)}
+    table = {"inputs_on": inputs_on, "chunk_frames": chunk_frames, "unmatched": missing,
+             "ipc_chunks": ipc.get("ipc_chunks", 0), **summarize(joined)}
+    if window is not None and window.document is not None:
+        table["loop_profile"] = per_chunk(window.document, num_chunks, loop_profile_rows)
+    return table
 
 
 def run(args) -> int:
@@ -98,7 +110,8 @@ def run(args) -> int:
     num_chunks, warmup = args.stages_chunks, args.stages_warmup
     workdir = Path(tempfile.mkdtemp(prefix="code2wav-stages-"))
     config = workdir / "sidecar.yaml"
-    config.write_text(f"trace_chunks: {len(kinds) * (num_chunks + warmup)}\n")
+    config.write_text(f"trace_chunks: {len(kinds) * (num_chunks + warmup)}\n"
+                      + ("profile_loop: true\n" if args.stages_loop_profile else ""))
     progress = Progress()
     progress.say(f"stages: spawning a sidecar with trace_chunks on ({args.model}, {device}, {args.dtype})")
     spawned = spawn_sidecar("--model", args.model, "--device", str(device), "--dtype", args.dtype,
@@ -110,7 +123,8 @@ def run(args) -> int:
         for kind in kinds:
             progress.say(f"stages: one stream, inputs on the {kind}, {warmup} + {num_chunks} chunks of "
                          f"{args.chunk_frames} frames ...")
-            tables.append(measure(spawned, kind, device, num_chunks, warmup, args.chunk_frames))
+            tables.append(measure(spawned, kind, device, num_chunks, warmup, args.chunk_frames,
+                                  args.stages_loop_profile))
             rt = tables[-1]["round_trip"]
             progress.say(f"stages: {kind} done: round trip p50 {rt['p50_us']:.1f} us, p90 {rt['p90_us']:.1f} us")
         for armed in (True, False) if device.type == "cuda" else ():
@@ -129,6 +143,10 @@ def run(args) -> int:
     for table in tables:
         print("\n" + format_table(f"one chunk at concurrency 1, inputs on the {table['inputs_on']} "
                                   f"({gpu or device}, {args.dtype}, {args.chunk_frames} frames)", table))
+        if "loop_profile" in table:
+            print("\n" + format_loop_profile(f"the sidecar's loop thread per chunk, inputs on the "
+                                              f"{table['inputs_on']} (profiled: not the latency above)",
+                                              table["loop_profile"]))
     if tables:
         print("\n" + legend())
     if handoffs:
@@ -140,6 +158,7 @@ def run(args) -> int:
                                   "torch": torch.__version__},
                   "settings": {"chunk_frames": args.chunk_frames, "stages_chunks": num_chunks,
                                "stages_warmup": warmup, "stages_busy_ms": args.stages_busy_ms,
+                               "stages_loop_profile": args.stages_loop_profile,
                                "serve_arg": list(args.serve_arg)},
                   "stages": tables, "handoff": handoffs}
         if interrupted is not None:

@@ -154,6 +154,10 @@ class ServerConfig(_Section):
                               "(received, queued, taken into a batch, launched, done, reply sent; "
                               "sidecar/chunk_trace.py) and serve them as JSON at /debug/chunk-stages of the metrics "
                               "endpoint, for `bench --stages`; 0 = off (the endpoint answers 404)")
+    profile_loop: bool = Field(False, description="serve a cProfile of the loop thread at the metrics endpoint: "
+                               "/debug/loop-profile/start starts one, /debug/loop-profile stops it and answers its "
+                               "functions as JSON (sidecar/loop_profile.py), for `bench --stages "
+                               "--stages-loop-profile`; slows the loop while it runs; off = both answer 404")
     streams: StreamsConfig = StreamsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     engine: EngineConfig = EngineConfig()

@@ -198,12 +198,17 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+HTTP_STATUS = {200: "200 OK", 409: "409 Conflict"}
+"""The statuses a JSON route may answer."""
+
+
 class HealthServer:
     """Minimal HTTP/1.1 server for ``/metrics``, ``/healthz`` and ``/readyz`` on the event loop, and JSON ``routes``
-    (path -> the body's maker; e.g. ``/debug/chunk-stages`` with ``trace_chunks`` on)."""
+    (path -> the body's maker, or a maker of ``(status, body)``; e.g. ``/debug/chunk-stages`` with ``trace_chunks``
+    on). Every handler runs on the loop thread."""
 
     def __init__(self, metrics: Metrics, is_ready: Callable[[], bool],
-                 routes: dict[str, Callable[[], bytes]] | None = None) -> None:
+                 routes: dict[str, Callable[[], bytes | tuple[int, bytes]]] | None = None) -> None:
         self.metrics = metrics
         self.is_ready = is_ready
         self.routes = dict(routes or {})
@@ -236,7 +241,9 @@ class HealthServer:
                 status = "200 OK" if ready else "503 Service Unavailable"
                 ctype, body = "text/plain", b"ready\n" if ready else b"not ready\n"
             elif path in self.routes:
-                status, ctype, body = "200 OK", "application/json", self.routes[path]()
+                made = self.routes[path]()
+                code, body = made if isinstance(made, tuple) else (200, made)
+                status, ctype = HTTP_STATUS[code], "application/json"
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"

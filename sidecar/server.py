@@ -33,6 +33,7 @@ import zmq
 from . import bootstrap
 from .auth import start_client_auth
 from .chunk_trace import CHUNK_STAGES_PATH, ChunkTrace
+from .loop_profile import LOOP_PROFILE_PATH, LOOP_PROFILE_START_PATH, LoopProfile
 from .config import ServerConfig, armed_wait_s, busy_poll_s, cpu_threads, steps_in_flight
 from .connlog import shutdown_summary
 from .engine import Engine
@@ -58,6 +59,9 @@ class Server:
         # the chunks' stage recorder (``trace_chunks``), handed to what stamps them; None: off
         self.trace = ChunkTrace(cfg.trace_chunks) if cfg.trace_chunks else None
         routes = {CHUNK_STAGES_PATH: self.trace.json_body} if self.trace is not None else {}
+        if cfg.profile_loop:  # the loop thread's cProfile between two requests (sidecar/loop_profile.py)
+            profile = LoopProfile()
+            routes.update({LOOP_PROFILE_START_PATH: profile.start, LOOP_PROFILE_PATH: profile.stop})
         self.health = HealthServer(self.metrics, is_ready=lambda: self.ready, routes=routes)
         self.ready = False
         self.metrics_port = 0
