@@ -34,10 +34,10 @@ class LoopProfileWindow:
 
 def per_chunk(document: dict[str, Any], num_chunks: int, top: int) -> dict[str, Any]:
     """The ``top`` functions by self time, per chunk: ``calls_per_chunk``, ``self_us``, ``cumulative_us``; and the
-    profiled window's seconds and the self time of every function, per chunk (``self_us_total``)."""
+    profiled window's seconds and the self time of every function profiled, per chunk (``self_us_total``)."""
     rows = document["functions"]
     return {"seconds": document["seconds"], "chunks": num_chunks,
-            "self_us_total": sum(row["self_s"] for row in rows) * 1e6 / num_chunks,
+            "self_us_total": document["self_s_total"] * 1e6 / num_chunks,
             "functions": [{"function": row["function"], "calls_per_chunk": row["calls"] / num_chunks,
                            "self_us": row["self_s"] * 1e6 / num_chunks,
                            "cumulative_us": row["cumulative_s"] * 1e6 / num_chunks} for row in rows[:top]]}

@@ -15,6 +15,7 @@ memory, open file descriptors, start time; Linux) and ``python_info``.
 from __future__ import annotations
 
 import asyncio
+import http
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -198,10 +199,6 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-HTTP_STATUS = {200: "200 OK", 409: "409 Conflict"}
-"""The statuses a JSON route may answer."""
-
-
 class HealthServer:
     """Minimal HTTP/1.1 server for ``/metrics``, ``/healthz`` and ``/readyz`` on the event loop, and JSON ``routes``
     (path -> the body's maker, or a maker of ``(status, body)``; e.g. ``/debug/chunk-stages`` with ``trace_chunks``
@@ -243,7 +240,7 @@ class HealthServer:
             elif path in self.routes:
                 made = self.routes[path]()
                 code, body = made if isinstance(made, tuple) else (200, made)
-                status, ctype = HTTP_STATUS[code], "application/json"
+                status, ctype = f"{code} {http.HTTPStatus(code).phrase}", "application/json"
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"

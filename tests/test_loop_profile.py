@@ -27,6 +27,43 @@ def test_function_names_start_at_their_package() -> None:
     assert (function_name("/v/lib/python3.12/site-packages/zmq/sugar/socket.py", 638, "send")
             == "zmq/sugar/socket.py:638(send)")
     assert function_name("~", 0, "<built-in method time.monotonic>") == "~:0(<built-in method time.monotonic>)"
+    # a checkout in a folder named code2wav with its virtualenv inside: the last anchor counts
+    assert (function_name("/c/code2wav/.venv/lib/python3.11/site-packages/zmq/sugar/socket.py", 638, "send")
+            == "zmq/sugar/socket.py:638(send)")
+
+
+def _busy(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_the_profile_answers_its_window_and_ends_by_itself(monkeypatch) -> None:
+    """In-process, on an event loop as the metrics endpoint runs it: a stop without a start is 409; a start drops a
+    running profile; the rows count the window's calls; a profile left running ends after MAX_PROFILE_S."""
+    import asyncio
+
+    from code2wav.sidecar import loop_profile
+
+    async def run() -> None:
+        profile = loop_profile.LoopProfile()
+        assert profile.stop()[0] == 409
+        assert profile.start()[0] == 200
+        _busy(10)
+        assert profile.start()[0] == 200  # the first window is dropped: its call is not counted below
+        for _ in range(3):
+            _busy(1000)
+        status, body = profile.stop()
+        document = json.loads(body)
+        assert status == 200 and document["seconds"] > 0
+        (busy,) = [row for row in document["functions"] if row["function"].endswith("(_busy)")]
+        assert busy["calls"] == 3 and 0 < busy["self_s"] <= busy["cumulative_s"] + 1e-9
+        assert document["self_s_total"] >= sum(row["self_s"] for row in document["functions"]) - 1e-9
+        assert profile.stop()[0] == 409
+        monkeypatch.setattr(loop_profile, "MAX_PROFILE_S", 0.05)
+        assert profile.start()[0] == 200
+        await asyncio.sleep(0.2)
+        assert profile.stop()[0] == 409  # ended by itself
+
+    asyncio.run(run())
 
 
 def test_the_endpoints_are_404_with_the_key_off(sidecar) -> None:
@@ -59,7 +96,8 @@ def test_a_window_counts_each_timed_chunk_once(tmp_path) -> None:
     table = per_chunk(document, NUM_CHUNKS, 3)
     assert len(table["functions"]) == 3 and table["chunks"] == NUM_CHUNKS
     assert table["functions"][0]["self_us"] == pytest.approx(rows[0]["self_s"] * 1e6 / NUM_CHUNKS)
-    assert table["self_us_total"] >= sum(row["self_us"] for row in table["functions"])
+    assert table["self_us_total"] == pytest.approx(document["self_s_total"] * 1e6 / NUM_CHUNKS)
+    assert document["self_s_total"] >= sum(row["self_s"] for row in rows) - 1e-9
 
 
 def test_the_bench_prints_and_writes_the_loop_profile(tmp_path) -> None:
