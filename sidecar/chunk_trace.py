@@ -96,8 +96,8 @@ class ChunkTrace:
         """The recorded chunks, oldest first."""
         return [chunk.as_dict() for chunk in self._ring]
 
-    def json_body(self) -> bytes:
-        """What ``/debug/chunk-stages`` serves."""
+    def json_body(self) -> tuple[int, bytes]:
+        """What ``/debug/chunk-stages`` serves: ``(HTTP status, JSON body)``."""
         body = {"clock": "CLOCK_MONOTONIC ns", "capacity": self.capacity, "recorded": self.num_recorded,
                 "stamps": list(STAGE_STAMPS), "chunks": self.records()}
-        return json.dumps(body).encode()
+        return 200, json.dumps(body).encode()

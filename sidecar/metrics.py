@@ -201,11 +201,11 @@ class Metrics:
 
 class HealthServer:
     """Minimal HTTP/1.1 server for ``/metrics``, ``/healthz`` and ``/readyz`` on the event loop, and JSON ``routes``
-    (path -> the body's maker, or a maker of ``(status, body)``; e.g. ``/debug/chunk-stages`` with ``trace_chunks``
-    on). Every handler runs on the loop thread."""
+    (path -> the maker of its ``(HTTP status, body)``; e.g. ``/debug/chunk-stages`` with ``trace_chunks`` on). Every
+    handler runs on the loop thread."""
 
     def __init__(self, metrics: Metrics, is_ready: Callable[[], bool],
-                 routes: dict[str, Callable[[], bytes | tuple[int, bytes]]] | None = None) -> None:
+                 routes: dict[str, Callable[[], tuple[int, bytes]]] | None = None) -> None:
         self.metrics = metrics
         self.is_ready = is_ready
         self.routes = dict(routes or {})
@@ -238,8 +238,7 @@ class HealthServer:
                 status = "200 OK" if ready else "503 Service Unavailable"
                 ctype, body = "text/plain", b"ready\n" if ready else b"not ready\n"
             elif path in self.routes:
-                made = self.routes[path]()
-                code, body = made if isinstance(made, tuple) else (200, made)
+                code, body = self.routes[path]()
                 status, ctype = f"{code} {http.HTTPStatus(code).phrase}", "application/json"
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"

@@ -90,17 +90,23 @@ def test_one_stream_joins_every_recorded_chunk_and_its_stages_add_up(tmp_path, p
         assert 0 <= row["p50_us"] <= row["p90_us"], row
 
 
+def run_stages_bench(tmp_path, num_chunks: int, *extra: str) -> tuple[str, dict]:
+    """``code2wav-sidecar bench --stages`` on the CPU (the tiny model, 2-frame chunks, one warm-up chunk): its
+    printed output and its JSON report."""
+    out = tmp_path / "stages.json"
+    proc = subprocess.run([sys.executable, "-m", "code2wav.sidecar", "bench", "--stages", "--model", str(TINY),
+                           "--device", "cpu", "--chunk-frames", "2", "--stages-chunks", str(num_chunks),
+                           "--stages-warmup", "1", *extra, "--json", str(out)],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
 def test_the_bench_prints_and_writes_the_table(tmp_path):
     """``code2wav-sidecar bench --stages`` on the CPU: host inputs only, every timed chunk joined, the JSON's stages
     in order and adding up."""
-    out = tmp_path / "stages.json"
-    proc = subprocess.run([sys.executable, "-m", "code2wav.sidecar", "bench", "--stages", "--model", str(TINY),
-                           "--device", "cpu", "--chunk-frames", "2", "--stages-chunks", "6", "--stages-warmup", "1",
-                           "--serve-arg=--max-streams", "--serve-arg=4", "--json", str(out)],
-                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    assert "one chunk at concurrency 1, inputs on the host" in proc.stdout and "round_trip" in proc.stdout
-    report = json.loads(out.read_text())
+    stdout, report = run_stages_bench(tmp_path, 6, "--serve-arg=--max-streams", "--serve-arg=4")
+    assert "one chunk at concurrency 1, inputs on the host" in stdout and "round_trip" in stdout
     (table,) = report["stages"]
     assert (table["inputs_on"], table["chunks"], table["unmatched"], table["chunk_frames"]) == ("host", 6, 0, 2)
     assert [row["stage"] for row in table["stages"]] == [s.name for s in STAGES]

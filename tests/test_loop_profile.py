@@ -6,16 +6,14 @@ exactly once in the functions every chunk passes (the warm-up chunks and the str
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from code2wav.loadgen.loop_table import LoopProfileWindow, per_chunk
 from code2wav.loadgen.stages import run_stream
 from code2wav.sidecar.loop_profile import LOOP_PROFILE_PATH, LOOP_PROFILE_START_PATH, function_name
-from conftest import ROOT, TINY, start_sidecar
-from test_chunk_stages import ENV
+from conftest import start_sidecar
+from test_chunk_stages import run_stages_bench
 
 NUM_CHUNKS = 7
 WARMUP = 3
@@ -101,14 +99,8 @@ def test_a_window_counts_each_timed_chunk_once(tmp_path) -> None:
 
 
 def test_the_bench_prints_and_writes_the_loop_profile(tmp_path) -> None:
-    out = tmp_path / "stages.json"
-    proc = subprocess.run([sys.executable, "-m", "code2wav.sidecar", "bench", "--stages", "--model", str(TINY),
-                           "--device", "cpu", "--chunk-frames", "2", "--stages-chunks", "5", "--stages-warmup", "1",
-                           "--stages-loop-profile", "4", "--json", str(out)],
-                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    assert "the sidecar's loop thread per chunk, inputs on the host" in proc.stdout
-    report = json.loads(out.read_text())
+    stdout, report = run_stages_bench(tmp_path, 5, "--stages-loop-profile", "4")
+    assert "the sidecar's loop thread per chunk, inputs on the host" in stdout
     assert report["settings"]["stages_loop_profile"] == 4
     (table,) = report["stages"]
     profile = table["loop_profile"]
