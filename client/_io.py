@@ -330,7 +330,7 @@ class Connection(Liveness):
         if call.stamps is not None:
             call.stamps.received_ns = received_ns
         if isinstance(msg, Error):
-            self._settle_failure(call, error_from(msg.code, msg.message), "rejected")
+            self._settle_failure(call, error_from(msg.code, msg.message, msg.failed_seq), "rejected")
             return
         try:
             call.on_reply(msg, frames)

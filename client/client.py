@@ -220,10 +220,18 @@ class SidecarClient:
         timeout_s: float | None = None,
         options: dict[str, int] | None = None,
         start_frame: int = 0,
+        early_audio: bool = False,
     ) -> Future[Stream]:
         """Open a stream. ``left_context_frames`` applies to ``window`` mode only; ``options``: the model's
         ``stream_options`` (welcome), checked by the server; ``start_frame`` (``exact``): the index of the stream's
-        first frame in its utterance (a pool's failover replay resumes there; proto/README.md, section 11)."""
+        first frame in its utterance (a pool's failover replay resumes there; proto/README.md, section 11).
+
+        ``early_audio`` (proto/README.md section 5): the sidecar answers a chunk whose audio comes back by CUDA IPC
+        as soon as its step is launched, not once its outcome is read (one stream: about the reply's trip less per
+        chunk). The audio is then ready on your stream as always, but in the rare case the step refuses the chunk
+        afterwards (inputs the GPU check refused, non-finite audio, an armed chunk whose codes never came) it holds
+        zeros and you learn it from the stream's next call: ``decode``/``finish`` raise the chunk's error with
+        ``error.failed_seq`` set to its seq, and the stream goes on from that seq (send it again)."""
         if mode not in STREAM_MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(STREAM_MODES)}; got {mode!r}")
         limits = self.limits
@@ -237,8 +245,11 @@ class SidecarClient:
         context = left_context_frames if mode == "window" else 0
         if start_frame < 0:
             raise InvalidArgument(f"start_frame must be >= 0, got {start_frame}")
+        if early_audio and self.server_info.capabilities.get("early_audio") is not True:
+            raise InvalidArgument("this sidecar does not offer early audio (welcome.capabilities.early_audio); "
+                                  "open the stream without early_audio")
         frames = encode(OpenStream(request_id, stream_id, model, mode, context, dict(options or {}),
-                                   start_frame if mode == "exact" else 0))
+                                   start_frame if mode == "exact" else 0, early_audio))
         future: Future[Stream] = Future()
 
         def on_reply(msg: ServerMessage, _frames: list[memoryview]) -> Stream:
@@ -250,9 +261,10 @@ class SidecarClient:
                                     "that Stream first)")
             info = self.server_info.model(msg.model)
             if info is None:
-                stream = Stream(self._sender, msg, self._conn.generation)
+                stream = Stream(self._sender, msg, self._conn.generation, early_audio=early_audio)
             else:
-                stream = Stream(self._sender, msg, self._conn.generation, info.input_kind, info.input_dtypes)
+                stream = Stream(self._sender, msg, self._conn.generation, info.input_kind, info.input_dtypes,
+                                early_audio)
             self._streams_by_id[stream_id] = stream
             return stream
 
@@ -268,10 +280,11 @@ class SidecarClient:
         model: str | None = None,
         timeout_s: float | None = None,
         options: dict[str, int] | None = None,
+        early_audio: bool = False,
     ) -> Stream:
         future = self.submit_open_stream(
             stream_id, mode=mode, left_context_frames=left_context_frames, model=model, timeout_s=timeout_s,
-            options=options,
+            options=options, early_audio=early_audio,
         )
         return self._sender.wait(future, timeout_s)
 

@@ -30,6 +30,9 @@ class SidecarError(Exception):
     """Base class; ``code`` is the protocol ``ErrorCode``, ``message`` the server's text."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    failed_seq: int | None = None
+    """A chunk's error for an earlier chunk of its stream that was answered with early audio and refused after
+    its reply (proto/README.md section 5): that chunk's seq, where the stream continues (send it again)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)  # args stay (message,), so errors pickle and re-raise intact
@@ -132,10 +135,13 @@ _BY_CODE: dict[ErrorCode, type[SidecarError]] = {
 }
 
 
-def error_from(code: ErrorCode | str, message: str) -> SidecarError:
-    """The exception for ``code`` (an unknown code string gives ``Internal``)."""
+def error_from(code: ErrorCode | str, message: str, failed_seq: int | None = None) -> SidecarError:
+    """The exception for ``code`` (an unknown code string gives ``Internal``); ``failed_seq``: see
+    ``SidecarError.failed_seq``."""
     try:
-        error_code = ErrorCode(code)
+        error = _BY_CODE[ErrorCode(code)](message)
     except ValueError:
-        return Internal(f"[unknown error code {code!r}] {message}")
-    return _BY_CODE[error_code](message)
+        error = Internal(f"[unknown error code {code!r}] {message}")
+    if failed_seq is not None:
+        error.failed_seq = failed_seq
+    return error

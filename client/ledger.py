@@ -128,6 +128,17 @@ class StreamLedger:
             if chunk.seq >= self._next_seq:
                 self._send_seq = min(self._send_seq, chunk.seq)
 
+    def rewind(self, seq: int) -> None:
+        """The server refused ``seq`` after answering it with early audio (proto/README.md section 5): the stream
+        continues from ``seq``, which is free again, as after a direct refusal; a resend never replays it."""
+        with self._lock:
+            if seq >= self._next_seq:
+                return
+            self._next_seq = seq
+            self._send_seq = min(self._send_seq, seq)
+            if self._last_chunk is not None and self._last_chunk.seq >= seq:
+                self._last_chunk = None
+
     def mark_closed(self, reason: str) -> None:
         with self._lock:
             self._closed_reason = reason

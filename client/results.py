@@ -56,8 +56,9 @@ def chunk_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult, frames:
     if in_region and (ipc is None or result.audio.loc != ipc.audio_out.loc):
         outcome, in_region = Internal(f"stream {stream.stream_id!r} seq {chunk.seq}: audio placed in a region "
                                       "slot this client did not offer"), False
-    if ipc is not None:
-        ipc.channel.release(ipc, audio_used=in_region)
+    if ipc is not None:  # early audio: the reply may have left before the step read the codes (channel.release)
+        ipc.channel.release(ipc, audio_used=in_region,
+                            audio_event=result.audio_event if in_region and stream.early_audio else None)
     if isinstance(outcome, SidecarError):
         return outcome
     if in_region:
@@ -76,8 +77,11 @@ def _inline_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
         return Internal(f"result for {result.stream_id!r}/{result.seq} where "
                         f"{stream.stream_id!r}/{chunk.seq} was expected")
     if result.error is not None:
+        failed_seq = result.error.failed_seq
+        if failed_seq is not None and failed_seq < chunk.seq:  # an early-answered chunk was refused after all
+            stream.ledger.rewind(failed_seq)
         stream.ledger.chunk_failed(chunk, "rejected")
-        return error_from(result.error.code, result.error.message)
+        return error_from(result.error.code, result.error.message, failed_seq)
     stream.ledger.chunk_ok(chunk)  # the server committed the chunk
     assert result.audio is not None
     expected_frames = audio_num_frames(chunk.num_frames, chunk.context_frames)

@@ -35,7 +35,7 @@ class Stream:
     """
 
     def __init__(self, sender: Sender, opened: Opened, generation: int, input_kind: str = "codes",
-                 input_dtypes: tuple[str, ...] = ("float32",)) -> None:
+                 input_dtypes: tuple[str, ...] = ("float32",), early_audio: bool = False) -> None:
         self.sender = sender
         self.generation = generation  # the server generation the stream was opened in
         self.stream_id: str = opened.stream_id
@@ -46,6 +46,7 @@ class Stream:
         self.num_quantizers: int = opened.num_quantizers  # the inputs' first dimension (Q codes, D latents)
         self.input_kind: str = input_kind  # welcome's contract: "codes" or "latents"
         self.input_dtypes: tuple[str, ...] = input_dtypes  # welcome's: the wire dtypes latents may travel in
+        self.early_audio: bool = early_audio  # opened with early audio (proto/README.md section 5)
         self.ledger = StreamLedger(self.stream_id, lambda: self.lost)
 
     # ------------------------------------------------------------------ public

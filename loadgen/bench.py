@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs-on", default="host", choices=["host", "device"],
                    help="where each stream's codes/latents are: host (sent inline as bytes, audio back as bytes) or "
                         "device (CUDA: where a talker leaves them; sent by CUDA IPC, audio back in GPU memory)")
+    p.add_argument("--early-audio", action="store_true",
+                   help="with --inputs-on device: open the streams with early audio (each CUDA IPC chunk answered "
+                        "at its step's launch; proto/README.md section 5)")
     p.add_argument("--baseline-iters", type=int_at_least(1), help="timed iterations per in-process baseline "
                    f"({_default_text('baseline_iters')})")
     p.add_argument("--baseline-warmup", type=int_at_least(0), help="untimed calls before each baseline's timed ones "
@@ -232,6 +235,9 @@ def run_once(argv: list[str], scenario: str | None) -> int:
         from .stages import run as run_stages
 
         return run_stages(args)
+    if args.early_audio and args.inputs_on != "device":
+        print("error: --early-audio applies to CUDA IPC audio: add --inputs-on device", file=sys.stderr)
+        return 2
     if args.inputs_on == "device" and (args.no_sidecar or device.type != "cuda"):
         reason = "--no-sidecar runs no sidecar levels" if args.no_sidecar else f"got --device {device}"
         print(f"error: --inputs-on device needs sidecar levels on a CUDA device; {reason}", file=sys.stderr)

@@ -111,10 +111,11 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelResult):
+async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelResult, early_audio: bool = False):
     """The stream, or None when the server refused it (busy: counted as refused) or failed (an error)."""
     try:
-        return await asyncio.wrap_future(client.submit_open_stream(stream_id, mode=mode))
+        extra = {"early_audio": True} if early_audio else {}  # (a pool's open takes no early_audio)
+        return await asyncio.wrap_future(client.submit_open_stream(stream_id, mode=mode, **extra))
     except SidecarError as exc:
         result.record_error(exc)
         return None
@@ -184,12 +185,12 @@ async def _one_stream(stream, mode: str, codes, sizes: list[int], arrival: str,
 
 async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode: str, codes, sizes: list[int],
                 arrival: str, start_at_s: float, sample_rate_hz: int, result: LevelResult, frame_s: float,
-                spin: bool, cuda_stream=None) -> None:
+                spin: bool, cuda_stream=None, early_audio: bool = False) -> None:
     """One concurrency slot: ``stream`` (already open), then ``rounds - 1`` more streams, each opened when the
     previous one ended, all submitted on the slot's ``cuda_stream`` (GPU inputs) as a runner submits on its own."""
     for r in range(rounds):
         if r:
-            stream = await _open(client, f"{stream_id}-r{r}", mode, result)
+            stream = await _open(client, f"{stream_id}-r{r}", mode, result, early_audio)
             if stream is None:
                 return
         result.streams += 1
@@ -202,20 +203,20 @@ async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode
 async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrency: int, mode: str, num_frames: int,
                     first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
                     tag: str, min_streams: int = MIN_STREAMS,
-                    input_device: torch.device | None = None) -> LevelResult:
+                    input_device: torch.device | None = None, early_audio: bool = False) -> LevelResult:
     """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / accepted)`` in turn per
     slot the server accepted (a refused reopen in a later round counts as refused too). ``input_device``: a CUDA
     device puts every stream's inputs there, as a talker leaves them (the client then sends them by CUDA IPC and the
     audio comes back on that device; latency counts until it is ready there); None keeps them on the host (inline
-    bytes both ways)."""
+    bytes both ways). ``early_audio``: streams opened with early audio (their CUDA IPC chunks answered at launch)."""
     info = clients[0].models[0]
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
                          audio_s=0.0, by_sidecar={} if isinstance(clients[0], SidecarPool) else None)
     # every stream of the level is opened first, so the streams the server refuses (busy: no arena slot) are
     # those over its capacity at this load, whatever the timing of the others
-    streams = await asyncio.gather(*(_open(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, result)
-                                     for i in range(concurrency)))
+    streams = await asyncio.gather(*(_open(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", mode, result,
+                                           early_audio) for i in range(concurrency)))
     accepted = sum(stream is not None for stream in streams)
     rounds = 1 if arrival == "realtime" else max(1, -(-min_streams // max(1, accepted)))
     before = _scrape(metrics_url)
@@ -245,7 +246,7 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
             continue
         tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, inputs[i],
                            sizes, arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1,
-                           cuda_stream=cuda_streams[i]))
+                           cuda_stream=cuda_streams[i], early_audio=early_audio))
     await asyncio.gather(*tasks)
     result.wall_s = time.perf_counter() - t0
     for part in (result.by_sidecar or {}).values():

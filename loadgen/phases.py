@@ -239,14 +239,16 @@ class SidecarPhase(Phase):
         a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
         run(run_level(self.clients, len(self.clients), a.mode, a.frames, a.first_chunk_frames, a.chunk_frames,
-                      "closed", None, tag="warmup", min_streams=1, input_device=self.input_device))
+                      "closed", None, tag="warmup", min_streams=1, input_device=self.input_device,
+                      early_audio=a.early_audio))
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
         a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
         result = run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
                                        a.chunk_frames, a.arrival, self.metrics_url, tag="bench",
-                                       min_streams=a.min_streams, input_device=self.input_device))
+                                       min_streams=a.min_streams, input_device=self.input_device,
+                                       early_audio=a.early_audio))
         row = summarize(result)
         report.results.append(row)
         return (f"{row['chunks']} chunks, {row['audio_s_per_s']:.4g} audio-s/s, p50 {row['chunk_latency_ms_p50']} ms, "

@@ -40,13 +40,13 @@ STAGES = (
     Stage("launch", "the step planned, its items built, inputs copied in, the graph replayed or the eager forward "
           "issued (on the CPU: computed)"),
     Stage("device", "launched -> the step's audio on the host (CUDA IPC audio: its copy into the client's region "
-          "queued)"),
+          "queued; early audio: queued right after the launch, the step still running)"),
     Stage("reply", "the chunk committed, its reply assembled and encoded, going into the sidecar's socket"),
     Stage("wire_out", "libzmq both ways -> the client's I/O thread took the reply off its socket"),
     Stage("client_deliver", "the reply parsed and checked, the audio tensor made, the caller's future set -> "
           "decode() returned"),
     Stage("audio_ready", "inputs on the GPU: the caller's sync on its CUDA stream until the audio is ready there (0 "
-          "for host inputs)"),
+          "for host inputs; early audio: the step's device time is here)"),
 )
 assert len(STAGES) == len(STAMPS) - 1  # one stage between each two consecutive stamps
 

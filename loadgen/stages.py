@@ -3,8 +3,9 @@
 Spawns a sidecar with ``trace_chunks`` on (``sidecar/chunk_trace.py``), runs one stream of ``--stages-chunks`` chunks
 of ``--chunk-frames`` frames (after ``--stages-warmup`` untimed ones) through a client with a ``CallTrace``
 (``client/call_trace.py``), each chunk sent once the previous one's audio is back (concurrency 1), with inputs on the
-host (inline bytes both ways) and, on CUDA, on the GPU too (CUDA IPC both ways: armed chunks, ``device``, and codes
-events, ``device-events``); then fetches the sidecar's stamps
+host (inline bytes both ways) and, on CUDA, on the GPU too (CUDA IPC both ways: armed chunks, ``device``, codes
+events, ``device-events``, and codes events with early audio, ``device-early``: each chunk answered at its step's
+launch, so its device time shows in ``audio_ready``); then fetches the sidecar's stamps
 from ``/debug/chunk-stages``, joins them with the client's by ``(stream_id, seq)`` and prints the table of
 ``stage_table.py``: per stage p50 / p90 / mean in microseconds and share of the round trip. On CUDA a last table
 (``handoff.py``) times the hand-off on the GPU's clock, armed against codes events, with codes made while the
@@ -31,6 +32,7 @@ from code2wav.client import SidecarClient
 from code2wav.client.call_trace import CallTrace
 from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH
 
+from .drive import metric_value
 from .handoff import format_handoff, measure_handoff
 from .inputs import InputContract, synthetic_inputs
 from .loop_table import LoopProfileWindow, format_loop_profile, per_chunk
@@ -38,10 +40,13 @@ from .phases import Progress
 from .spawn import SpawnedSidecar, spawn_sidecar
 from .stage_table import format_table, join, legend, summarize
 
+EARLY_COUNTER = "code2wav_sidecar_chunks_answered_early_total"
+"""The sidecar's count of chunks answered at their step's launch (early audio): each table records its own."""
+
 
 def run_stream(address: str, inputs_on: str, device: torch.device | None, num_chunks: int, warmup: int,
-               chunk_frames: int, armed: bool = True,
-               window: LoopProfileWindow | None = None) -> tuple[list[dict], dict, dict]:
+               chunk_frames: int, armed: bool = True, window: LoopProfileWindow | None = None,
+               early_audio: bool = False) -> tuple[list[dict], dict, dict]:
     """One stream of ``warmup + num_chunks`` chunks at concurrency 1; returns the caller's stamps of the timed
     chunks (stream_id, seq, called_ns, returned_ns, ready_ns), the client's (``CallTrace.chunks``) and the
     client's CUDA IPC counts. ``window``: the sidecar's loop profile, started before the first timed chunk and
@@ -53,7 +58,7 @@ def run_stream(address: str, inputs_on: str, device: torch.device | None, num_ch
         if device is not None:  # [Q|D, T] on the GPU, where a talker leaves them
             inputs = inputs.to(device)
             torch.cuda.synchronize(device)
-        stream = client.open_stream(f"stages-{inputs_on}-{time.monotonic_ns()}")
+        stream = client.open_stream(f"stages-{inputs_on}-{time.monotonic_ns()}", early_audio=early_audio)
         for i in range(warmup + num_chunks):
             if window is not None and i == warmup:
                 window.start()
@@ -77,19 +82,22 @@ def run_stream(address: str, inputs_on: str, device: torch.device | None, num_ch
 
 def measure(spawned: SpawnedSidecar, inputs_on: str, device: torch.device, num_chunks: int, warmup: int,
             chunk_frames: int, loop_profile_rows: int = 0) -> dict:
-    """The table of one kind of inputs (``host``, ``device``: armed, ``device-events``), with its joined chunks'
-    count and IPC counts; with ``loop_profile_rows``, the sidecar's loop thread per chunk (``loop_table``)."""
+    """The table of one kind of inputs (``host``, ``device``: armed, ``device-events``, ``device-early``: codes
+    events and early audio), with its joined chunks' count and IPC counts; with ``loop_profile_rows``, the sidecar's
+    loop thread per chunk (``loop_table``)."""
     window = LoopProfileWindow(spawned) if loop_profile_rows else None
+    early_before = metric_value(spawned.scrape(), EARLY_COUNTER)
     calls, client_chunks, ipc = run_stream(spawned.address, inputs_on, None if inputs_on == "host" else device,
                                            num_chunks, warmup, chunk_frames, armed=inputs_on == "device",
-                                           window=window)
+                                           window=window, early_audio=inputs_on == "device-early")
     document = json.loads(spawned.get(CHUNK_STAGES_PATH))
     joined, missing = join(calls, client_chunks, document["chunks"])
     if not joined:
         raise RuntimeError(f"no chunk of the {inputs_on} run was stamped by both the client and the sidecar "
                            f"({missing} calls unmatched; the sidecar recorded {document['recorded']})")
     table = {"inputs_on": inputs_on, "chunk_frames": chunk_frames, "unmatched": missing,
-             "ipc_chunks": ipc.get("ipc_chunks", 0), **summarize(joined)}
+             "ipc_chunks": ipc.get("ipc_chunks", 0),
+             "answered_early": int(metric_value(spawned.scrape(), EARLY_COUNTER) - early_before), **summarize(joined)}
     if window is not None and window.document is not None:
         table["loop_profile"] = per_chunk(window.document, num_chunks, loop_profile_rows)
     return table
@@ -104,7 +112,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     device = resolve_device(args.device)
-    kinds = ["host", "device", "device-events"] if device.type == "cuda" else ["host"]
+    kinds = ["host", "device", "device-events", "device-early"] if device.type == "cuda" else ["host"]
     if device.type == "cuda":
         configure_cuda()
     num_chunks, warmup = args.stages_chunks, args.stages_warmup
@@ -141,8 +149,9 @@ def run(args) -> int:
             shutil.rmtree(workdir, ignore_errors=True)  # its config, socket and log (the log: --sidecar-log)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     for table in tables:
+        early = f"; {table['answered_early']} answered at launch (early audio)" if table["answered_early"] else ""
         print("\n" + format_table(f"one chunk at concurrency 1, inputs on the {table['inputs_on']} "
-                                  f"({gpu or device}, {args.dtype}, {args.chunk_frames} frames)", table))
+                                  f"({gpu or device}, {args.dtype}, {args.chunk_frames} frames{early})", table))
         if "loop_profile" in table:
             print("\n" + format_loop_profile(f"the sidecar's loop thread per chunk, inputs on the "
                                               f"{table['inputs_on']} (profiled: not the latency above)",

@@ -64,6 +64,10 @@ class OpenStream:
         doc="`exact` mode: the stream's first frame is taken to be frame `start_frame` of its utterance (ignored in "
             "`window`). A failover replay (section 11) sends the original index of its first replayed frame, so "
             "positions count as they did on the first sidecar")
+    early_audio: bool = wire(
+        Bool(), default=False, omit_default=True,
+        doc="answer this stream's CUDA IPC audio when its step is launched, before its outcome is read (section "
+            "5, early audio); only to a server whose `welcome.capabilities.early_audio` is true")
 
 
 @record("chunk", sender="client")

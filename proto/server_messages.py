@@ -55,6 +55,11 @@ class ErrorInfo:
 
     code: ErrorCode = wire(ErrorCodeField(), doc="what failed (section 7)")
     message: str = wire(_TEXT, doc="for people")
+    failed_seq: int | None = wire(
+        Nullable(Int(0)), default=None, omit_default=True,
+        doc="set when this chunk is refused because an earlier chunk of its stream, answered with early audio, "
+            "was refused after its reply (section 5, early audio): that chunk's seq; `code` is its, `message` quotes it. "
+            "The stream continues from `failed_seq`")
 
     _unknown_code = rule(_UNKNOWN_CODE)(_internal_for_unknown_code)
 
@@ -153,5 +158,9 @@ class Error:
                                                         "framing, bad msgpack)")
     code: ErrorCode = wire(ErrorCodeField(), doc="what failed (section 7)")
     message: str = wire(_TEXT, doc="for people")
+    failed_seq: int | None = wire(
+        Nullable(Int(0)), default=None, omit_default=True,
+        doc="a `finish` refused because a chunk of its stream answered with early audio was refused after its "
+            "reply (section 5, early audio): that chunk's seq, where the stream continues")
 
     _unknown_code = rule(_UNKNOWN_CODE)(_internal_for_unknown_code)

@@ -117,7 +117,8 @@ class Welcome:
     capabilities: dict[str, Any] = wire(
         AnyMap(), default_factory=dict,
         doc="`cuda_ipc`: bool; with it, `gpu_uuid` (str) and `host_id` (str: the server's boot id; CUDA IPC needs "
-            "the same host); `load`: int, the version of the load map it sends (section 10)")
+            "the same host); `load`: int, the version of the load map it sends (section 10); `early_audio`: bool, "
+            "`open_stream.early_audio` is understood (section 5)")
     session_secret: str | None = wire(
         Nullable(Str()), default=None, omit_default=True,
         doc="random per session: binds the session to this client; a later `hello` on this routing id presents it "

@@ -26,8 +26,8 @@ from .metrics import Metrics
 from .models import LoadedModel
 from .replies import Outbox, PendingReply
 from .scheduler import Scheduler
-from .stream_table import StreamTable
-from .streams import SeqVerdict, check_seq
+from .stream_table import StreamTable, late_failure_message
+from .streams import LateFailure, SeqVerdict, check_seq
 from .work import ChunkRejected, DecodeItem
 
 
@@ -55,7 +55,7 @@ class ChunkFlow:
             try:
                 self._accept(identity, chunk, index, reply, frames, now)
             except ChunkRejected as exc:
-                self.out.reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message)
+                self.out.reject(reply, index, chunk.stream_id, chunk.seq, exc.code, exc.message, exc.failed_seq)
         self.metrics.queue_depth.set(len(self.scheduler))
         self.out.emit_if_done(reply)
 
@@ -68,6 +68,9 @@ class ChunkFlow:
             raise ChunkRejected(ErrorCode.NOT_FOUND, f"stream '{chunk.stream_id}' is not open")
         if stream.closing is not None:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"stream '{chunk.stream_id}' is closing ({stream.closing})")
+        late = stream.late_failure
+        if late is not None and chunk.seq > late.seq:  # an early-answered chunk was refused: it must come first
+            raise ChunkRejected(late.code, late_failure_message(stream, late), failed_seq=late.seq)
         verdict, reason = check_seq(stream, chunk.seq)
         if verdict == SeqVerdict.RESEND:
             if stream.last_audio_event is not None:  # its host copy: queued before any later step, so this waits
@@ -94,6 +97,7 @@ class ChunkFlow:
         for region in job.regions:
             self.regions.acquire(region)
         stream.next_seq += 1
+        stream.late_failure = None  # (its seq came again)
         self.streams.chunk_queued(stream)
         stream.last_active_s = now
         if chunk.final:
@@ -109,12 +113,30 @@ class ChunkFlow:
                 item.armed = job.ipc_codes.armed
         return items
 
+    @staticmethod
+    def answers_early(job: ChunkJob) -> bool:
+        """Whether ``job`` is answered when its step is launched (proto/README.md section 5, early audio): its
+        stream asked for it, its audio goes into the client's region, and it is not its stream's last chunk."""
+        return job.stream.early_audio and job.audio_out is not None and not job.final
+
+    def answer_early(self, job: ChunkJob) -> None:
+        """Resolve ``job``'s place in its reply at its step's launch: its audio's copy into the region and the
+        event after it are queued (``job.audio_event``); ``complete`` or ``fail`` follows once the outcome is
+        read. The stream's state is not committed here."""
+        num_frames = proto.audio_num_frames(job.num_frames, job.context_frames)
+        job.answered = True
+        job.reply.resolve(job.index, job.stream.stream_id, job.seq, job.audio_out.view, num_frames,
+                          (job.audio_out.desc, job.audio_event))
+        self.metrics.chunks_answered_early.inc()
+        self.out.emit_if_done(job.reply)
+
     def complete(self, job: ChunkJob, audio: Tensor) -> None:
-        """The chunk produced ``audio``: commit its stream and resolve its place in the reply."""
+        """The chunk produced ``audio``: commit its stream and resolve its place in the reply (unless it was
+        answered early: ``answer_early``)."""
         stream = job.stream
         ipc = None if job.audio_out is None else (job.audio_out.desc, job.audio_event)
+        num_frames = proto.audio_num_frames(job.num_frames, job.context_frames)  # frames that produced audio
         self.streams.chunk_done(job)
-        num_frames = proto.audio_num_frames(job.codes.shape[1], job.context_frames)  # frames that produced audio
         if not stream.closed:
             stream.committed_seq = job.seq
             stream.last_audio, stream.last_audio_event = audio, job.kept_event
@@ -126,25 +148,42 @@ class ChunkFlow:
             series.frames.inc(job.codes.shape[1])
             series.audio_seconds.inc(audio.numel() / self.model.sample_rate_hz)
             series.chunk_latency.observe(self.clock() - job.arrived_s)
-        job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames, ipc)
-        self.out.emit_if_done(job.reply)
+        if not job.answered:
+            job.reply.resolve(job.index, stream.stream_id, job.seq, audio, num_frames, ipc)
+            self.out.emit_if_done(job.reply)
         if job.final or (stream.closing and stream.num_pending == 0):
             self.streams.close(stream, stream.closing or "final")
 
     def fail(self, job: ChunkJob, code: ErrorCode, message: str) -> None:
-        """The chunk produced no audio: its stream keeps the state it had, its later queued chunks fail too."""
+        """The chunk produced no audio: its stream keeps the state it had, its later queued chunks fail too. A chunk
+        answered early (``answer_early``) is not answered again: its stream records the failure (``LateFailure``),
+        and its later chunks and a finish are refused with it until its seq comes again."""
         stream = job.stream
         self.streams.chunk_done(job)
+        if job.answered:
+            self.metrics.chunks_refused_after_early_audio.inc()
+            self.metrics.errors.labels(code=code.value).inc()
         if not stream.closed:
             stream.next_seq = job.seq
             if stream.closing == "final":
                 stream.closing = None
+            late = LateFailure(job.seq, code, message) if job.answered else None
+            if late is not None:
+                stream.late_failure = late
             for later in self.scheduler.remove_stream(stream):
                 self.streams.chunk_done(later)
-                self.out.reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
-                                f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
+                if late is not None:
+                    self.out.reject(later.reply, later.index, stream.stream_id, later.seq, code,
+                                    late_failure_message(stream, late), failed_seq=job.seq)
+                else:
+                    self.out.reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
+                                    f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
                 self.out.emit_if_done(later.reply)
-        self.out.reject(job.reply, job.index, stream.stream_id, job.seq, code, message)
-        self.out.emit_if_done(job.reply)
+        if not job.answered:
+            self.out.reject(job.reply, job.index, stream.stream_id, job.seq, code, message)
+            self.out.emit_if_done(job.reply)
         if stream.closing and stream.num_pending == 0 and not stream.closed:
-            self.streams.close(stream, stream.closing)
+            if stream.late_failure is not None:  # a finish waits: it is refused, the stream stays open
+                self.streams.refuse_finish(stream)
+            else:
+                self.streams.close(stream, stream.closing)

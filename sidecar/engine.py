@@ -37,6 +37,13 @@ class LaunchedStep:
     host: Tensor | None  # [rows, T * U] the host rows' audio, being copied (pinned); None: no host rows
     outcomes: Tensor  # [rows] uint8: each row's ROW_* (a pinned copy being made, on CUDA)
     done: torch.cuda.Event | None  # recorded after the copies; None: done already (the CPU)
+    device_outcomes: Tensor | None = None  # [rows] uint8 on the device, in stream order (early audio's mask)
+
+    def device_rows(self, indices: list[int], samples_per_frame: int) -> list[Tensor]:
+        """The audio of rows ``indices`` as views of the step's output on the device (``out_device`` rows),
+        before the step finished: usable in stream order only."""
+        spf = samples_per_frame
+        return [self.wav[b, self.items[b].skip_frames * spf: self.items[b].num_frames * spf] for b in indices]
 
     def ready(self) -> bool:
         """The device finished the step and its copies (never waits)."""
@@ -87,7 +94,7 @@ class Engine:
         pinned.copy_(outcomes[: len(items)], non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))  # the engine's device, whichever is current (cuda:N)
-        return LaunchedStep(items, wav, host, pinned, done)
+        return LaunchedStep(items, wav, host, pinned, done, outcomes[: len(items)])
 
     def finish(self, step: LaunchedStep) -> tuple[list[Tensor], list[int]]:
         """``execute_checked``'s results of a launched step, waiting for the device if it is not done yet. Device

@@ -50,6 +50,8 @@ class ChunkJob:
     audio_out: IpcAudioOut | None = None  # write the audio there
     audio_event: int | None = None  # set by the engine step: the region event recorded after writing
     kept_event: Any = None  # CUDA IPC audio: the event after the host copy kept for a resend (``store_audio``)
+    kept_audio: Tensor | None = None  # early audio: that host copy, taken when the outcome is read
+    answered: bool = False  # its reply slot was resolved at its step's launch (early audio), before its outcome
     stamps: Any = None  # chunk_trace.ChunkStamps of a traced chunk (``trace_chunks``), else None
 
     @property

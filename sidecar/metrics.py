@@ -97,6 +97,12 @@ class Metrics:
                                         "flight on the device (scheduler.max_steps_in_flight 2)", registry=r)
         self.chunks_not_finite = Counter(p + "chunks_not_finite", "Chunks whose audio or new decoder state came out "
                                          "non-finite (NaN/inf): answered internal, not committed", registry=r)
+        self.chunks_answered_early = Counter(p + "chunks_answered_early", "CUDA IPC chunks of early-audio streams "
+                                             "answered at their step's launch, before its outcome was read",
+                                             registry=r)
+        self.chunks_refused_after_early_audio = Counter(
+            p + "chunks_refused_after_early_audio", "Early-answered chunks that their step then refused (their slot "
+            "zeroed, their stream back to their seq; told with the next chunk's failed_seq)", registry=r)
         self.chunks = Counter(p + "chunks", "Chunks decoded successfully", ["model", "mode"], registry=r)
         self.frames = Counter(p + "frames", "Codec frames decoded (context frames included)", ["model", "mode"],
                               registry=r)

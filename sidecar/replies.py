@@ -40,16 +40,17 @@ class Outbox:
     def send(self, identity: bytes, message: Any, buffers: list | None = None) -> None:
         self.messages.append(Outbound(identity, message, buffers or []))
 
-    def error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str) -> None:
-        """A message-level typed error to ``identity``."""
+    def error(self, identity: bytes, request_id: int | None, code: ErrorCode, message: str,
+              failed_seq: int | None = None) -> None:
+        """A message-level typed error to ``identity`` (``failed_seq``: a finish refused by a late failure)."""
         self.metrics.errors.labels(code=code.value).inc()
-        self.send(identity, proto.Error(request_id=request_id, code=code, message=message))
+        self.send(identity, proto.Error(request_id=request_id, code=code, message=message, failed_seq=failed_seq))
 
     def reject(self, reply: PendingReply, index: int, stream_id: str, seq: int, code: ErrorCode,
-               message: str) -> None:
+               message: str, failed_seq: int | None = None) -> None:
         """One chunk of ``reply`` failed with a typed error (the rest of the reply is unaffected)."""
         self.metrics.errors.labels(code=code.value).inc()
-        reply.reject(index, stream_id, seq, code, message)
+        reply.reject(index, stream_id, seq, code, message, failed_seq)
 
     def emit_if_done(self, reply: PendingReply) -> None:
         """``reply`` goes out once every chunk of it has an outcome."""
@@ -76,9 +77,11 @@ class PendingReply:
     def done(self) -> bool:
         return self.remaining == 0
 
-    def reject(self, index: int, stream_id: str, seq: int, code: ErrorCode, message: str) -> None:
+    def reject(self, index: int, stream_id: str, seq: int, code: ErrorCode, message: str,
+               failed_seq: int | None = None) -> None:
         self.results[index] = proto.ChunkResult(stream_id=stream_id, seq=seq, audio=None, num_frames=0,
-                                                error=proto.ErrorInfo(code=code, message=message))
+                                                error=proto.ErrorInfo(code=code, message=message,
+                                                                      failed_seq=failed_seq))
         self.remaining -= 1
 
     def resolve(self, index: int, stream_id: str, seq: int, audio: Tensor, num_frames: int,

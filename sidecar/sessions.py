@@ -58,7 +58,7 @@ class Sessions:
         self.clients: ClientDirectory | None = None  # (set below; regions look sessions up through it)
         self.regions = RegionService(ipc_device, host_id, metrics, self.out.send, self.out.error, ipc_off_reason,
                                      session_of=lambda identity: self.clients.get(identity))
-        capabilities = {**self.regions.capabilities(), "load": proto.LOAD_VERSION}
+        capabilities = {**self.regions.capabilities(), "load": proto.LOAD_VERSION, "early_audio": True}
         terms = WelcomeTerms(models=(model_entry(model),), default_model=model.name, limits=self.limits,
                              heartbeat_interval_s=cfg.heartbeat_interval_s, capabilities=capabilities)
         self.clients = ClientDirectory(terms, self.out, metrics, clock)

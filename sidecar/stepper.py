@@ -15,7 +15,9 @@ Two kinds of step:
   inputs on the device and checked there, its host rows' audio and its outcomes copied into pinned memory behind it;
   the loop polls its completion (receiving meanwhile), takes the rows out and queues the CUDA IPC audio into the
   regions, whose replies name events and leave at once; the next batch is formed once the device is done with
-  those copies. Any other alone step (CUDA IPC codes a window stream keeps, read on the host; an eager step) runs
+  those copies. Chunks of early-audio streams (``ChunkFlow.answers_early``) have their audio queued into their
+  regions and their replies sent right after the launch, before the wait; their outcomes are read with the
+  others', so no later chunk of theirs is stepped before it. Any other alone step (CUDA IPC codes a window stream keeps, read on the host; an eager step) runs
   in the worker thread, and receiving and replying go on meanwhile.
 
 With busy polling the stepper polls (through ``LoopIO.poll``) instead of sleeping while traffic flows and no step
@@ -36,11 +38,13 @@ import torch
 
 from code2wav.proto import ErrorCode
 
+from .chunk_flow import ChunkFlow
 from .chunk_trace import ChunkTrace
 from .engine import Engine, LaunchedStep
+from .forward import ROW_COMMITTED
 from .graphs.routine import STAGING_BUFFERS
+from .ipc.io import disarm_released, drop_complete, incomplete_codes_events, load_codes, store_early, store_rows
 from .ipc.watchdog import DoorbellWatchdog
-from .ipc.io import disarm_released, drop_complete, incomplete_codes_events, load_codes, store_rows
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sessions import Sessions
@@ -194,7 +198,7 @@ class Stepper:
         device is done."""
         results = self.engine.finish(launched)
         if self.trace is not None:
-            self.trace.stamp(batch, "done_ns")
+            self.trace.stamp([job for job in batch if not job.answered], "done_ns")  # (early ones: at their reply)
         return results
 
     async def step(self, batch: list, plan: StepPlan) -> None:
@@ -302,11 +306,34 @@ class Stepper:
         if not done:
             return done, [], refused, deferred
         launched = self._launch(done, plan)
+        early = [b for b, job in enumerate(done) if ChunkFlow.answers_early(job)]
+        if early:  # answered now, their outcome read below (proto/README.md section 5, early audio)
+            self._answer_early(done, early, launched)
         if not launched.ready():
             await self.device_done(launched.done)
         audios, outcomes = self._finish(done, launched)  # the device is done: no wait
         done, audios, not_committed = self._split(done, audios, outcomes)
-        return done, store_rows(done, audios, self.metrics), refused + not_committed, deferred
+        if not early:
+            return done, store_rows(done, audios, self.metrics), refused + not_committed, deferred
+        rest = [b for b, job in enumerate(done) if not job.answered]
+        stored = store_rows([done[b] for b in rest], [audios[b] for b in rest], self.metrics)
+        audios = [job.kept_audio for job in done]  # (early rows: their kept host copy)
+        for b, audio in zip(rest, stored):
+            audios[b] = audio
+        return done, audios, refused + not_committed, deferred
+
+    def _answer_early(self, done: list, early: list[int], launched: LaunchedStep) -> None:
+        """The rows ``early`` of a launched step (their streams asked for early audio): their audio queued into
+        their regions, a refused row's slot zeroed on the device by its outcome, their replies sent now."""
+        jobs = [done[b] for b in early]
+        refused = launched.device_outcomes != ROW_COMMITTED  # [rows] bool on the device (no host read)
+        store_early(jobs, launched.device_rows(early, self.engine.model.samples_per_frame),
+                    [refused[b] for b in early], self.metrics)
+        if self.trace is not None:
+            self.trace.stamp(jobs, "done_ns")  # (their device time shows in the client's audio_ready)
+        for job in jobs:
+            self.sessions.chunks.answer_early(job)
+        self.io.flush()
 
     def engine_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
         """Worker thread: read CUDA IPC inputs (not those behind the codes events in ``incomplete``), decode as

@@ -22,7 +22,7 @@ from .modes import get_mode
 from .replies import Outbox
 from .scheduler import Scheduler
 from .state_store import ArenaFull, StateArena
-from .streams import ServedStream, is_repeat_open
+from .streams import LateFailure, ServedStream, is_repeat_open
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class StreamTable:
         left = mode.left_context_frames(msg.left_context_frames)
         existing = self.streams.get((identity, msg.stream_id))
         if existing is not None:
-            if not is_repeat_open(existing, self.model.name, mode, left, options):
+            if not is_repeat_open(existing, self.model.name, mode, left, options, msg.early_audio):
                 return self.out.error(identity, rid, ErrorCode.ALREADY_EXISTS, f"stream '{msg.stream_id}' is "
                                       "already open (with other parameters, or it has taken chunks)")
             existing.last_active_s = self.clock()  # just said open: not reaped as idle right after
@@ -87,7 +87,8 @@ class StreamTable:
                                       f"{exc}; retry later or raise streams.max_streams")
             self._arena_used.set(self.arena.num_used)
         stream = ServedStream(client=identity, stream_id=msg.stream_id, model=self.model.name, mode=mode,
-                              left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options)
+                              left_context_frames=left, slot=slot, last_active_s=self.clock(), options=options,
+                              early_audio=msg.early_audio)
         self.streams[stream.key] = stream
         client_streams.add(msg.stream_id)
         self.metrics.streams_opened.labels(mode=mode.name).inc()
@@ -105,6 +106,9 @@ class StreamTable:
         if stream is None:
             return self.out.error(identity, msg.request_id, ErrorCode.NOT_FOUND,
                                   f"stream '{msg.stream_id}' is not open")
+        if stream.late_failure is not None and stream.num_pending == 0:  # it stays open: the chunk comes again
+            return self.out.error(identity, msg.request_id, stream.late_failure.code,
+                                  late_failure_message(stream, stream.late_failure), stream.late_failure.seq)
         if stream.num_pending == 0:
             self.close(stream, "finish")
             self.out.send(identity, proto.Finished(request_id=msg.request_id, stream_id=msg.stream_id))
@@ -156,6 +160,15 @@ class StreamTable:
             self.out.emit_if_done(job.reply)
         self.close(stream, reason)
 
+    def refuse_finish(self, stream: ServedStream) -> None:
+        """The stream's finish waiters are answered with its late failure (an early-answered chunk refused after
+        its reply): the stream stays open, as after a failed final chunk."""
+        failure = stream.late_failure
+        for rid in stream.finish_waiters:
+            self.out.error(stream.client, rid, failure.code, late_failure_message(stream, failure), failure.seq)
+        stream.finish_waiters.clear()
+        stream.closing = None
+
     def close(self, stream: ServedStream, reason: str) -> None:
         if stream.closed:
             return
@@ -204,3 +217,9 @@ class StreamTable:
             self.detach(stream)
             self.close_backlog.append((stream, "ttl"))
 
+
+def late_failure_message(stream: ServedStream, failure: LateFailure) -> str:
+    """What a finish (or a later chunk's error) says of a chunk refused after its early reply."""
+    return (f"chunk seq {failure.seq} of stream '{stream.stream_id}' was refused after its early audio reply "
+            f"({failure.message}); its audio slot holds zeros and the stream continues from seq {failure.seq}: "
+            f"send seq {failure.seq} again")

@@ -22,6 +22,17 @@ from torch import Tensor
 from .modes import StreamMode, get_mode
 
 
+@dataclass(frozen=True)
+class LateFailure:
+    """A chunk answered with early audio whose step then refused it (its stream went back to ``seq``): every later
+    chunk of the stream is refused with this ``code`` and ``message`` and ``failed_seq = seq``, until seq comes
+    again."""
+
+    seq: int
+    code: Any  # proto.ErrorCode
+    message: str
+
+
 @dataclass(eq=False)
 class ServedStream:
     client: bytes  # transport identity of the owning connection
@@ -42,6 +53,8 @@ class ServedStream:
     closing: str | None = None  # why the stream will close once num_pending reaches 0
     closed: bool = False
     finish_waiters: list[int] = field(default_factory=list)  # request ids of Finish messages waiting
+    early_audio: bool = False  # CUDA IPC audio answered at launch (proto/README.md section 5, early audio)
+    late_failure: LateFailure | None = None  # an early-answered chunk refused after its reply, until it is resent
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str):
@@ -53,13 +66,13 @@ class ServedStream:
 
 
 def is_repeat_open(stream: ServedStream, model: str, mode: StreamMode, left_context_frames: int,
-                   options: dict[str, int]) -> bool:
+                   options: dict[str, int], early_audio: bool = False) -> bool:
     """Whether an ``open_stream`` for ``stream``'s id repeats the one that opened it (same model, mode, left
     context and options) while the stream has taken no chunk yet and is not closing: then it is answered again
     instead of ``already_exists``."""
     return (stream.next_seq == 0 and stream.num_pending == 0 and stream.closing is None and not stream.closed
             and stream.model == model and stream.mode is mode and stream.left_context_frames == left_context_frames
-            and stream.options == options)
+            and stream.options == options and stream.early_audio == early_audio)
 
 
 class SeqVerdict:

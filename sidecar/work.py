@@ -13,10 +13,11 @@ from code2wav.proto import ErrorCode
 class ChunkRejected(Exception):
     """A chunk (or request) refused with a typed error; the caller answers it and carries on."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, failed_seq: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.failed_seq = failed_seq  # an earlier early-answered chunk's seq (proto ErrorInfo.failed_seq), if any
 
 
 @dataclass

@@ -116,20 +116,25 @@ def test_the_bench_prints_and_writes_the_table(tmp_path):
 
 @pytest.mark.cuda
 def test_the_bench_measures_host_and_device_inputs_on_cuda(tmp_path):
-    """On a GPU: three tables (host, device armed, device by codes events), the device ones' chunks all by CUDA IPC,
-    every stage >= 0 at the median; the hand-off on the GPU's clock, armed (every chunk) and by codes events."""
+    """On a GPU: four tables (host, device armed, device by codes events, and with early audio), the device ones'
+    chunks all by CUDA IPC, every stage >= 0 at the median; with early audio every chunk but the final one answered
+    at launch; the hand-off on the GPU's clock, armed (every chunk) and by codes events."""
     out = tmp_path / "stages.json"
     proc = subprocess.run([sys.executable, "-m", "code2wav.sidecar", "bench", "--stages", "--model", "default",
                            "--device", "cuda", "--stages-chunks", "20", "--stages-warmup", "3", "--json", str(out)],
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     results = json.loads(out.read_text())
-    host, device, events = results["stages"]
-    assert [t["inputs_on"] for t in (host, device, events)] == ["host", "device", "device-events"]
-    for table in (host, device, events):
+    host, device, events, early = results["stages"]
+    assert [t["inputs_on"] for t in (host, device, events, early)] == ["host", "device", "device-events",
+                                                                       "device-early"]
+    for table in (host, device, events, early):
         assert (table["chunks"], table["unmatched"]) == (20, 0)
         assert all(row["p50_us"] >= 0 for row in table["stages"])
-    assert device["ipc_chunks"] == events["ipc_chunks"] == 23 and host["ipc_chunks"] == 0  # warm-up included
+    assert device["ipc_chunks"] == events["ipc_chunks"] == early["ipc_chunks"] == 23  # warm-up included
+    assert host["ipc_chunks"] == 0
+    # every early chunk answered at launch but the final one; none of the others
+    assert [t["answered_early"] for t in (host, device, events, early)] == [0, 0, 0, 22]
     armed, by_events = results["handoff"]
     assert (armed["armed"], armed["ipc_armed"], armed["ipc_chunks"]) == (True, 23, 23)
     assert (by_events["armed"], by_events["ipc_armed"], by_events["ipc_chunks"]) == (False, 0, 23)

@@ -70,6 +70,10 @@ class FakeSidecar:
         self._last_due = 0.0
         self.hello_error: ErrorCode | None = None
         self.strict_hello = strict_hello  # refuse even pings from peers that have not said hello
+        self.capabilities: dict[str, Any] = {"cuda_ipc": False}  # the welcome's
+        # stream id -> seq answered with audio and then refused after its reply, as the sidecar's early audio does
+        # (proto/README.md section 5): later chunks and a finish are refused with failed_seq until it comes again
+        self.late_fail: dict[str, int] = {}
         self._known_peers: set[bytes] = set()
         self._streams: dict[tuple[bytes, str], dict[str, Any]] = {}
         self._later: list[tuple[float, list[Any]]] = []
@@ -129,7 +133,7 @@ class FakeSidecar:
             self._known_peers.add(peer)
             model = ModelInfo("fake", Q, 100, U, 16, ("exact", "window"), "float32", "cpu")
             self._send(peer, Welcome(msg.request_id, 1, "fake-sidecar", self.boot_epoch, (model,), "fake",
-                                     Limits(max_chunk_frames=64), self.heartbeat_interval_s, {"cuda_ipc": False}),
+                                     Limits(max_chunk_frames=64), self.heartbeat_interval_s, self.capabilities),
                        delay_s=self.welcome_delay_s)
         elif isinstance(msg, OpenStream):
             self._streams[(peer, msg.stream_id)] = {"next_seq": 0, "last": None}
@@ -137,6 +141,9 @@ class FakeSidecar:
                        delay_s=self.reply_delay_s.get(msg.stream_id, 0.0))
         elif isinstance(msg, Decode) and not self.drop_decodes:
             self._decode(peer, msg, frames)
+        elif isinstance(msg, Finish) and self._streams.get((peer, msg.stream_id), {}).get("failed") is not None:
+            failed = self._streams[(peer, msg.stream_id)]["failed"]
+            self._send(peer, Error(msg.request_id, ErrorCode.INTERNAL, f"seq {failed} was refused", failed))
         elif isinstance(msg, (Finish, Abort)):
             self._streams.pop((peer, msg.stream_id), None)
             reply = Finished if isinstance(msg, Finish) else Aborted
@@ -151,15 +158,21 @@ class FakeSidecar:
             error = None
             if state is None:
                 error = ErrorInfo(ErrorCode.NOT_FOUND, f"no stream {chunk.stream_id}")
+            elif state.get("failed") is not None and chunk.seq > state["failed"]:
+                error = ErrorInfo(ErrorCode.INTERNAL, f"seq {state['failed']} was refused", state["failed"])
             elif state["last"] is not None and chunk.seq == state["next_seq"] - 1:
                 audio = state["last"]  # resend: same reply again
             elif chunk.seq != state["next_seq"]:
                 error = ErrorInfo(ErrorCode.OUT_OF_ORDER, f"expected seq {state['next_seq']}, got {chunk.seq}")
             elif (codes < 0).any():
                 error = ErrorInfo(ErrorCode.INVALID_ARGUMENT, "negative code")
+            elif self.late_fail.get(chunk.stream_id) == chunk.seq:  # answered, then refused after the reply
+                del self.late_fail[chunk.stream_id]
+                audio = bytes(4 * U * (chunk.codes.shape[1] - chunk.context_frames))  # its slot: zeros
+                state["failed"] = chunk.seq
             else:
                 audio = expected_audio(codes, chunk.context_frames).numpy().tobytes()
-                state["next_seq"], state["last"] = chunk.seq + 1, audio
+                state["next_seq"], state["last"], state["failed"] = chunk.seq + 1, audio, None
             if error is not None:
                 results.append(ChunkResult(chunk.stream_id, chunk.seq, None, 0, error))
                 continue

@@ -238,7 +238,8 @@ def test_a_region_opened_after_its_session_ended_is_closed_not_registered() -> N
 
 def test_cpu_sidecar_refuses_regions_and_the_client_falls_back(sidecar, caplog) -> None:
     with SidecarClient(sidecar.address, cuda_ipc=True) as c:
-        assert c.server_info.capabilities == {"cuda_ipc": False, "load": 1}  # load: the load map's version
+        # load: the load map's version; early_audio: understood (it never applies without CUDA IPC audio)
+        assert c.server_info.capabilities == {"cuda_ipc": False, "load": 1, "early_audio": True}
         reason = c._ipc.ensure(torch.device("cuda", 0), 1.0)  # decided from the welcome: CUDA is never touched
         assert reason.startswith("sidecar_without_cuda_ipc")
         with caplog.at_level(logging.WARNING, logger="code2wav.client"):

@@ -21,6 +21,9 @@ Ordering (no device-wide synchronisation anywhere):
   sidecar releases a word with the odd token + 1); a word, like an event, serves one message in flight. An armed
   chunk's slot and event are reused only once its event completed: one refused before its codes came (the sidecar
   released its wait) may still have its copy queued.
+- Early audio (a stream opened with ``early_audio``): the reply leaves at the step's launch, before the step has
+  read the codes, so the chunk's codes slot and event are reused only once the audio event the reply names (recorded
+  after the step) completed.
 - An audio view is released when the last tensor using it is freed. Its slot is reused only by a later
   chunk, and the sidecar writes into it only after that chunk's codes event, recorded on the sender's
   current stream: work queued on that stream with the view is therefore finished first.
@@ -108,7 +111,8 @@ class IpcChannel:
         self._event_pool = EventPool(num_events)
         self._lock = threading.Lock()  # slots and released audio
         self._released: list[int] = []  # audio offsets whose tensors died, not yet fenced
-        self._fenced: list[tuple[int, int]] = []  # answered armed chunks' (codes offset, event), until the event
+        # answered chunks' (codes offset, event index, events that must complete before both are reused)
+        self._fenced: list[tuple[int, int, tuple]] = []
         self._live_audio = 0
         self.codes_region: int | None = None
         self.audio_region: int | None = None
@@ -200,28 +204,34 @@ class IpcChannel:
                                       caller))
         return packed
 
-    def release(self, packed: PackedChunk, audio_used: bool) -> None:
-        """The chunk's reply arrived: its codes slot and event are free (an armed chunk's once its event is
-        complete: refused before its codes came, its copy may still be queued); its audio slot too unless a view now
-        owns it."""
+    def release(self, packed: PackedChunk, audio_used: bool, audio_event: int | None = None) -> None:
+        """The chunk's reply arrived: its codes slot and event are free, but an armed chunk's only once its event is
+        complete (refused before its codes came, its copy may still be queued), and with ``audio_event`` (an early
+        audio reply: sent at the step's launch, before the step read the codes) only once that audio event of the
+        sidecar's is complete; its audio slot too unless a view now owns it."""
         with self._lock:
-            if packed.codes_token is None:
+            fences = []
+            if packed.codes_token is not None:
+                fences.append(self._events[packed.codes_event])
+            if audio_event is not None:
+                fences.append(self._server_events[audio_event])
+            if fences:
+                self._fenced.append((packed.codes_offset, packed.codes_event, tuple(fences)))
+            else:
                 self._codes.slots.free(packed.codes_offset)
                 self._event_pool.free(packed.codes_event)
-            else:
-                self._fenced.append((packed.codes_offset, packed.codes_event))
             if not audio_used:
                 self._audio.slots.free(packed.audio_offset)
 
     def _free_fenced(self) -> None:
-        """Free the codes slots and events of answered armed chunks whose event completed (one query each)."""
+        """Free the codes slots and events of answered chunks whose fences completed (one query each)."""
         waiting = []
-        for codes_offset, event_index in self._fenced:
-            if self._events[event_index].query():
+        for codes_offset, event_index, fences in self._fenced:
+            if all(event.query() for event in fences):
                 self._codes.slots.free(codes_offset)
                 self._event_pool.free(event_index)
             else:
-                waiting.append((codes_offset, event_index))
+                waiting.append((codes_offset, event_index, fences))
         self._fenced = waiting
 
     def _free(self, codes_offsets: list[int], audio_offsets: list[int]) -> None:

@@ -32,7 +32,8 @@ from code2wav.proto import ErrorCode
 
 from ..models.family import InputSpec
 
-__all__ = ["disarm_released", "drop_complete", "incomplete_codes_events", "load_codes", "store_audio", "store_rows"]
+__all__ = ["disarm_released", "drop_complete", "incomplete_codes_events", "load_codes", "store_audio", "store_early",
+           "store_rows"]
 
 
 def _codes_event(job):
@@ -110,9 +111,12 @@ def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s:
     return refused, deferred
 
 
-def store_audio(jobs: list, audios: list) -> list:
+def store_audio(jobs: list, audios: list, refused: list | None = None) -> list:
     """Write IPC rows into their regions; returns the audio each job keeps for resends (owned tensors): for a row
-    written into a region, a host copy queued into pinned memory, complete once the job's ``kept_event`` is."""
+    written into a region, a host copy queued into pinned memory, complete once the job's ``kept_event`` is.
+    ``refused``: per job a 0-dim bool on the device, in stream order (early audio: the rows' outcomes are not read
+    yet): a refused row's slot is filled with zeros behind its copy, so the audio an early reply named is never
+    garbage or NaN."""
     kept = list(audios)
     written = {}
     device = None  # the IPC rows' device (a step's other rows may be host copies already)
@@ -121,6 +125,8 @@ def store_audio(jobs: list, audios: list) -> list:
             continue
         region = job.audio_out.region
         job.audio_out.view.copy_(audios[i])  # into the client's memory
+        if refused is not None:
+            job.audio_out.view.masked_fill_(refused[i], 0.0)  # (a 0-dim mask: the whole slot, on the device)
         # Our own copy for an idempotent resend (the decoder output is reused next step), on the host: a resend is
         # answered on the loop thread, which must never wait on the engine stream (a later step may be parked there
         # on a doorbell wait that only the loop's watchdog releases). One per row, so an idle stream never pins the
@@ -142,6 +148,18 @@ def store_audio(jobs: list, audios: list) -> list:
         for job in region_jobs:
             job.audio_event, job.kept_event = event_index, kept_event
     return kept
+
+
+def store_early(jobs: list, audios: list, refused: list, metrics) -> None:
+    """Early audio (``answer_early``): the rows of ``jobs`` (every one writes into a region) queued into their
+    regions before the step's outcomes are read, each slot zeroed where its 0-dim ``refused`` says so; each job
+    keeps its host copy in ``job.kept_audio`` (taken if the step commits it) and its events."""
+    for job, kept in zip(jobs, store_audio(jobs, audios, refused)):
+        job.kept_audio = kept
+    metrics.ipc_audio_out.inc(len(jobs))
+    num_in = sum(job.ipc_codes is not None for job in jobs)
+    if num_in:
+        metrics.ipc_codes_in.inc(num_in)
 
 
 def store_rows(done: list, audios: list, metrics) -> list:

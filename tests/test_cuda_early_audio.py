@@ -1,0 +1,103 @@
+"""Early audio on a real GPU (skipped without one): the test process is the client, the sidecar a spawned ``serve``
+process on the tiny golden model. A stream opened with ``early_audio`` has each CUDA IPC chunk answered at its step's
+launch, its outcome read after (proto/README.md section 5).
+
+What must hold: early audio equals the golden decode and a plain stream's audio bit for bit, whatever shares the
+message; a chunk the step refuses after its early reply (a code outside the codebook, checked on the GPU) reads as
+zeros, the stream's next call raises the chunk's error with ``failed_seq``, another stream in the same step is
+untouched, and the refused seq sent again decodes as if nothing had happened; a finish while the refusal stands is
+refused and the stream stays open."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from code2wav.client import SidecarClient
+from code2wav.client import errors as cerr
+from code2wav.loadgen.drive import metric_value
+
+from conftest import start_sidecar
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def gpu_sidecar(tmp_path_factory):
+    running = start_sidecar(tmp_path_factory.mktemp("early"), "--device", "cuda")
+    yield running
+    running.stop()
+
+
+def _counter(sidecar, name: str) -> float:
+    return metric_value(sidecar.scrape(), f"code2wav_sidecar_{name}_total")
+
+
+def test_early_audio_equals_the_golden_decode_and_a_plain_streams_bit_for_bit(gpu_sidecar, golden_cases):
+    codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]  # [Q, T], [T * U]
+    cuts = [0, 1, 4, 29, 30, codes.shape[1]]
+    answered_before = _counter(gpu_sidecar, "chunks_answered_early")
+    with SidecarClient(gpu_sidecar.address) as client:
+        assert client.server_info.capabilities["early_audio"] is True
+        early, plain = client.open_stream("early", early_audio=True), client.open_stream("plain")
+        outs = []
+        for start, end in zip(cuts, cuts[1:]):
+            final = end == codes.shape[1]
+            a = early.decode(codes[:, start:end].cuda(), final=final)
+            b = plain.decode(codes[:, start:end].cuda(), final=final)
+            assert a.is_cuda and torch.equal(a.cpu(), b.cpu()), (start, end)  # .cpu(): on the caller's stream
+            outs.append(a.cpu())
+        torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-4)
+        # one message with an early stream and a plain one: each its own way, results in order
+        early2, plain2 = client.open_stream("early-2", early_audio=True), client.open_stream("plain-2")
+        a, b = client.decode_batch([(early2, codes[:, :7].cuda()), (plain2, codes[:, :7].cuda())])
+        assert torch.equal(a.cpu(), b.cpu())
+    # the early stream's chunks but its final one, and early-2's
+    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == len(cuts) - 2 + 1
+
+
+def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_says_so(gpu_sidecar, golden_cases):
+    codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
+    spf = full.numel() // codes.shape[1]
+    answered_before = _counter(gpu_sidecar, "chunks_answered_early")
+    refused_before = _counter(gpu_sidecar, "chunks_refused_after_early_audio")
+    with SidecarClient(gpu_sidecar.address) as client:
+        stream, bystander = client.open_stream("bad", early_audio=True), client.open_stream("bystander")
+        first = stream.decode(codes[:, :8].cuda())
+        by_first = bystander.decode(codes[:, :8].cuda())
+        bad = codes[:, 8:16].clone()
+        bad[1, 3] = 5000  # outside the codebook: clamped and refused by the step on the GPU
+        # one step for both: the bad chunk is answered at launch, the bystander's once the outcome is read
+        refused_audio, by_second = client.decode_batch([(stream, bad.cuda()), (bystander, codes[:, 8:16].cuda())])
+        assert torch.count_nonzero(refused_audio.cpu()) == 0  # its slot: zeros, never garbage
+        assert stream.next_seq == 2  # as far as the client knows, seq 1 was committed
+        with pytest.raises(cerr.InvalidArgument, match=r"out of range \[0, 64\)") as info:
+            stream.decode(codes[:, 16:24].cuda())
+        assert info.value.failed_seq == 1 and "seq 1" in info.value.message and stream.next_seq == 1
+        again = stream.decode(codes[:, 8:16].cuda())  # seq 1 again: the state was not touched
+        third = stream.decode(codes[:, 16:24].cuda())
+        by_third = bystander.decode(codes[:, 16:24].cuda())
+        audio = torch.cat([first.cpu(), again.cpu(), third.cpu()])
+        by_audio = torch.cat([by_first.cpu(), by_second.cpu(), by_third.cpu()])
+    torch.testing.assert_close(audio, full[: 24 * spf], rtol=0, atol=1e-4)
+    torch.testing.assert_close(by_audio, full[: 24 * spf], rtol=0, atol=1e-4)
+    assert _counter(gpu_sidecar, "chunks_refused_after_early_audio") - refused_before == 1
+    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == 4  # first, bad, again, third
+
+
+def test_a_finish_while_a_late_refusal_stands_is_refused_and_the_stream_goes_on(gpu_sidecar, golden_cases):
+    codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]
+    spf = full.numel() // codes.shape[1]
+    with SidecarClient(gpu_sidecar.address) as client:
+        stream = client.open_stream("finish-after-refusal", early_audio=True)
+        first = stream.decode(codes[:, :5].cuda())
+        bad = codes[:, 5:10].clone()
+        bad[0, 0] = 64  # just past the codebook
+        stream.decode(bad.cuda())
+        with pytest.raises(cerr.InvalidArgument) as info:
+            stream.finish()
+        assert info.value.failed_seq == 1 and not stream.closed and stream.next_seq == 1
+        again = stream.decode(codes[:, 5:10].cuda())
+        stream.finish()
+        assert stream.closed
+    torch.testing.assert_close(torch.cat([first.cpu(), again.cpu()]), full[: 10 * spf], rtol=0, atol=1e-4)
