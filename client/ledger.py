@@ -33,6 +33,9 @@ class SentChunk:
     """The last attempt got no reply (or never left after one that got none): call resend()."""
     maybe_applied: bool = False
     """Some attempt was sent and got no reply: the server may have applied it."""
+    epoch: int = 0
+    """The ledger's rewinds when this attempt was sent: a ``failed_seq`` it is refused with rewinds the stream only if
+    no rewind came in between (that one told the same failure, or an earlier one)."""
 
     @property
     def num_frames(self) -> int:
@@ -49,6 +52,12 @@ class StreamLedger:
         self._unacked: dict[int, SentChunk] = {}
         self._last_chunk: SentChunk | None = None
         self._closed_reason: str | None = None
+        self._epoch = 0  # rewinds so far (``rewind``)
+
+    @property
+    def epoch(self) -> int:
+        """How many times the stream was rewound by a late refusal (``rewind``)."""
+        return self._epoch
 
     @property
     def next_seq(self) -> int:
@@ -83,7 +92,7 @@ class StreamLedger:
                     )
                 if chunk.final:
                     raise InvalidArgument(f"stream {self.stream_id!r} already has a final chunk in flight")
-            chunk = SentChunk(self._send_seq, codes, final, context_frames)
+            chunk = SentChunk(self._send_seq, codes, final, context_frames, epoch=self._epoch)
             self._send_seq += 1
             self._unacked[chunk.seq] = chunk
             return chunk
@@ -96,6 +105,7 @@ class StreamLedger:
             if doubtful:
                 for chunk in doubtful:
                     chunk.in_doubt = False  # in flight again
+                    chunk.epoch = self._epoch
                 return doubtful
             if self._last_chunk is not None and not self._unacked:
                 return [self._last_chunk]
@@ -128,12 +138,15 @@ class StreamLedger:
             if chunk.seq >= self._next_seq:
                 self._send_seq = min(self._send_seq, chunk.seq)
 
-    def rewind(self, seq: int) -> None:
-        """The server refused ``seq`` after answering it with early audio (proto/README.md section 5): the stream
-        continues from ``seq``, which is free again, as after a direct refusal; a resend never replays it."""
+    def rewind(self, seq: int, epoch: int) -> None:
+        """The server refused ``seq`` after answering it with early audio (proto/README.md section 5), as told to an
+        attempt sent at ``epoch``: the stream continues from ``seq``, which is free again, as after a direct refusal
+        (a resend never replays it). Told to an attempt sent before the last rewind, it is stale and changes
+        nothing: that rewind told the same failure (or an earlier one), and ``seq`` may have been committed since."""
         with self._lock:
-            if seq >= self._next_seq:
+            if epoch != self._epoch or seq >= self._next_seq:
                 return
+            self._epoch += 1
             self._next_seq = seq
             self._send_seq = min(self._send_seq, seq)
             if self._last_chunk is not None and self._last_chunk.seq >= seq:

@@ -160,13 +160,16 @@ class ChunkFlow:
         and its later chunks and a finish are refused with it until its seq comes again."""
         stream = job.stream
         self.streams.chunk_done(job)
+        if job.answered and not job.reply.emitted:  # its reply waited for other chunks: it tells the refusal itself
+            job.reply.unresolve(job.index)
+            job.answered = False
         if job.answered:
             self.metrics.chunks_refused_after_early_audio.inc()
             self.metrics.errors.labels(code=code.value).inc()
         if not stream.closed:
             stream.next_seq = job.seq
-            if stream.closing == "final":
-                stream.closing = None
+            if stream.closing == "final":  # a finish sent meanwhile still waits for an answer
+                stream.closing = "finish" if stream.finish_waiters else None
             late = LateFailure(job.seq, code, message) if job.answered else None
             if late is not None:
                 stream.late_failure = late

@@ -43,7 +43,8 @@ from .chunk_trace import ChunkTrace
 from .engine import Engine, LaunchedStep
 from .forward import ROW_COMMITTED
 from .graphs.routine import STAGING_BUFFERS
-from .ipc.io import disarm_released, drop_complete, incomplete_codes_events, load_codes, store_early, store_rows
+from .ipc.io import (count_ipc, disarm_released, drop_complete, incomplete_codes_events, keep_host_copies, load_codes,
+                     store_rows, warm_early_kernels, write_regions)
 from .ipc.watchdog import DoorbellWatchdog
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -120,6 +121,7 @@ class Stepper:
         io = self.io
         if self.launches_async:  # a GPU: armed chunks may come (a thread that cannot start fails here, not later)
             self.watchdog.start()
+            warm_early_kernels(self.engine.device)
         try:
             while True:
                 if self.in_flight >= self.max_steps_in_flight:
@@ -307,14 +309,19 @@ class Stepper:
             return done, [], refused, deferred
         launched = self._launch(done, plan)
         early = [b for b, job in enumerate(done) if ChunkFlow.answers_early(job)]
-        if early:  # answered now, their outcome read below (proto/README.md section 5, early audio)
-            self._answer_early(done, early, launched)
-        if not launched.ready():
-            await self.device_done(launched.done)
+        try:
+            if early:  # answered now, their outcomes read below (proto/README.md section 5, early audio)
+                self._answer_early(done, early, launched)
+            if not launched.ready():
+                await self.device_done(launched.done)
+        except Exception:  # the chunks fail (``_failed``): only once the step no longer reads their regions
+            if not launched.ready():
+                await asyncio.get_running_loop().run_in_executor(self.pool, launched.done.synchronize)
+            raise
         audios, outcomes = self._finish(done, launched)  # the device is done: no wait
         done, audios, not_committed = self._split(done, audios, outcomes)
-        if not early:
-            return done, store_rows(done, audios, self.metrics), refused + not_committed, deferred
+        if early:
+            count_ipc([job for job in done if job.answered], self.metrics)
         rest = [b for b, job in enumerate(done) if not job.answered]
         stored = store_rows([done[b] for b in rest], [audios[b] for b in rest], self.metrics)
         audios = [job.kept_audio for job in done]  # (early rows: their kept host copy)
@@ -324,16 +331,19 @@ class Stepper:
 
     def _answer_early(self, done: list, early: list[int], launched: LaunchedStep) -> None:
         """The rows ``early`` of a launched step (their streams asked for early audio): their audio queued into
-        their regions, a refused row's slot zeroed on the device by its outcome, their replies sent now."""
+        their regions, a refused row's slot zeroed on the device by its outcome, their replies sent now; then the
+        host copies they keep for a resend (off the replies' path)."""
         jobs = [done[b] for b in early]
+        views = launched.device_rows(early, self.engine.model.samples_per_frame)  # [n_b * U] each, on the device
         refused = launched.device_outcomes != ROW_COMMITTED  # [rows] bool on the device (no host read)
-        store_early(jobs, launched.device_rows(early, self.engine.model.samples_per_frame),
-                    [refused[b] for b in early], self.metrics)
+        write_regions(jobs, views, [refused[b] for b in early])
         if self.trace is not None:
             self.trace.stamp(jobs, "done_ns")  # (their device time shows in the client's audio_ready)
         for job in jobs:
             self.sessions.chunks.answer_early(job)
         self.io.flush()
+        for job, kept in zip(jobs, keep_host_copies(jobs, views)):
+            job.kept_audio = kept
 
     def engine_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
         """Worker thread: read CUDA IPC inputs (not those behind the codes events in ``incomplete``), decode as

@@ -221,5 +221,5 @@ class StreamTable:
 def late_failure_message(stream: ServedStream, failure: LateFailure) -> str:
     """What a finish (or a later chunk's error) says of a chunk refused after its early reply."""
     return (f"chunk seq {failure.seq} of stream '{stream.stream_id}' was refused after its early audio reply "
-            f"({failure.message}); its audio slot holds zeros and the stream continues from seq {failure.seq}: "
-            f"send seq {failure.seq} again")
+            f"({failure.message}); do not use that chunk's audio (a chunk refused by its step reads as zeros); the "
+            f"stream continues from seq {failure.seq}: send seq {failure.seq} again")

@@ -72,7 +72,7 @@ def is_repeat_open(stream: ServedStream, model: str, mode: StreamMode, left_cont
     instead of ``already_exists``."""
     return (stream.next_seq == 0 and stream.num_pending == 0 and stream.closing is None and not stream.closed
             and stream.model == model and stream.mode is mode and stream.left_context_frames == left_context_frames
-            and stream.options == options and stream.early_audio == early_audio)
+            and stream.options == options and stream.early_audio == early_audio and stream.late_failure is None)
 
 
 class SeqVerdict:

@@ -4,9 +4,9 @@ launch, its outcome read after (proto/README.md section 5).
 
 What must hold: early audio equals the golden decode and a plain stream's audio bit for bit, whatever shares the
 message; a chunk the step refuses after its early reply (a code outside the codebook, checked on the GPU) reads as
-zeros, the stream's next call raises the chunk's error with ``failed_seq``, another stream in the same step is
-untouched, and the refused seq sent again decodes as if nothing had happened; a finish while the refusal stands is
-refused and the stream stays open."""
+zeros, the stream's next call raises the chunk's error with ``failed_seq``, another client's stream is untouched,
+and the refused seq sent again decodes as if nothing had happened; a refusal known before the reply leaves (a message
+with other chunks) is told in it directly; a finish while the refusal stands is refused and the stream stays open."""
 
 from __future__ import annotations
 
@@ -61,28 +61,36 @@ def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_say
     spf = full.numel() // codes.shape[1]
     answered_before = _counter(gpu_sidecar, "chunks_answered_early")
     refused_before = _counter(gpu_sidecar, "chunks_refused_after_early_audio")
-    with SidecarClient(gpu_sidecar.address) as client:
-        stream, bystander = client.open_stream("bad", early_audio=True), client.open_stream("bystander")
+    bad = codes[:, 8:16].clone()
+    bad[1, 3] = 5000  # outside the codebook: clamped and refused by the step on the GPU
+    with SidecarClient(gpu_sidecar.address) as client, SidecarClient(gpu_sidecar.address) as other:
+        stream, bystander = client.open_stream("bad", early_audio=True), other.open_stream("bystander")
         first = stream.decode(codes[:, :8].cuda())
         by_first = bystander.decode(codes[:, :8].cuda())
-        bad = codes[:, 8:16].clone()
-        bad[1, 3] = 5000  # outside the codebook: clamped and refused by the step on the GPU
-        # one step for both: the bad chunk is answered at launch, the bystander's once the outcome is read
-        refused_audio, by_second = client.decode_batch([(stream, bad.cuda()), (bystander, codes[:, 8:16].cuda())])
+        by_future = bystander.submit(codes[:, 8:16].cuda())  # another client's chunk, in the same step or not
+        refused_audio = stream.decode(bad.cuda())  # answered at launch
         assert torch.count_nonzero(refused_audio.cpu()) == 0  # its slot: zeros, never garbage
         assert stream.next_seq == 2  # as far as the client knows, seq 1 was committed
         with pytest.raises(cerr.InvalidArgument, match=r"out of range \[0, 64\)") as info:
             stream.decode(codes[:, 16:24].cuda())
         assert info.value.failed_seq == 1 and "seq 1" in info.value.message and stream.next_seq == 1
         again = stream.decode(codes[:, 8:16].cuda())  # seq 1 again: the state was not touched
+        # a message whose reply waits for another chunk: a refusal known before it leaves is told in it directly
+        early2, plain = client.open_stream("bad-2", early_audio=True), client.open_stream("plain")
+        results = client.decode_batch([(early2, bad.cuda()), (plain, codes[:, :8].cuda())], return_exceptions=True)
+        assert isinstance(results[0], cerr.InvalidArgument) and results[0].failed_seq is None
+        assert early2.next_seq == 0
+        torch.testing.assert_close(results[1].cpu(), full[: 8 * spf], rtol=0, atol=1e-4)
         third = stream.decode(codes[:, 16:24].cuda())
+        by_second = by_future.result(timeout=30)
         by_third = bystander.decode(codes[:, 16:24].cuda())
         audio = torch.cat([first.cpu(), again.cpu(), third.cpu()])
         by_audio = torch.cat([by_first.cpu(), by_second.cpu(), by_third.cpu()])
     torch.testing.assert_close(audio, full[: 24 * spf], rtol=0, atol=1e-4)
     torch.testing.assert_close(by_audio, full[: 24 * spf], rtol=0, atol=1e-4)
     assert _counter(gpu_sidecar, "chunks_refused_after_early_audio") - refused_before == 1
-    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == 4  # first, bad, again, third
+    # first, bad, again, third, and bad-2's (answered at launch, but its reply waited: told directly)
+    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == 5
 
 
 def test_a_finish_while_a_late_refusal_stands_is_refused_and_the_stream_goes_on(gpu_sidecar, golden_cases):

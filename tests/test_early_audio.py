@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from code2wav import proto
 from code2wav.client import InvalidArgument, SidecarClient
+from code2wav.client.ledger import StreamLedger
 from code2wav.proto import ErrorCode
 from code2wav.sidecar.config import ServerConfig
 from code2wav.sidecar.jobs import IpcAudioOut
@@ -122,7 +123,7 @@ def test_a_chunk_refused_after_its_early_answer_refuses_the_streams_later_chunks
     error = reply.results[0].error
     assert reply.request_id == 10 and reply.results[0].seq == 2
     assert (error.code, error.failed_seq) == (ErrorCode.INVALID_ARGUMENT, 1)
-    assert "seq 1" in error.message and "codes out of range" in error.message and "zeros" in error.message
+    assert "seq 1" in error.message and "codes out of range" in error.message and "send seq 1 again" in error.message
     assert (stream.committed_seq, stream.next_seq, stream.late_failure.seq) == (0, 1, 1)
     assert len(sessions.scheduler) == 0 and stream.num_pending == 0
     # sent after the failure: refused the same way; a resend of the last committed seq is answered as before
@@ -156,6 +157,42 @@ def test_a_finish_is_refused_while_a_late_failure_stands_and_the_stream_stays_op
     assert isinstance(finished, proto.Finished) and stream.closed
 
 
+def test_a_finish_waiting_behind_a_final_chunk_is_answered_when_an_earlier_chunk_is_refused_late(sessions, tiny):
+    stream = _open_early(sessions)
+    _decode(sessions, "s", 0)
+    job = _take_early(sessions, tiny)
+    sessions.out.take()
+    assert _decode(sessions, "s", 1, final=True, request_id=10) == []  # queued behind seq 0
+    assert _send(sessions, proto.Finish(request_id=20, stream_id="s")) == []  # waits too
+    sessions.chunks.fail(job, ErrorCode.INTERNAL, "audio not finite")
+    replies = {out.message.request_id: out.message for out in sessions.out.take()}
+    assert replies[10].results[0].error.failed_seq == 0  # the final chunk
+    assert isinstance(replies[20], proto.Error) and replies[20].failed_seq == 0  # the finish: answered, not lost
+    assert not stream.closed and stream.closing is None and not stream.finish_waiters
+
+
+def test_a_refusal_known_before_the_reply_leaves_is_told_in_it(sessions, tiny):
+    """A message of two streams' chunks: the early one is answered at launch, but the reply waits for the other;
+    its step refuses it before that, so the reply carries the error itself and the stream keeps no late failure."""
+    stream = _open_early(sessions, "early")
+    (opened,) = _send(sessions, proto.OpenStream(request_id=3, stream_id="plain"))
+    codes = torch.zeros((tiny.num_channels, 3), dtype=torch.long)  # [Q, n]
+    desc = proto.TensorDesc("int64", tuple(codes.shape), proto.InlineLoc(1))
+    chunks = (proto.Chunk(stream_id="early", seq=0, codes=desc), proto.Chunk(stream_id="plain", seq=0, codes=desc))
+    assert _send(sessions, proto.Decode(request_id=9, chunks=chunks), [codes.numpy().tobytes()]) == []
+    early, plain = sessions.scheduler.take_batch()
+    _as_region_audio(early, 3 * tiny.samples_per_frame)
+    sessions.chunks.answer_early(early)
+    assert sessions.out.take() == []  # the reply waits for the plain chunk
+    sessions.chunks.fail(early, ErrorCode.INVALID_ARGUMENT, "codes out of range")
+    sessions.chunks.complete(plain, torch.zeros(3 * tiny.samples_per_frame))
+    (reply,) = [out.message for out in sessions.out.take()]
+    assert reply.results[0].error.code == ErrorCode.INVALID_ARGUMENT and reply.results[0].error.failed_seq is None
+    assert reply.results[0].error.message == "codes out of range" and reply.results[1].error is None
+    assert stream.late_failure is None and (stream.next_seq, stream.committed_seq) == (0, -1)
+    assert _metric(sessions, "chunks_refused_after_early_audio") == 0
+
+
 def test_only_region_audio_of_an_early_stream_that_is_not_final_is_answered_early(sessions, tiny):
     stream = _open_early(sessions, "early")
     (opened,) = _send(sessions, proto.OpenStream(request_id=3, stream_id="plain"))
@@ -176,6 +213,16 @@ def test_only_region_audio_of_an_early_stream_that_is_not_final_is_answered_earl
     assert isinstance(repeat, proto.Error) and repeat.code == ErrorCode.ALREADY_EXISTS
 
 
+def test_a_stream_with_a_late_failure_at_seq_0_is_not_opened_again(sessions, tiny):
+    _open_early(sessions)
+    _decode(sessions, "s", 0)
+    job = _take_early(sessions, tiny)
+    sessions.out.take()
+    sessions.chunks.fail(job, ErrorCode.INTERNAL, "audio not finite")
+    (repeat,) = _send(sessions, proto.OpenStream(request_id=5, stream_id="s", early_audio=True))
+    assert isinstance(repeat, proto.Error) and repeat.code == ErrorCode.ALREADY_EXISTS
+
+
 def test_a_plain_failure_still_answers_the_chunk_and_out_of_order_for_the_rest(sessions, tiny):
     _open_early(sessions)
     _decode(sessions, "s", 0)
@@ -187,6 +234,29 @@ def test_a_plain_failure_still_answers_the_chunk_and_out_of_order_for_the_rest(s
     assert replies[9].results[0].error.failed_seq is None
     assert replies[10].results[0].error.code == ErrorCode.OUT_OF_ORDER  # seq 1, queued behind it
     assert sessions.streams.get(CLIENT, "s").late_failure is None
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+def test_a_stale_failed_seq_does_not_rewind_a_stream_that_went_on():
+    """Two chunks after a refused early one are told its failure in two replies; the first rewinds the stream, the
+    caller sends the refused seq again and it is committed; the second reply (a message that waited for another
+    stream's chunk) comes after that and must change nothing: rewinding again would send the next chunk with a seq
+    the sidecar answers as a resend, its codes dropped."""
+    ledger = StreamLedger("s", lambda: False)
+    ledger.chunk_ok(ledger.reserve("c0", False, 0))
+    ledger.chunk_ok(ledger.reserve("c1", False, 0))  # answered early, refused after its reply
+    in_batch, alone = ledger.reserve("c2", False, 0), ledger.reserve("c3", False, 0)
+    ledger.rewind(1, alone.epoch)  # alone's error came first
+    ledger.chunk_failed(alone, "rejected")
+    assert ledger.next_seq == 1
+    again = ledger.reserve("c1 again", False, 0)
+    assert again.seq == 1
+    ledger.chunk_ok(again)
+    ledger.rewind(1, in_batch.epoch)  # the stale one
+    ledger.chunk_failed(in_batch, "rejected")
+    assert ledger.next_seq == 2 and ledger.reserve("c2 again", False, 0).seq == 2
 
 
 # ----------------------------------------------------------------------------- the client, against the fake peer

@@ -137,6 +137,11 @@ class IpcChannel:
             raise IpcUnavailable("the sidecar returned no events for the audio region")
         self._server_events = [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in server_events]
         self._close_doorbells()  # the last session's words, if any: this registration's (or none) replace them
+        with self._lock:  # the last session's audio events fence nothing any more: its regions are closed (or its
+            # sidecar gone), so nothing of it reads a codes slot now; a fence that waits on one would hold its slot
+            own = {id(event) for event in self._events}  # (the client's own codes events still fence)
+            self._fenced = [(offset, index, tuple(e for e in fences if id(e) in own))
+                            for offset, index, fences in self._fenced]
         if doorbells is not None:
             try:
                 self._open_doorbells(doorbells)
@@ -259,6 +264,8 @@ class IpcChannel:
     # ------------------------------------------------------------------ teardown
     def stats(self) -> dict[str, int]:
         with self._lock:
+            if self._fenced:
+                self._free_fenced()
             return {"codes_bytes_in_use": self._codes.slots.used_nbytes,
                     "audio_bytes_in_use": self._audio.slots.used_nbytes, "live_audio_views": self._live_audio}
 

@@ -32,8 +32,8 @@ from code2wav.proto import ErrorCode
 
 from ..models.family import InputSpec
 
-__all__ = ["disarm_released", "drop_complete", "incomplete_codes_events", "load_codes", "store_audio", "store_early",
-           "store_rows"]
+__all__ = ["count_ipc", "disarm_released", "drop_complete", "incomplete_codes_events", "keep_host_copies", "load_codes",
+           "store_audio", "store_rows", "warm_early_kernels", "write_regions"]
 
 
 def _codes_event(job):
@@ -111,22 +111,36 @@ def load_codes(jobs: list, spec: InputSpec, now_s: float, codes_event_timeout_s:
     return refused, deferred
 
 
-def store_audio(jobs: list, audios: list, refused: list | None = None) -> list:
-    """Write IPC rows into their regions; returns the audio each job keeps for resends (owned tensors): for a row
-    written into a region, a host copy queued into pinned memory, complete once the job's ``kept_event`` is.
-    ``refused``: per job a 0-dim bool on the device, in stream order (early audio: the rows' outcomes are not read
-    yet): a refused row's slot is filled with zeros behind its copy, so the audio an early reply named is never
-    garbage or NaN."""
-    kept = list(audios)
+def write_regions(jobs: list, audios: list, refused: list | None = None) -> None:
+    """Each IPC row of ``jobs`` copied into its client's region, and each region's next event recorded after its rows
+    (``job.audio_event``: what the reply names). ``refused``: per job a 0-dim bool on the device, in stream order
+    (early audio: the rows' outcomes are not read yet): a refused row's slot is filled with zeros behind its copy,
+    so the audio an early reply named is never garbage or NaN."""
     written = {}
+    for i, job in enumerate(jobs):
+        if job.audio_out is None:
+            continue
+        job.audio_out.view.copy_(audios[i])  # into the client's memory
+        if refused is not None:
+            job.audio_out.view.masked_fill_(refused[i], 0.0)  # (a 0-dim mask: the whole slot, on the device)
+        region = job.audio_out.region
+        written.setdefault(id(region), (region, []))[1].append(job)
+    for region, region_jobs in written.values():
+        event_index = region.next_event
+        region.next_event = (event_index + 1) % len(region.opened.events)
+        region.opened.events[event_index].record()  # not waited for here: the reply names it
+        for job in region_jobs:
+            job.audio_event = event_index
+
+
+def keep_host_copies(jobs: list, audios: list) -> list:
+    """The audio each job keeps for resends (owned tensors): for an IPC row, a host copy queued into pinned memory,
+    complete once the job's ``kept_event`` is; other rows' audio as it is."""
+    kept = list(audios)
     device = None  # the IPC rows' device (a step's other rows may be host copies already)
     for i, job in enumerate(jobs):
         if job.audio_out is None:
             continue
-        region = job.audio_out.region
-        job.audio_out.view.copy_(audios[i])  # into the client's memory
-        if refused is not None:
-            job.audio_out.view.masked_fill_(refused[i], 0.0)  # (a 0-dim mask: the whole slot, on the device)
         # Our own copy for an idempotent resend (the decoder output is reused next step), on the host: a resend is
         # answered on the loop thread, which must never wait on the engine stream (a later step may be parked there
         # on a doorbell wait that only the loop's watchdog releases). One per row, so an idle stream never pins the
@@ -134,29 +148,30 @@ def store_audio(jobs: list, audios: list, refused: list | None = None) -> list:
         kept[i] = torch.empty(audios[i].shape, dtype=audios[i].dtype, pin_memory=True)  # [n * U] float32
         kept[i].copy_(audios[i], non_blocking=True)
         device = audios[i].device
-        written.setdefault(id(region), (region, []))[1].append(job)
-    if not written:
+    if device is None:
         return kept
     kept_event = torch.cuda.Event()
     # after the host copies, on the stream they were queued on (the audio's device's: on cuda:N it need not be the
     # current device's); a resend waits on it, never behind a later step
     kept_event.record(torch.cuda.current_stream(device))
-    for region, region_jobs in written.values():
-        event_index = region.next_event
-        region.next_event = (event_index + 1) % len(region.opened.events)
-        region.opened.events[event_index].record()  # not waited for here: the reply names it
-        for job in region_jobs:
-            job.audio_event, job.kept_event = event_index, kept_event
+    for job in jobs:
+        if job.audio_out is not None:
+            job.kept_event = kept_event
     return kept
 
 
-def store_early(jobs: list, audios: list, refused: list, metrics) -> None:
-    """Early audio (``answer_early``): the rows of ``jobs`` (every one writes into a region) queued into their
-    regions before the step's outcomes are read, each slot zeroed where its 0-dim ``refused`` says so; each job
-    keeps its host copy in ``job.kept_audio`` (taken if the step commits it) and its events."""
-    for job, kept in zip(jobs, store_audio(jobs, audios, refused)):
-        job.kept_audio = kept
-    metrics.ipc_audio_out.inc(len(jobs))
+def store_audio(jobs: list, audios: list) -> list:
+    """Write IPC rows into their regions (``write_regions``); returns the audio each job keeps for resends
+    (``keep_host_copies``)."""
+    write_regions(jobs, audios)
+    return keep_host_copies(jobs, audios)
+
+
+def count_ipc(jobs: list, metrics) -> None:
+    """A step's committed jobs counted by their CUDA IPC audio and inputs."""
+    num_out = sum(job.audio_out is not None for job in jobs)
+    if num_out:
+        metrics.ipc_audio_out.inc(num_out)
     num_in = sum(job.ipc_codes is not None for job in jobs)
     if num_in:
         metrics.ipc_codes_in.inc(num_in)
@@ -165,11 +180,21 @@ def store_early(jobs: list, audios: list, refused: list, metrics) -> None:
 def store_rows(done: list, audios: list, metrics) -> list:
     """A step's decoded jobs: their CUDA IPC audio rows queued into their regions (``store_audio``) and counted with
     their CUDA IPC inputs; returns the audio each job keeps."""
-    num_out = sum(job.audio_out is not None for job in done)
-    if num_out:
+    if any(job.audio_out is not None for job in done):
         audios = store_audio(done, audios)
-        metrics.ipc_audio_out.inc(num_out)
-    num_in = sum(job.ipc_codes is not None for job in done)
-    if num_in:
-        metrics.ipc_codes_in.inc(num_in)
+    count_ipc(done, metrics)
     return audios
+
+
+def warm_early_kernels(device: torch.device) -> None:
+    """Load, once at start, the kernels early audio launches between a step's launch and its wait (the comparison of
+    the rows' outcomes, the masked fill of a slot): a kernel loaded for the first time while a step is parked on a
+    doorbell wait returns only when that wait ends (docs/design-notes.md, "The device-armed hand-off"), and the
+    loop thread would stall with it. Their vectorised forms depend on alignment and length: each is covered."""
+    outcomes = torch.zeros(80, dtype=torch.uint8, device=device)  # [80]
+    slots = torch.zeros(80, dtype=torch.float32, device=device)  # [80]
+    for offset in range(16):
+        refused = outcomes[offset: offset + 1 + offset] != 0  # [1 + offset] bool
+        for start in range(8):
+            slots[start: start + 1 + offset + start].masked_fill_(refused[0], 0.0)
+    torch.cuda.synchronize(device)
