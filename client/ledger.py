@@ -53,6 +53,7 @@ class StreamLedger:
         self._last_chunk: SentChunk | None = None
         self._closed_reason: str | None = None
         self._epoch = 0  # rewinds so far (``rewind``)
+        self._rewound_to: int | None = None  # a late refusal's seq: new chunks wait for one sent with that seq
 
     @property
     def epoch(self) -> int:
@@ -80,10 +81,20 @@ class StreamLedger:
         if self._closed_reason is not None:
             raise NotFound(f"stream {self.stream_id!r} is closed ({self._closed_reason})")
 
-    def reserve(self, codes: Any, final: bool, context_frames: int) -> SentChunk:
-        """The next seq for a new chunk (refused while a chunk is in doubt or a final one is in flight)."""
+    def reserve(self, codes: Any, final: bool, context_frames: int, seq: int | None = None) -> SentChunk:
+        """The next seq for a new chunk (refused while a chunk is in doubt or a final one is in flight). ``seq``: the
+        seq the caller means it to have (refused if it is not the next); after a late refusal (``rewind``) a chunk
+        must name the refused seq: the caller may have submitted chunks meant to follow the refused one meanwhile."""
         with self._lock:
             self.check_usable()
+            if self._rewound_to is not None and seq != self._rewound_to:
+                raise OutOfOrder(
+                    f"chunk seq={self._rewound_to} of stream {self.stream_id!r} was refused after its early audio "
+                    f"reply (failed_seq), and the chunks sent after it with it: send seq {self._rewound_to} again "
+                    f"first, naming it (decode(codes, seq={self._rewound_to}))"
+                )
+            if seq is not None and seq != self._send_seq:
+                raise OutOfOrder(f"stream {self.stream_id!r} takes seq {self._send_seq} next, not {seq}")
             for chunk in self._unacked.values():
                 if chunk.in_doubt:
                     raise OutOfOrder(
@@ -94,6 +105,7 @@ class StreamLedger:
                     raise InvalidArgument(f"stream {self.stream_id!r} already has a final chunk in flight")
             chunk = SentChunk(self._send_seq, codes, final, context_frames, epoch=self._epoch)
             self._send_seq += 1
+            self._rewound_to = None
             self._unacked[chunk.seq] = chunk
             return chunk
 
@@ -147,8 +159,11 @@ class StreamLedger:
             if epoch != self._epoch or seq >= self._next_seq:
                 return
             self._epoch += 1
-            self._next_seq = seq
-            self._send_seq = min(self._send_seq, seq)
+            self._next_seq = self._send_seq = seq
+            self._rewound_to = seq  # (``reserve``: the next chunk must name it)
+            # the chunks sent after it are refused (their replies say so, or already did): none is in doubt or in
+            # flight any more as far as new chunks go, a final one among them included
+            self._unacked = {s: chunk for s, chunk in self._unacked.items() if s < seq}
             if self._last_chunk is not None and self._last_chunk.seq >= seq:
                 self._last_chunk = None
 

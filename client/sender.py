@@ -128,7 +128,8 @@ class Sender:
         return future
 
     def submit_new(self, entries: Sequence[tuple[Stream, CodesLike, bool, int]], timeout_s: float | None,
-                   settle: Settle) -> Future[Any]:
+                   settle: Settle, seq: int | None = None) -> Future[Any]:
+        """One ``decode`` message of ``entries``; ``seq``: the seq the one entry must have (``Stream.submit``)."""
         limits = self._limits()
         if not entries:
             raise InvalidArgument("a batch needs at least one chunk")
@@ -154,7 +155,7 @@ class Sender:
             planned: list[tuple[Stream, SentChunk]] = []
             try:
                 for stream, array, final, context_frames in prepared:
-                    planned.append((stream, stream.ledger.reserve(array, final, context_frames)))
+                    planned.append((stream, stream.ledger.reserve(array, final, context_frames, seq)))
             except SidecarError:
                 for stream, chunk in reversed(planned):  # nothing was sent: give the seqs back
                     stream.ledger.chunk_failed(chunk, "not_sent")

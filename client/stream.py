@@ -66,7 +66,8 @@ class Stream:
         return self.sender.generation != self.generation
 
     def submit(
-        self, codes: CodesLike, final: bool = False, context_frames: int = 0, *, timeout_s: float | None = None
+        self, codes: CodesLike, final: bool = False, context_frames: int = 0, *, timeout_s: float | None = None,
+        seq: int | None = None,
     ) -> Future[torch.Tensor]:
         """Send one chunk ``[Q, n]`` (codes) or ``[D, n]`` (latents); the future gives float32 audio
         ``[(n - context_frames) * U]``. Latents travel in their own dtype (float32, or bfloat16 when welcome's
@@ -80,14 +81,19 @@ class Stream:
         once, but keep the tensor unchanged until the future is done if you may call ``resend()``. The audio
         is ready in the order of that same stream (it waits on the sidecar's event, not the host): use it
         there, or synchronise that stream before using it elsewhere.
+
+        ``seq``: the seq this chunk must have (``OutOfOrder`` if the stream takes another next). Needed once after
+        a late refusal of an early-audio stream (``SidecarError.failed_seq`` F): new chunks are refused until one
+        names F, so a chunk meant to follow the refused one never silently takes its place.
         """
-        return self.sender.submit_new([(self, codes, final, context_frames)], timeout_s, "concat")
+        return self.sender.submit_new([(self, codes, final, context_frames)], timeout_s, "concat", seq=seq)
 
     def decode(
-        self, codes: CodesLike, final: bool = False, context_frames: int = 0, *, timeout_s: float | None = None
+        self, codes: CodesLike, final: bool = False, context_frames: int = 0, *, timeout_s: float | None = None,
+        seq: int | None = None,
     ) -> torch.Tensor:
         """Blocking ``submit``: returns the chunk's audio or raises a ``SidecarError``."""
-        return self.sender.wait(self.submit(codes, final, context_frames, timeout_s=timeout_s), timeout_s)
+        return self.sender.wait(self.submit(codes, final, context_frames, timeout_s=timeout_s, seq=seq), timeout_s)
 
     def submit_resend(self, *, timeout_s: float | None = None) -> Future[torch.Tensor]:
         """Send again, with the same seqs, the chunks whose outcome is unknown.

@@ -62,15 +62,15 @@ class ChunkFlow:
     def _accept(self, identity: bytes, chunk: proto.Chunk, index: int, reply: PendingReply, frames: list,
                 now: float) -> None:
         stream = self.streams.get(identity, chunk.stream_id)
+        late = None if stream is None or stream.closed else stream.late_failure
+        if late is not None and chunk.seq > late.seq:  # an early-answered chunk was refused: told before anything
+            raise ChunkRejected(late.code, late_failure_message(stream, late), failed_seq=late.seq)
         if self.draining:
             raise ChunkRejected(ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
         if stream is None or stream.closed:
             raise ChunkRejected(ErrorCode.NOT_FOUND, f"stream '{chunk.stream_id}' is not open")
         if stream.closing is not None:
             raise ChunkRejected(ErrorCode.INVALID_ARGUMENT, f"stream '{chunk.stream_id}' is closing ({stream.closing})")
-        late = stream.late_failure
-        if late is not None and chunk.seq > late.seq:  # an early-answered chunk was refused: it must come first
-            raise ChunkRejected(late.code, late_failure_message(stream, late), failed_seq=late.seq)
         verdict, reason = check_seq(stream, chunk.seq)
         if verdict == SeqVerdict.RESEND:
             if stream.last_audio_event is not None:  # its host copy: queued before any later step, so this waits
@@ -127,8 +127,9 @@ class ChunkFlow:
         job.answered = True
         job.reply.resolve(job.index, job.stream.stream_id, job.seq, job.audio_out.view, num_frames,
                           (job.audio_out.desc, job.audio_event))
-        self.metrics.chunks_answered_early.inc()
         self.out.emit_if_done(job.reply)
+        if job.reply.emitted:  # (a reply that waits for other chunks leaves after the outcome: not early)
+            self.metrics.chunks_answered_early.inc()
 
     def complete(self, job: ChunkJob, audio: Tensor) -> None:
         """The chunk produced ``audio``: commit its stream and resolve its place in the reply (unless it was

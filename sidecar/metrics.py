@@ -98,7 +98,7 @@ class Metrics:
         self.chunks_not_finite = Counter(p + "chunks_not_finite", "Chunks whose audio or new decoder state came out "
                                          "non-finite (NaN/inf): answered internal, not committed", registry=r)
         self.chunks_answered_early = Counter(p + "chunks_answered_early", "CUDA IPC chunks of early-audio streams "
-                                             "answered at their step's launch, before its outcome was read",
+                                             "whose reply left at their step's launch, before its outcome was read",
                                              registry=r)
         self.chunks_refused_after_early_audio = Counter(
             p + "chunks_refused_after_early_audio", "Early-answered chunks that their step then refused (their slot "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from typing import Callable, Protocol
@@ -119,10 +120,10 @@ class Stepper:
     async def run(self) -> None:
         """The step loop: until cancelled."""
         io = self.io
-        if self.launches_async:  # a GPU: armed chunks may come (a thread that cannot start fails here, not later)
-            self.watchdog.start()
-            warm_early_kernels(self.engine.device)
         try:
+            if self.launches_async:  # a GPU: armed chunks may come (a thread that cannot start fails here, not later)
+                self.watchdog.start()
+                warm_early_kernels(self.engine.device)
             while True:
                 if self.in_flight >= self.max_steps_in_flight:
                     await io.wait_for_work(None)  # a step finishing wakes it
@@ -223,7 +224,8 @@ class Stepper:
                        self.launches_async):
                 io.loop_step_running = True  # a region op in the worker must not overlap it (step_placement)
                 try:
-                    done, audios, refused, deferred = await self.loop_step(batch, pending, plan)
+                    done, audios, refused, deferred = await self.loop_step(
+                        batch, pending, plan, None if watch is None else functools.partial(watch.stop, release=True))
                 finally:
                     io.loop_step_running = False
             else:
@@ -299,11 +301,12 @@ class Stepper:
         else:
             await asyncio.get_running_loop().run_in_executor(self.pool, finished.synchronize)
 
-    async def loop_step(self, batch: list, incomplete: list, plan: StepPlan) -> tuple[list, list, list, list]:
+    async def loop_step(self, batch: list, incomplete: list, plan: StepPlan,
+                        release: Callable[[], None] | None = None) -> tuple[list, list, list, list]:
         """Loop thread, on a GPU (``step_placement.on_loop``): queue the step (CUDA IPC inputs copied on the device)
         with the copies of its host rows' audio and its outcomes into pinned memory, wait for its completion event
         without blocking the loop, take the rows out, queue the CUDA IPC audio into the regions. ``engine_step``'s
-        results."""
+        results. ``release``: ends the step's armed waits at once (a failure after the launch)."""
         done, refused, deferred = self._load(batch, incomplete)
         if not done:
             return done, [], refused, deferred
@@ -316,6 +319,8 @@ class Stepper:
                 await self.device_done(launched.done)
         except Exception:  # the chunks fail (``_failed``): only once the step no longer reads their regions
             if not launched.ready():
+                if release is not None:  # its armed waits end now, not after armed_wait_s
+                    release()
                 await asyncio.get_running_loop().run_in_executor(self.pool, launched.done.synchronize)
             raise
         audios, outcomes = self._finish(done, launched)  # the device is done: no wait

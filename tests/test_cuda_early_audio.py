@@ -52,8 +52,8 @@ def test_early_audio_equals_the_golden_decode_and_a_plain_streams_bit_for_bit(gp
         early2, plain2 = client.open_stream("early-2", early_audio=True), client.open_stream("plain-2")
         a, b = client.decode_batch([(early2, codes[:, :7].cuda()), (plain2, codes[:, :7].cuda())])
         assert torch.equal(a.cpu(), b.cpu())
-    # the early stream's chunks but its final one, and early-2's
-    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == len(cuts) - 2 + 1
+    # the early stream's chunks but its final one (early-2's reply waited for plain-2's chunk: not early)
+    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == len(cuts) - 2
 
 
 def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_says_so(gpu_sidecar, golden_cases):
@@ -74,7 +74,9 @@ def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_say
         with pytest.raises(cerr.InvalidArgument, match=r"out of range \[0, 64\)") as info:
             stream.decode(codes[:, 16:24].cuda())
         assert info.value.failed_seq == 1 and "seq 1" in info.value.message and stream.next_seq == 1
-        again = stream.decode(codes[:, 8:16].cuda())  # seq 1 again: the state was not touched
+        with pytest.raises(cerr.OutOfOrder, match="send seq 1 again first"):
+            stream.decode(codes[:, 16:24].cuda())  # meant to follow seq 2: refused by the client, never sent as 1
+        again = stream.decode(codes[:, 8:16].cuda(), seq=1)  # seq 1 again: the state was not touched
         # a message whose reply waits for another chunk: a refusal known before it leaves is told in it directly
         early2, plain = client.open_stream("bad-2", early_audio=True), client.open_stream("plain")
         results = client.decode_batch([(early2, bad.cuda()), (plain, codes[:, :8].cuda())], return_exceptions=True)
@@ -89,8 +91,8 @@ def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_say
     torch.testing.assert_close(audio, full[: 24 * spf], rtol=0, atol=1e-4)
     torch.testing.assert_close(by_audio, full[: 24 * spf], rtol=0, atol=1e-4)
     assert _counter(gpu_sidecar, "chunks_refused_after_early_audio") - refused_before == 1
-    # first, bad, again, third, and bad-2's (answered at launch, but its reply waited: told directly)
-    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == 5
+    # first, bad, again, third (bad-2's reply waited for plain's chunk: its refusal told in it, not early)
+    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == 4
 
 
 def test_a_finish_while_a_late_refusal_stands_is_refused_and_the_stream_goes_on(gpu_sidecar, golden_cases):
@@ -105,7 +107,7 @@ def test_a_finish_while_a_late_refusal_stands_is_refused_and_the_stream_goes_on(
         with pytest.raises(cerr.InvalidArgument) as info:
             stream.finish()
         assert info.value.failed_seq == 1 and not stream.closed and stream.next_seq == 1
-        again = stream.decode(codes[:, 5:10].cuda())
+        again = stream.decode(codes[:, 5:10].cuda(), seq=1)
         stream.finish()
         assert stream.closed
     torch.testing.assert_close(torch.cat([first.cpu(), again.cpu()]), full[: 10 * spf], rtol=0, atol=1e-4)

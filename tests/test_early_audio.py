@@ -17,7 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from code2wav import proto
-from code2wav.client import InvalidArgument, SidecarClient
+from code2wav.client import InvalidArgument, OutOfOrder, SidecarClient
 from code2wav.client.ledger import StreamLedger
 from code2wav.proto import ErrorCode
 from code2wav.sidecar.config import ServerConfig
@@ -171,6 +171,33 @@ def test_a_finish_waiting_behind_a_final_chunk_is_answered_when_an_earlier_chunk
     assert not stream.closed and stream.closing is None and not stream.finish_waiters
 
 
+def test_a_late_failure_is_told_before_a_draining_sidecars_refusal(sessions, tiny):
+    _open_early(sessions)
+    _decode(sessions, "s", 0)
+    job = _take_early(sessions, tiny)
+    sessions.out.take()
+    sessions.chunks.fail(job, ErrorCode.INVALID_ARGUMENT, "codes out of range")
+    sessions.drain()
+    sessions.out.take()
+    (reply,) = _decode(sessions, "s", 1, request_id=10)
+    assert (reply.results[0].error.code, reply.results[0].error.failed_seq) == (ErrorCode.INVALID_ARGUMENT, 0)
+    (again,) = _decode(sessions, "s", 0, request_id=11)  # the refused seq itself: the drain's answer
+    assert again.results[0].error.code == ErrorCode.UNAVAILABLE
+
+
+def test_a_finish_waiting_behind_a_failed_final_chunk_closes_the_stream(sessions, tiny):
+    """Without early audio: the final chunk's refusal is told in its own result; the finish sent after it closes
+    the stream (it waited for the stream's queued chunks, and none is left), where before it was never answered."""
+    (opened,) = _send(sessions, proto.OpenStream(request_id=2, stream_id="plain"))
+    _decode(sessions, "plain", 0, final=True)
+    assert _send(sessions, proto.Finish(request_id=20, stream_id="plain")) == []
+    (job,) = sessions.scheduler.take_batch()
+    sessions.chunks.fail(job, ErrorCode.INVALID_ARGUMENT, "codes out of range")
+    replies = {out.message.request_id: out.message for out in sessions.out.take()}
+    assert replies[9].results[0].error.code == ErrorCode.INVALID_ARGUMENT
+    assert isinstance(replies[20], proto.Finished) and sessions.streams.get(CLIENT, "plain") is None
+
+
 def test_a_refusal_known_before_the_reply_leaves_is_told_in_it(sessions, tiny):
     """A message of two streams' chunks: the early one is answered at launch, but the reply waits for the other;
     its step refuses it before that, so the reply carries the error itself and the stream keeps no late failure."""
@@ -191,6 +218,7 @@ def test_a_refusal_known_before_the_reply_leaves_is_told_in_it(sessions, tiny):
     assert reply.results[0].error.message == "codes out of range" and reply.results[1].error is None
     assert stream.late_failure is None and (stream.next_seq, stream.committed_seq) == (0, -1)
     assert _metric(sessions, "chunks_refused_after_early_audio") == 0
+    assert _metric(sessions, "chunks_answered_early") == 0  # its reply left after the outcome
 
 
 def test_only_region_audio_of_an_early_stream_that_is_not_final_is_answered_early(sessions, tiny):
@@ -251,7 +279,7 @@ def test_a_stale_failed_seq_does_not_rewind_a_stream_that_went_on():
     ledger.rewind(1, alone.epoch)  # alone's error came first
     ledger.chunk_failed(alone, "rejected")
     assert ledger.next_seq == 1
-    again = ledger.reserve("c1 again", False, 0)
+    again = ledger.reserve("c1 again", False, 0, seq=1)
     assert again.seq == 1
     ledger.chunk_ok(again)
     ledger.rewind(1, in_batch.epoch)  # the stale one
@@ -297,9 +325,32 @@ def test_a_late_refusal_rewinds_the_stream_to_the_refused_seq(fake: FakeSidecar)
         assert stream.next_seq == 1
         with pytest.raises(InvalidArgument, match="no chunk to resend"):
             stream.resend()  # the refused chunk is never replayed as if acknowledged
-        assert torch.equal(stream.decode(codes[1]), expected_audio(codes[1]))  # seq 1 again, then on
+        with pytest.raises(OutOfOrder, match=r"seq=1 .* send seq 1 again first, naming it"):
+            stream.decode(codes[3])  # a chunk meant to follow seq 2 must not silently take seq 1
+        with pytest.raises(OutOfOrder, match="send seq 1 again first"):
+            stream.decode(codes[2], seq=2)  # naming another seq does not do either
+        assert torch.equal(stream.decode(codes[1], seq=1), expected_audio(codes[1]))  # seq 1 again, then on
+        with pytest.raises(OutOfOrder, match="takes seq 2 next, not 5"):
+            stream.decode(codes[2], seq=5)
         assert torch.equal(stream.decode(codes[2]), expected_audio(codes[2]))
         assert [m.chunks[0].seq for m in fake.received if isinstance(m, proto.Decode)] == [0, 1, 2, 1, 2]
+
+
+def test_chunks_pipelined_past_a_late_refusal_are_dropped_from_the_ledger(fake: FakeSidecar) -> None:
+    """Seqs 1-3 in flight (3 final); 2's reply tells that 1 was refused after its early answer. The stream takes
+    seq 1 next, named, at once: 3, final and still unanswered, no longer holds it back."""
+    fake.reply_delay_s["p"] = 0.0
+    with SidecarClient(fake.address, timeout_s=5) as client:
+        stream = client.open_stream("p", early_audio=True)
+        codes = [make_codes(2, start=10 * i) for i in range(4)]
+        stream.decode(codes[0])
+        fake.late_fail["p"] = 1
+        futures = [stream.submit(codes[1]), stream.submit(codes[2]), stream.submit(codes[3], final=True)]
+        assert torch.equal(futures[0].result(timeout=5), torch.zeros(2 * U))
+        for future in futures[1:]:
+            assert future.exception(timeout=5).failed_seq == 1
+        assert torch.equal(stream.decode(codes[1], seq=1), expected_audio(codes[1]))
+        assert torch.equal(stream.decode(codes[2], seq=2), expected_audio(codes[2]))
 
 
 def test_a_finish_refused_by_a_late_failure_rewinds_and_the_stream_goes_on(fake: FakeSidecar) -> None:
@@ -311,6 +362,6 @@ def test_a_finish_refused_by_a_late_failure_rewinds_and_the_stream_goes_on(fake:
         with pytest.raises(Exception) as info:
             stream.finish()
         assert info.value.failed_seq == 0 and not stream.closed and stream.next_seq == 0
-        assert np.array_equal(stream.decode(codes).numpy(), expected_audio(codes).numpy())
+        assert np.array_equal(stream.decode(codes, seq=0).numpy(), expected_audio(codes).numpy())
         stream.finish()
         assert stream.closed
