@@ -190,7 +190,10 @@ def warm_early_kernels(device: torch.device) -> None:
     """Load, once at start, the kernels early audio launches between a step's launch and its wait (the comparison of
     the rows' outcomes, the masked fill of a slot): a kernel loaded for the first time while a step is parked on a
     doorbell wait returns only when that wait ends (docs/design-notes.md, "The device-armed hand-off"), and the
-    loop thread would stall with it. Their vectorised forms depend on alignment and length: each is covered."""
+    loop thread would stall with it. Their vectorised forms depend on alignment and length: each is covered. (No
+    kernels to load off a GPU.)"""
+    if device.type != "cuda":
+        return
     outcomes = torch.zeros(80, dtype=torch.uint8, device=device)  # [80]
     slots = torch.zeros(80, dtype=torch.float32, device=device)  # [80]
     for offset in range(16):
