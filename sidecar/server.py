@@ -75,6 +75,7 @@ class Server:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._stop = asyncio.Event()
         self._zmq = zmq.Context()
+        self.step_loop_error: BaseException | None = None  # why the step loop died, if it did (``serve`` then ends)
 
     async def start(self) -> None:
         cfg, sec = self.cfg, self.cfg.security
@@ -116,8 +117,9 @@ class Server:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.transport.fd, io.on_readable)
         loop.call_soon(io.on_readable)  # anything that arrived before the reader was added
-        tasks = [asyncio.create_task(stepper.run(), name="step"),
-                 asyncio.create_task(self._reap_loop(), name="reap")]
+        step_loop = asyncio.create_task(stepper.run(), name="step")
+        step_loop.add_done_callback(self._step_loop_ended)
+        tasks = [step_loop, asyncio.create_task(self._reap_loop(), name="reap")]
         await self._stop.wait()
         if self.cfg.drain_grace_s > 0:
             await self._serve_grace(self.cfg.drain_grace_s)
@@ -127,7 +129,7 @@ class Server:
         drain = (time.monotonic(), sum(sessions.streams.pending_by_client.values()), len(sessions.streams))
         self.ready = False
         self.metrics.ready.set(0)
-        while not stepper.idle:
+        while not stepper.idle and not step_loop.done():  # (a dead step loop finishes nothing)
             await asyncio.sleep(0.005)
         io.flush()
         sessions.clients.connlog.flush()
@@ -156,6 +158,19 @@ class Server:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _step_loop_ended(self, task: asyncio.Task) -> None:
+        """The step loop ends only when the drain cancels it; ended otherwise (an error it did not contain), nothing
+        decodes chunks any more: the sidecar stops and exits 1 (``step_loop_error``), so an orchestrator restarts it
+        and client pools move its streams, instead of a sidecar that answers pings and no chunk."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.step_loop_error = task.exception()
+        log.critical("the step loop died (%s: %s): no chunk can be decoded any more; the sidecar stops (exit "
+                     "code 1)", type(self.step_loop_error).__name__, self.step_loop_error, exc_info=self.step_loop_error)
+        self.ready = False
+        self.metrics.ready.set(0)
+        self.stop()
 
     @property
     def stopping(self) -> bool:
@@ -234,4 +249,4 @@ async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[Decode
     if on_ready is not None:
         on_ready(server)
     await server.serve()
-    return 0
+    return 0 if server.step_loop_error is None else 1

@@ -7,6 +7,8 @@
 - A second SIGTERM during the shutdown exits at once (143).
 - SIGHUP without CurveZMQ is ignored with a log line (it used to kill the process); with CurveZMQ it reloads the
   allow-list (tests/test_session_owner.py).
+- A step loop that dies (an error it does not contain) stops the sidecar, with exit code 1, instead of leaving one
+  that answers pings and decodes nothing (an in-process server: the error is injected into its stepper).
 
 The slow reader is a raw DEALER that takes one message at a time (``RCVHWM`` 1, a small kernel buffer) and sleeps
 between messages, so the replies wait in the sidecar's socket when the signal comes. Large replies cost no decode:
@@ -184,3 +186,25 @@ def test_sighup_without_curve_is_ignored_with_a_log_line(sidecar):
     assert sidecar.proc.poll() is None
     sidecar.proc.send_signal(signal.SIGTERM)
     assert sidecar.proc.wait(timeout=60) == 0
+
+
+def test_a_step_loop_that_dies_stops_the_sidecar(tmp_path, caplog):
+    from code2wav.sidecar.config import load_config
+    from conftest import TINY
+    from test_family_toy import InProcessServer
+
+    async def dies() -> None:
+        raise RuntimeError("injected: the step loop's own bug")
+
+    def break_step_loop(server) -> None:
+        server.stepper.run = dies
+
+    cfg = load_config(None, {"address": f"ipc://{tmp_path}/s.sock", "model": str(TINY), "device": "cpu",
+                             "metrics_port": 0})
+    with caplog.at_level("CRITICAL", logger="code2wav.sidecar.server"):
+        running = InProcessServer(cfg, prepare=break_step_loop)
+        running._thread.join(30)  # serve() returns on its own: nobody called stop()
+    assert not running._thread.is_alive(), "the sidecar kept running without a step loop"
+    server = running.server
+    assert isinstance(server.step_loop_error, RuntimeError) and not server.ready
+    assert any("the step loop died (RuntimeError: injected" in r.getMessage() for r in caplog.records)
