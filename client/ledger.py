@@ -33,9 +33,6 @@ class SentChunk:
     """The last attempt got no reply (or never left after one that got none): call resend()."""
     maybe_applied: bool = False
     """Some attempt was sent and got no reply: the server may have applied it."""
-    epoch: int = 0
-    """The ledger's rewinds when this attempt was sent: a ``failed_seq`` it is refused with rewinds the stream only if
-    no rewind came in between (that one told the same failure, or an earlier one)."""
 
     @property
     def num_frames(self) -> int:
@@ -52,13 +49,7 @@ class StreamLedger:
         self._unacked: dict[int, SentChunk] = {}
         self._last_chunk: SentChunk | None = None
         self._closed_reason: str | None = None
-        self._epoch = 0  # rewinds so far (``rewind``)
         self._rewound_to: int | None = None  # a late refusal's seq: new chunks wait for one sent with that seq
-
-    @property
-    def epoch(self) -> int:
-        """How many times the stream was rewound by a late refusal (``rewind``)."""
-        return self._epoch
 
     @property
     def next_seq(self) -> int:
@@ -103,7 +94,7 @@ class StreamLedger:
                     )
                 if chunk.final:
                     raise InvalidArgument(f"stream {self.stream_id!r} already has a final chunk in flight")
-            chunk = SentChunk(self._send_seq, codes, final, context_frames, epoch=self._epoch)
+            chunk = SentChunk(self._send_seq, codes, final, context_frames)
             self._send_seq += 1
             self._rewound_to = None
             self._unacked[chunk.seq] = chunk
@@ -117,7 +108,6 @@ class StreamLedger:
             if doubtful:
                 for chunk in doubtful:
                     chunk.in_doubt = False  # in flight again
-                    chunk.epoch = self._epoch
                 return doubtful
             if self._last_chunk is not None and not self._unacked:
                 return [self._last_chunk]
@@ -150,15 +140,16 @@ class StreamLedger:
             if chunk.seq >= self._next_seq:
                 self._send_seq = min(self._send_seq, chunk.seq)
 
-    def rewind(self, seq: int, epoch: int) -> None:
-        """The server refused ``seq`` after answering it with early audio (proto/README.md section 5), as told to an
-        attempt sent at ``epoch``: the stream continues from ``seq``, which is free again, as after a direct refusal
-        (a resend never replays it). Told to an attempt sent before the last rewind, it is stale and changes
-        nothing: that rewind told the same failure (or an earlier one), and ``seq`` may have been committed since."""
+    def rewind(self, seq: int, told: SentChunk | None = None) -> None:
+        """The server refused ``seq`` after answering it with early audio (proto/README.md section 5), as the refusal
+        of ``told`` (or of a finish) says: the stream continues from ``seq``, which is free again, as after a direct
+        refusal (a resend never replays it). Told to a chunk that is no longer unacknowledged, it is stale and
+        changes nothing: an earlier rewind dropped that chunk (it told the same failure, or an earlier one), and
+        ``seq`` may have been committed since. (A finish's refusal is never stale: it reaches the client before the
+        reply of any chunk sent after it learned the failure.)"""
         with self._lock:
-            if epoch != self._epoch or seq >= self._next_seq:
+            if (told is not None and self._unacked.get(told.seq) is not told) or seq >= self._next_seq:
                 return
-            self._epoch += 1
             self._next_seq = self._send_seq = seq
             self._rewound_to = seq  # (``reserve``: the next chunk must name it)
             # the chunks sent after it are refused (their replies say so, or already did): none is in doubt or in

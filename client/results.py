@@ -79,7 +79,7 @@ def _inline_outcome(stream: Stream, chunk: SentChunk, result: ChunkResult,
     if result.error is not None:
         failed_seq = result.error.failed_seq
         if failed_seq is not None and failed_seq < chunk.seq:  # an early-answered chunk was refused after all
-            stream.ledger.rewind(failed_seq, chunk.epoch)
+            stream.ledger.rewind(failed_seq, chunk)
         stream.ledger.chunk_failed(chunk, "rejected")
         return error_from(result.error.code, result.error.message, failed_seq)
     stream.ledger.chunk_ok(chunk)  # the server committed the chunk

@@ -116,11 +116,9 @@ class Sender:
                 raise Internal(f"expected {expected.TYPE}, got {reply.TYPE}")
             stream.ledger.mark_closed("finished" if op == "finish" else "aborted")
 
-        epoch = stream.ledger.epoch
-
         def on_failure(error: SidecarError, _outcome: Outcome) -> None:
             if error.failed_seq is not None:  # a finish refused: an early-answered chunk was refused after all
-                stream.ledger.rewind(error.failed_seq, epoch)
+                stream.ledger.rewind(error.failed_seq)
             set_exception(future, error)
 
         self.call(encode(msg), request_id, timeout_s, on_reply, future, generation=stream.generation,

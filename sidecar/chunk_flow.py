@@ -128,7 +128,7 @@ class ChunkFlow:
         job.reply.resolve(job.index, job.stream.stream_id, job.seq, job.audio_out.view, num_frames,
                           (job.audio_out.desc, job.audio_event))
         self.out.emit_if_done(job.reply)
-        if job.reply.emitted:  # (a reply that waits for other chunks leaves after the outcome: not early)
+        if job.reply.done:  # it left (a reply that waits for other chunks leaves after the outcome: not early)
             self.metrics.chunks_answered_early.inc()
 
     def complete(self, job: ChunkJob, audio: Tensor) -> None:
@@ -161,7 +161,7 @@ class ChunkFlow:
         and its later chunks and a finish are refused with it until its seq comes again."""
         stream = job.stream
         self.streams.chunk_done(job)
-        if job.answered and not job.reply.emitted:  # its reply waited for other chunks: it tells the refusal itself
+        if job.answered and not job.reply.done:  # its reply waited for other chunks: it tells the refusal itself
             job.reply.unresolve(job.index)
             job.answered = False
         if job.answered:
@@ -171,17 +171,15 @@ class ChunkFlow:
             stream.next_seq = job.seq
             if stream.closing == "final":  # a finish sent meanwhile still waits for an answer
                 stream.closing = "finish" if stream.finish_waiters else None
-            late = LateFailure(job.seq, code, message) if job.answered else None
-            if late is not None:
-                stream.late_failure = late
+            if job.answered:  # the later chunks tell the client: with the chunk's own error and its seq
+                stream.late_failure = LateFailure(job.seq, code, message)
+                told = (code, late_failure_message(stream, stream.late_failure), job.seq)
+            else:
+                told = (ErrorCode.OUT_OF_ORDER, f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}",
+                        None)
             for later in self.scheduler.remove_stream(stream):
                 self.streams.chunk_done(later)
-                if late is not None:
-                    self.out.reject(later.reply, later.index, stream.stream_id, later.seq, code,
-                                    late_failure_message(stream, late), failed_seq=job.seq)
-                else:
-                    self.out.reject(later.reply, later.index, stream.stream_id, later.seq, ErrorCode.OUT_OF_ORDER,
-                                    f"an earlier chunk (seq {job.seq}) failed; resend from seq {job.seq}")
+                self.out.reject(later.reply, later.index, stream.stream_id, later.seq, *told)
                 self.out.emit_if_done(later.reply)
         if not job.answered:
             self.out.reject(job.reply, job.index, stream.stream_id, job.seq, code, message)

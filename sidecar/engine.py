@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .forward import (armed_columns, copy_device_rows, forward_in_slices, host_codes, row_outcomes, rows_audio,
-                      rows_options, rows_state, start_host_copy)
+                      row_samples, rows_options, rows_state, start_host_copy)
 from .graphs.manager import GraphManager
 from .models import LoadedModel
 from .modes import StreamMode, mode_for
@@ -42,8 +42,7 @@ class LaunchedStep:
     def device_rows(self, indices: list[int], samples_per_frame: int) -> list[Tensor]:
         """The audio of rows ``indices`` as views of the step's output on the device (``out_device`` rows),
         before the step finished: usable in stream order only."""
-        spf = samples_per_frame
-        return [self.wav[b, self.items[b].skip_frames * spf: self.items[b].num_frames * spf] for b in indices]
+        return [self.wav[b, row_samples(self.items[b], samples_per_frame)] for b in indices]
 
     def ready(self) -> bool:
         """The device finished the step and its copies (never waits)."""

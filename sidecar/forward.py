@@ -142,11 +142,15 @@ def rows_audio(wav: Tensor, items: list[DecodeItem], samples_per_frame: int,
 
     A host row owns its memory, exactly its own samples: its stream keeps it for an idempotent resend, up to the
     TTL when the client vanished, and a view would keep the whole padded batch ``[B, T * U]`` alive with it."""
-    spf = samples_per_frame
     if host is None and not all(it.out_device for it in items):
         host = wav[: len(items)].cpu()  # [rows, T * U]; synchronous
-    return [wav[b, it.skip_frames * spf: it.num_frames * spf] if it.out_device
-            else _owned(host[b, it.skip_frames * spf: it.num_frames * spf]) for b, it in enumerate(items)]
+    return [wav[b, row_samples(it, samples_per_frame)] if it.out_device
+            else _owned(host[b, row_samples(it, samples_per_frame)]) for b, it in enumerate(items)]
+
+
+def row_samples(item: DecodeItem, samples_per_frame: int) -> slice:
+    """Where a row's own audio lies in its step's output row: after the frames it decodes only into the state."""
+    return slice(item.skip_frames * samples_per_frame, item.num_frames * samples_per_frame)
 
 
 def _owned(row: Tensor) -> Tensor:

@@ -55,7 +55,6 @@ class Outbox:
     def emit_if_done(self, reply: PendingReply) -> None:
         """``reply`` goes out once every chunk of it has an outcome."""
         if reply.done:
-            reply.emitted = True
             self.messages.append(reply.to_outbound())
 
 
@@ -68,7 +67,6 @@ class PendingReply:
     audio: list = field(init=False)  # Tensor | None per chunk
     remaining: int = field(init=False)
     stamps: list | None = field(default=None, init=False)  # its traced chunks' chunk_trace.ChunkStamps
-    emitted: bool = field(default=False, init=False)  # every chunk had an outcome and the reply went out
 
     def __post_init__(self) -> None:
         self.results = [None] * self.num_chunks
@@ -77,6 +75,7 @@ class PendingReply:
 
     @property
     def done(self) -> bool:
+        """Every chunk has an outcome: the reply went out (``Outbox.emit_if_done`` runs in the same turn)."""
         return self.remaining == 0
 
     def reject(self, index: int, stream_id: str, seq: int, code: ErrorCode, message: str,
@@ -89,7 +88,7 @@ class PendingReply:
     def unresolve(self, index: int) -> None:
         """Take back chunk ``index``'s outcome while the reply has not gone out (an early answer whose step then
         refused the chunk: it is rejected instead)."""
-        assert not self.emitted and self.results[index] is not None
+        assert not self.done and self.results[index] is not None
         self.results[index] = self.audio[index] = None
         self.remaining += 1
 

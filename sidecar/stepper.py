@@ -325,8 +325,9 @@ class Stepper:
             raise
         audios, outcomes = self._finish(done, launched)  # the device is done: no wait
         done, audios, not_committed = self._split(done, audios, outcomes)
-        if early:
-            count_ipc([job for job in done if job.answered], self.metrics)
+        if not early:
+            return done, store_rows(done, audios, self.metrics), refused + not_committed, deferred
+        count_ipc([job for job in done if job.answered], self.metrics)
         rest = [b for b, job in enumerate(done) if not job.answered]
         stored = store_rows([done[b] for b in rest], [audios[b] for b in rest], self.metrics)
         audios = [job.kept_audio for job in done]  # (early rows: their kept host copy)

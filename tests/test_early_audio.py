@@ -276,13 +276,13 @@ def test_a_stale_failed_seq_does_not_rewind_a_stream_that_went_on():
     ledger.chunk_ok(ledger.reserve("c0", False, 0))
     ledger.chunk_ok(ledger.reserve("c1", False, 0))  # answered early, refused after its reply
     in_batch, alone = ledger.reserve("c2", False, 0), ledger.reserve("c3", False, 0)
-    ledger.rewind(1, alone.epoch)  # alone's error came first
+    ledger.rewind(1, alone)  # alone's error came first
     ledger.chunk_failed(alone, "rejected")
     assert ledger.next_seq == 1
     again = ledger.reserve("c1 again", False, 0, seq=1)
     assert again.seq == 1
     ledger.chunk_ok(again)
-    ledger.rewind(1, in_batch.epoch)  # the stale one
+    ledger.rewind(1, in_batch)  # the stale one
     ledger.chunk_failed(in_batch, "rejected")
     assert ledger.next_seq == 2 and ledger.reserve("c2 again", False, 0).seq == 2
 
