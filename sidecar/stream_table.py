@@ -107,8 +107,8 @@ class StreamTable:
             return self.out.error(identity, msg.request_id, ErrorCode.NOT_FOUND,
                                   f"stream '{msg.stream_id}' is not open")
         if stream.late_failure is not None and stream.num_pending == 0:  # it stays open: the chunk comes again
-            return self.out.error(identity, msg.request_id, stream.late_failure.code,
-                                  late_failure_message(stream, stream.late_failure), stream.late_failure.seq)
+            stream.finish_waiters.append(msg.request_id)
+            return self.refuse_finish(stream)
         if stream.num_pending == 0:
             self.close(stream, "finish")
             self.out.send(identity, proto.Finished(request_id=msg.request_id, stream_id=msg.stream_id))

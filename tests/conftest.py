@@ -82,6 +82,21 @@ def sidecar(tmp_path):
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def gpu_sidecar(tmp_path_factory):
+    """One sidecar of the tiny golden model on the GPU for a test module (``-m cuda`` tests)."""
+    running = start_sidecar(tmp_path_factory.mktemp("gpu"), "--device", "cuda")
+    yield running
+    running.stop()
+
+
+def counter_total(running: SpawnedSidecar, name: str) -> float:
+    """The sidecar's counter ``code2wav_sidecar_<name>_total``, scraped now (0 before its first increment)."""
+    from code2wav.loadgen.drive import metric_value
+
+    return metric_value(running.scrape(), f"code2wav_sidecar_{name}_total")
+
+
 def interpreted_json(code: str):
     """Run ``code`` in a subprocess under Triton's interpreter (``TRITON_INTERPRET`` must be set before Triton is
     imported, so not in this process) and return the JSON on its last line of output (a kernel test's results)."""

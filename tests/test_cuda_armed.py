@@ -21,9 +21,8 @@ import torch
 
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
-from code2wav.loadgen.drive import metric_value
 
-from conftest import ROOT, start_sidecar
+from conftest import ROOT, counter_total, start_sidecar
 
 pytestmark = pytest.mark.cuda
 
@@ -50,14 +49,10 @@ def _sleep_cycles(ms: float) -> int:
     return int(10_000_000 * ms / start.elapsed_time(end))
 
 
-def _counter(running, name: str) -> float:
-    return metric_value(running.scrape(), f"code2wav_sidecar_{name}_total") or 0.0
-
-
 def test_armed_audio_equals_the_golden_decode_and_the_events_path(armed_sidecar, golden_cases):
     codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]  # [Q, T], [T * U]
     cuts = [0, 1, 4, 29, 30, codes.shape[1]]
-    armed_before = _counter(armed_sidecar, "ipc_armed_chunks")
+    armed_before = counter_total(armed_sidecar, "ipc_armed_chunks")
     with SidecarClient(armed_sidecar.address, ipc_armed=True) as armed, SidecarClient(armed_sidecar.address) as plain:
         a_stream, p_stream = armed.open_stream("armed"), plain.open_stream("events")
         outs = []
@@ -68,7 +63,7 @@ def test_armed_audio_equals_the_golden_decode_and_the_events_path(armed_sidecar,
             outs.append(a.cpu())
         assert armed.ipc_stats["ipc_chunks"] == len(cuts) - 1
     torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-4)
-    assert _counter(armed_sidecar, "ipc_armed_chunks") - armed_before == len(cuts) - 1  # the events client: none
+    assert counter_total(armed_sidecar, "ipc_armed_chunks") - armed_before == len(cuts) - 1  # the events client: none
 
 
 def test_a_message_sent_before_its_codes_exist_decodes_them_once_they_land(armed_sidecar, golden_cases):
@@ -78,7 +73,7 @@ def test_a_message_sent_before_its_codes_exist_decodes_them_once_they_land(armed
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]  # [Q, T], [T * U]
     spf = full.numel() // codes.shape[1]
     busy = _sleep_cycles(50.0)
-    armed_before = _counter(armed_sidecar, "ipc_armed_chunks")
+    armed_before = counter_total(armed_sidecar, "ipc_armed_chunks")
     with SidecarClient(armed_sidecar.address, ipc_armed=True) as client:
         stream = client.open_stream("ahead")
         first = stream.decode(codes[:, :10].cuda())  # leaves its codes in the region's slot
@@ -89,7 +84,7 @@ def test_a_message_sent_before_its_codes_exist_decodes_them_once_they_land(armed
         second = future.result(timeout=30)
         torch.cuda.current_stream().synchronize()
         assert client.ipc_stats["ipc_armed"] == 2
-    assert _counter(armed_sidecar, "ipc_armed_chunks") - armed_before == 2
+    assert counter_total(armed_sidecar, "ipc_armed_chunks") - armed_before == 2
     torch.testing.assert_close(torch.cat([first.cpu(), second.cpu()]), full[: 20 * spf], rtol=0, atol=1e-4)
 
 
@@ -115,7 +110,7 @@ def test_a_doorbell_rung_too_late_is_released_and_the_seq_sent_again(armed_sidec
     event: the sidecar disarmed the region)."""
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     spf = full.numel() // codes.shape[1]
-    released_before = _counter(armed_sidecar, "ipc_armed_released")
+    released_before = counter_total(armed_sidecar, "ipc_armed_released")
     with SidecarClient(armed_sidecar.address, ipc_armed=True) as client, SidecarClient(armed_sidecar.address) as other:
         stream, bystander = client.open_stream("late"), other.open_stream("bystander")
         first = stream.decode(codes[:, :6].cuda())
@@ -129,7 +124,7 @@ def test_a_doorbell_rung_too_late_is_released_and_the_seq_sent_again(armed_sidec
         again = stream.decode(codes[:, 6:12].cuda())
     torch.testing.assert_close(by, full[: 6 * spf], rtol=0, atol=1e-4)
     torch.testing.assert_close(torch.cat([first.cpu(), again.cpu()]), full[: 12 * spf], rtol=0, atol=1e-4)
-    assert _counter(armed_sidecar, "ipc_armed_released") - released_before == 1
+    assert counter_total(armed_sidecar, "ipc_armed_released") - released_before == 1
 
 
 def test_a_resend_is_answered_while_a_step_is_parked_on_a_doorbell(armed_sidecar, golden_cases):
@@ -176,7 +171,7 @@ _DYING_CLIENT = textwrap.dedent("""
 def test_a_client_that_dies_armed_leaves_every_other_stream_served(armed_sidecar, golden_cases):
     codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]
     spf = full.numel() // codes.shape[1]
-    released_before = _counter(armed_sidecar, "ipc_armed_released")
+    released_before = counter_total(armed_sidecar, "ipc_armed_released")
     child = subprocess.Popen([sys.executable, "-c", _DYING_CLIENT, armed_sidecar.address,
                               str(_sleep_cycles(60_000.0))], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -191,5 +186,5 @@ def test_a_client_that_dies_armed_leaves_every_other_stream_served(armed_sidecar
         if child.poll() is None:
             child.kill()
     torch.testing.assert_close(torch.cat(outs), full[: 30 * spf], rtol=0, atol=1e-4)
-    assert _counter(armed_sidecar, "ipc_armed_released") - released_before == 1
+    assert counter_total(armed_sidecar, "ipc_armed_released") - released_before == 1
     assert armed_sidecar.proc.poll() is None  # still serving

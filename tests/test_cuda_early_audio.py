@@ -15,28 +15,16 @@ import torch
 
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
-from code2wav.loadgen.drive import metric_value
 
-from conftest import start_sidecar
+from conftest import counter_total
 
 pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(scope="module")
-def gpu_sidecar(tmp_path_factory):
-    running = start_sidecar(tmp_path_factory.mktemp("early"), "--device", "cuda")
-    yield running
-    running.stop()
-
-
-def _counter(sidecar, name: str) -> float:
-    return metric_value(sidecar.scrape(), f"code2wav_sidecar_{name}_total")
 
 
 def test_early_audio_equals_the_golden_decode_and_a_plain_streams_bit_for_bit(gpu_sidecar, golden_cases):
     codes, full = golden_cases["codes"][1], golden_cases["full"][1, 0]  # [Q, T], [T * U]
     cuts = [0, 1, 4, 29, 30, codes.shape[1]]
-    answered_before = _counter(gpu_sidecar, "chunks_answered_early")
+    answered_before = counter_total(gpu_sidecar, "chunks_answered_early")
     with SidecarClient(gpu_sidecar.address) as client:
         assert client.server_info.capabilities["early_audio"] is True
         early, plain = client.open_stream("early", early_audio=True), client.open_stream("plain")
@@ -53,14 +41,14 @@ def test_early_audio_equals_the_golden_decode_and_a_plain_streams_bit_for_bit(gp
         a, b = client.decode_batch([(early2, codes[:, :7].cuda()), (plain2, codes[:, :7].cuda())])
         assert torch.equal(a.cpu(), b.cpu())
     # the early stream's chunks but its final one (early-2's reply waited for plain-2's chunk: not early)
-    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == len(cuts) - 2
+    assert counter_total(gpu_sidecar, "chunks_answered_early") - answered_before == len(cuts) - 2
 
 
 def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_says_so(gpu_sidecar, golden_cases):
     codes, full = golden_cases["codes"][0], golden_cases["full"][0, 0]
     spf = full.numel() // codes.shape[1]
-    answered_before = _counter(gpu_sidecar, "chunks_answered_early")
-    refused_before = _counter(gpu_sidecar, "chunks_refused_after_early_audio")
+    answered_before = counter_total(gpu_sidecar, "chunks_answered_early")
+    refused_before = counter_total(gpu_sidecar, "chunks_refused_after_early_audio")
     bad = codes[:, 8:16].clone()
     bad[1, 3] = 5000  # outside the codebook: clamped and refused by the step on the GPU
     with SidecarClient(gpu_sidecar.address) as client, SidecarClient(gpu_sidecar.address) as other:
@@ -90,9 +78,9 @@ def test_a_chunk_refused_after_its_early_reply_reads_zeros_and_the_next_call_say
         by_audio = torch.cat([by_first.cpu(), by_second.cpu(), by_third.cpu()])
     torch.testing.assert_close(audio, full[: 24 * spf], rtol=0, atol=1e-4)
     torch.testing.assert_close(by_audio, full[: 24 * spf], rtol=0, atol=1e-4)
-    assert _counter(gpu_sidecar, "chunks_refused_after_early_audio") - refused_before == 1
+    assert counter_total(gpu_sidecar, "chunks_refused_after_early_audio") - refused_before == 1
     # first, bad, again, third (bad-2's reply waited for plain's chunk: its refusal told in it, not early)
-    assert _counter(gpu_sidecar, "chunks_answered_early") - answered_before == 4
+    assert counter_total(gpu_sidecar, "chunks_answered_early") - answered_before == 4
 
 
 def test_a_finish_while_a_late_refusal_stands_is_refused_and_the_stream_goes_on(gpu_sidecar, golden_cases):

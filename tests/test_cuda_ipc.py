@@ -27,13 +27,6 @@ from test_server_e2e import RawPeer
 pytestmark = pytest.mark.cuda
 
 
-@pytest.fixture(scope="module")
-def gpu_sidecar(tmp_path_factory):
-    running = start_sidecar(tmp_path_factory.mktemp("ipc"), "--device", "cuda")
-    yield running
-    running.stop()
-
-
 def _codes(q: int, n: int, seed: int, codebook: int = 2048) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, codebook, (q, n), generator=gen)

@@ -20,42 +20,27 @@ from code2wav import proto
 from code2wav.client import InvalidArgument, OutOfOrder, SidecarClient
 from code2wav.client.ledger import StreamLedger
 from code2wav.proto import ErrorCode
-from code2wav.sidecar.config import ServerConfig
 from code2wav.sidecar.jobs import IpcAudioOut
 from code2wav.sidecar.metrics import Metrics
-from code2wav.sidecar.models import load_model
-from code2wav.sidecar.scheduler import Scheduler, batch_policy
-from code2wav.sidecar.sessions import Sessions
-from code2wav.sidecar.state_store import StateArena
-from conftest import TINY
 from test_client_unit import U, FakeSidecar, expected_audio, make_codes
+from test_sessions import CLIENT, _send, new_sessions
 
-CLIENT = b"client-a"
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model(str(TINY), torch.device("cpu"), "float32")
+@pytest.fixture
+def tiny(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture
 def sessions(tiny):
-    arena = StateArena(tiny.state_layout(), 2, tiny.dtype, tiny.device)
     registry = CollectorRegistry()
-    sessions = Sessions(ServerConfig(), tiny, arena, Scheduler(batch_policy(8, 0, 16)), Metrics(registry),
-                        clock=lambda: 100.0)
+    sessions = new_sessions(tiny, Metrics(registry))
     sessions.registry = registry
     (welcome,) = _send(sessions, proto.Hello(request_id=1, version=proto.PROTOCOL_VERSION, client_id="a"))
     assert welcome.capabilities["early_audio"] is True
     return sessions
 
 
-def _send(sessions: Sessions, msg, buffers=()) -> list:
-    sessions.on_message(CLIENT, proto.encode(msg, buffers))
-    return [out.message for out in sessions.out.take()]
-
-
-def _decode(sessions: Sessions, stream_id: str, seq: int, num_frames: int = 3, final: bool = False,
+def _decode(sessions, stream_id: str, seq: int, num_frames: int = 3, final: bool = False,
             request_id: int = 9) -> list:
     codes = torch.zeros((sessions.streams.model.num_channels, num_frames), dtype=torch.long)  # [Q, n]
     desc = proto.TensorDesc("int64", tuple(codes.shape), proto.InlineLoc(1))
@@ -73,28 +58,37 @@ def _as_region_audio(job, num_samples: int) -> None:
     job.audio_event = 0
 
 
-def _open_early(sessions: Sessions, stream_id: str = "s") -> Any:
+def _open_early(sessions, stream_id: str = "s") -> Any:
     (opened,) = _send(sessions, proto.OpenStream(request_id=2, stream_id=stream_id, early_audio=True))
     assert isinstance(opened, proto.Opened)
     return sessions.streams.get(CLIENT, stream_id)
 
 
-def _take_early(sessions: Sessions, tiny) -> Any:
+def _take_early(sessions) -> Any:
     (job,) = sessions.scheduler.take_batch()
-    _as_region_audio(job, job.num_frames * tiny.samples_per_frame)
+    _as_region_audio(job, job.num_frames * sessions.streams.model.samples_per_frame)
     assert sessions.chunks.answers_early(job)
     sessions.chunks.answer_early(job)
     return job
 
 
-def _metric(sessions: Sessions, name: str) -> float:
+def _refused_late(sessions, code: ErrorCode, message: str) -> Any:
+    """Stream "s"'s chunk seq 0 answered early (its reply taken), then refused by its step."""
+    _decode(sessions, "s", 0)
+    job = _take_early(sessions)
+    sessions.out.take()
+    sessions.chunks.fail(job, code, message)
+    return job
+
+
+def _metric(sessions, name: str) -> float:
     return sessions.registry.get_sample_value(f"code2wav_sidecar_{name}_total") or 0.0
 
 
 def test_an_early_answer_leaves_before_the_outcome_and_the_commit_follows_it(sessions, tiny):
     stream = _open_early(sessions)
     assert _decode(sessions, "s", 0) == []
-    job = _take_early(sessions, tiny)
+    job = _take_early(sessions)
     (reply,) = [out.message for out in sessions.out.take()]  # answered at launch
     (result,) = reply.results
     assert result.error is None and isinstance(result.audio.loc, proto.CudaIpcLoc) and result.audio_event == 0
@@ -111,11 +105,11 @@ def test_a_chunk_refused_after_its_early_answer_refuses_the_streams_later_chunks
                                                                                                       tiny):
     stream = _open_early(sessions)
     _decode(sessions, "s", 0)
-    first = _take_early(sessions, tiny)
+    first = _take_early(sessions)
     sessions.chunks.complete(first, torch.zeros(3 * tiny.samples_per_frame))
     sessions.out.take()
     _decode(sessions, "s", 1)
-    job = _take_early(sessions, tiny)
+    job = _take_early(sessions)
     sessions.out.take()  # seq 1 answered with audio
     assert _decode(sessions, "s", 2, request_id=10) == []  # sent while seq 1's outcome is unknown: queued
     sessions.chunks.fail(job, ErrorCode.INVALID_ARGUMENT, "codes out of range")
@@ -139,7 +133,7 @@ def test_a_chunk_refused_after_its_early_answer_refuses_the_streams_later_chunks
 def test_a_finish_is_refused_while_a_late_failure_stands_and_the_stream_stays_open(sessions, tiny):
     stream = _open_early(sessions)
     _decode(sessions, "s", 0)
-    job = _take_early(sessions, tiny)
+    job = _take_early(sessions)
     sessions.out.take()
     assert _send(sessions, proto.Finish(request_id=20, stream_id="s")) == []  # waits for seq 0's outcome
     sessions.chunks.fail(job, ErrorCode.INTERNAL, "audio not finite")
@@ -160,7 +154,7 @@ def test_a_finish_is_refused_while_a_late_failure_stands_and_the_stream_stays_op
 def test_a_finish_waiting_behind_a_final_chunk_is_answered_when_an_earlier_chunk_is_refused_late(sessions, tiny):
     stream = _open_early(sessions)
     _decode(sessions, "s", 0)
-    job = _take_early(sessions, tiny)
+    job = _take_early(sessions)
     sessions.out.take()
     assert _decode(sessions, "s", 1, final=True, request_id=10) == []  # queued behind seq 0
     assert _send(sessions, proto.Finish(request_id=20, stream_id="s")) == []  # waits too
@@ -173,10 +167,7 @@ def test_a_finish_waiting_behind_a_final_chunk_is_answered_when_an_earlier_chunk
 
 def test_a_late_failure_is_told_before_a_draining_sidecars_refusal(sessions, tiny):
     _open_early(sessions)
-    _decode(sessions, "s", 0)
-    job = _take_early(sessions, tiny)
-    sessions.out.take()
-    sessions.chunks.fail(job, ErrorCode.INVALID_ARGUMENT, "codes out of range")
+    _refused_late(sessions, ErrorCode.INVALID_ARGUMENT, "codes out of range")
     sessions.drain()
     sessions.out.take()
     (reply,) = _decode(sessions, "s", 1, request_id=10)
@@ -243,10 +234,7 @@ def test_only_region_audio_of_an_early_stream_that_is_not_final_is_answered_earl
 
 def test_a_stream_with_a_late_failure_at_seq_0_is_not_opened_again(sessions, tiny):
     _open_early(sessions)
-    _decode(sessions, "s", 0)
-    job = _take_early(sessions, tiny)
-    sessions.out.take()
-    sessions.chunks.fail(job, ErrorCode.INTERNAL, "audio not finite")
+    _refused_late(sessions, ErrorCode.INTERNAL, "audio not finite")
     (repeat,) = _send(sessions, proto.OpenStream(request_id=5, stream_id="s", early_audio=True))
     assert isinstance(repeat, proto.Error) and repeat.code == ErrorCode.ALREADY_EXISTS
 

@@ -29,11 +29,15 @@ def tiny():
     return load_model(str(TINY), torch.device("cpu"), "float32")
 
 
+def new_sessions(model, metrics: Metrics) -> Sessions:
+    """Sessions of ``model`` with two arena slots, a batch of 8 at most and a clock stopped at 100 s."""
+    arena = StateArena(model.state_layout(), 2, model.dtype, model.device)
+    return Sessions(ServerConfig(), model, arena, Scheduler(batch_policy(8, 0, 16)), metrics, clock=lambda: 100.0)
+
+
 @pytest.fixture
 def sessions(tiny):
-    arena = StateArena(tiny.state_layout(), 2, tiny.dtype, tiny.device)
-    return Sessions(ServerConfig(), tiny, arena, Scheduler(batch_policy(8, 0, 16)), Metrics(CollectorRegistry()),
-                    clock=lambda: 100.0)
+    return new_sessions(tiny, Metrics(CollectorRegistry()))
 
 
 def _send(sessions: Sessions, msg, buffers=()) -> list:
