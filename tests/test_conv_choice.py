@@ -190,16 +190,17 @@ def test_the_decoder_streams_the_golden_with_every_conv_channels_last(monkeypatc
     monkeypatch.setattr(SnakeBeta, "runs_fused", lambda self, x: True)
     calls = []
 
-    def always_channels_last(self, x, conv, with_bias=True, act=None, channels_last_ok=False):
+    def always_channels_last(self, x, conv, with_bias=True, act=None, channels_last_ok=False, residual=None):
         if channels_last_ok:
             assert x.stride(1) == 1 and x.shape[1] > 1  # written channels-last by the Snake kernel's op
-        calls.append((tuple(x.shape), channels_last_ok))
-        return self.run("cudnn_cl", x, conv, with_bias, act)  # otherwise the form copies x to channels-last
+        calls.append((tuple(x.shape), channels_last_ok, residual is not None))
+        return self.run("cudnn_cl", x, conv, with_bias, act, residual)  # otherwise the form copies x to channels-last
 
     monkeypatch.setattr(ConvChoice, "__call__", always_channels_last)
     monkeypatch.setattr(ConvChoice, "wants_channels_last", lambda self, *args: True)
     _assert_streams_the_golden(golden_cases)
-    assert {ok for _, ok in calls} == {True, False}  # the residual units' convs, and pre_conv and the first conv
+    assert {ok for _, ok, _ in calls} == {True, False}  # the residual units' convs, and pre_conv and the first conv
+    assert {ok for _, ok, unit in calls if unit} == {True}  # each unit's conv1 asked with the unit's rest (finished)
 
 
 def test_the_channels_last_form_is_offered_where_autograd_is_off_and_takes_either_layout():
@@ -234,6 +235,8 @@ def test_every_form_equals_the_conv_on_cuda(no_tf32):
         with torch.inference_mode():
             assert ("gemm0" in choice.offered(x.to(dtype), layer)) == (dtype == torch.bfloat16)
             assert ("gemm_cl0" in choice.offered(x.to(dtype), layer)) == (dtype == torch.bfloat16)
+            hopper = torch.cuda.get_device_capability()[0] >= 9
+            assert ("gemm_tma0" in choice.offered(x.to(dtype), layer)) == (dtype == torch.bfloat16 and hopper)
             forms = choice.offered(x.to(dtype), layer)
             assert "cudnn_cl" in forms and "im2col" in forms  # offered to every dense conv
             inputs = [(form, x.to(dtype)) for form in forms]

@@ -2,7 +2,8 @@
 
 CPU: cuBLAS over an im2col copy equals ``conv1d``; the channels-last implicit-GEMM Triton kernel's indexing under
 Triton's interpreter equals ``conv1d`` (+ Snake) for channels-last and other inputs, blocks that divide the input
-channels and ones that do not; its CPU op is the reference; the choice cache round-trips, keeps GPUs and versions
+channels and ones that do not; its CPU op is the reference; the same for the TMA kernel (its descriptors' edges, a
+channels-last view inside longer rows, both accumulators); the choice cache round-trips, keeps GPUs and versions
 apart and ignores a damaged file; a cached choice is used without measuring, and the fallbacks are counted and
 exported. CUDA: every form at the decoders' own layer shapes, including 1 and 4 frames and batches 1, 3 and 64,
 against the float32 conv; a second server start reads the choices instead of measuring.
@@ -59,6 +60,10 @@ def _cl_inputs(case):
     x = torch.randn(batch, c_in, num_cols + (ksize - 1) * dilation, generator=gen)
     if layout == "cl":
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "cl_view":  # channels-last, 3 columns into each row of a longer buffer
+        wide = torch.zeros(batch, x.shape[2] + 3, c_in)  # [B, L + 3, C_in]
+        wide[:, 3:] = x.transpose(1, 2)
+        x = wide.transpose(1, 2)[:, :, 3:]
     weight = torch.randn(c_out, c_in, ksize, generator=gen) / (c_in * ksize) ** 0.5
     bias = torch.randn(c_out, generator=gen)
     alpha, beta = torch.randn(2, c_out, generator=gen) * 0.3 + (0.0 if act else 1.0)
@@ -90,6 +95,54 @@ def test_the_channels_last_gemm_kernel_indexing_matches_conv1d_under_the_interpr
     assert len(results) == len(CL_CASES)
     for case, (same_shape, contiguous, err) in zip(CL_CASES, results):
         assert same_shape and contiguous and err < 1e-5, (case, err)
+
+
+TMA_CASES = CL_CASES + [  # the TMA kernel's own edges: a channels-last view whose batch stride is not L rows
+    (3, 16, 24, 33, 7, 1, True, "cl_view"),  # 24 channels: the second accumulator (16 + 16) half past C_out
+    (2, 8, 40, 9, 7, 3, False, "cl"),  # 8 channels: one tap's tile is all of C_in, 40 = 16 + 16 + 8
+]
+
+TMA_INTERPRETED = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_conv_forms import TMA_CASES, _cl_inputs
+from code2wav.sidecar.kernels import conv_gemm, conv_gemm_tma
+out = []
+for case in TMA_CASES:
+    x, weight, *rest = _cl_inputs(case)
+    ref = conv_gemm.reference(x, weight, *rest)
+    for config in (conv_gemm_tma.TmaTile(16, 16, 16, 16, 1, 1), conv_gemm_tma.TmaTile(16, 0, 32, 8, 1, 1)):
+        got = conv_gemm_tma.run_interpreted(x, conv_gemm_tma.kernel_weight(weight), *rest, config=config)
+        out.append([list(got.shape) == list(ref.shape), got.is_contiguous(), (got - ref).abs().max().item()])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_the_tma_gemm_kernel_indexing_matches_conv1d_under_the_interpreter():
+    """Rows past an input row's end and weight rows past a tap's channels only reach outputs never stored; channels
+    past C_in read zeros; both accumulators land on their own channels."""
+    from conftest import interpreted_json
+
+    results = interpreted_json(TMA_INTERPRETED.format(tests=os.path.dirname(__file__)))
+    assert len(results) == 2 * len(TMA_CASES)
+    for i, (same_shape, contiguous, err) in enumerate(results):
+        assert same_shape and contiguous and err < 1e-5, (TMA_CASES[i // 2], i % 2, err)
+
+
+def test_the_tma_gemm_cpu_op_is_the_reference_and_reads_any_layout():
+    from code2wav.sidecar.kernels import conv_gemm, conv_gemm_tma
+
+    for case in TMA_CASES:
+        x, weight, bias, dilation, alpha, beta, log_params = _cl_inputs(case)
+        y = torch.ops.code2wav.conv_snake_tma(x, weight, bias, dilation, alpha, beta, log_params,
+                                              [16, 16, 16, 16, 1, 1])
+        assert torch.equal(y, conv_gemm.reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous())
+    x = torch.zeros(2, 16, 40).transpose(1, 2).contiguous().transpose(1, 2)
+    assert conv_gemm_tma.tma_ok(x) and not conv_gemm_tma.tma_ok(x.contiguous())  # channels-first: copied
+    view = torch.zeros(2, 45, 16).transpose(1, 2)[:, :, 5:]  # [B, C, L] after 5 columns of a longer row
+    assert conv_gemm_tma.tma_ok(view) and not conv_gemm_tma.tma_ok(torch.zeros(2, 45, 12).transpose(1, 2))
 
 
 def test_the_channels_last_gemm_cpu_op_is_the_reference():

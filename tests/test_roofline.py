@@ -100,4 +100,5 @@ def test_an_unknown_conv_form_is_a_usage_error_before_loading():
                            "--device", "cpu", "--conv-forms", "cudnn_cl,gem"], capture_output=True, text=True, env=ENV,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--conv-forms: unknown form gem (known: cudnn, cudnn_cl, polyphase, gemm, gemm_cl, im2col" in proc.stderr
+    assert ("--conv-forms: unknown form gem (known: cudnn, cudnn_cl, polyphase, gemm, gemm_cl, gemm_tma, im2col, "
+            "unit_tma" in proc.stderr)

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from . import conv_gemm, snake
 from .choice_cache import ChoiceCache, ChoiceEvents, geometry
-from .conv_forms import Act, ConvForms, reads_channels_last
+from .conv_forms import Act, ConvForms, Residual, reads_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ class ConvChoice(KernelChoice):
     """For one conv module: the form each input shape runs in, measured on first sight (or read from the
     ``ChoiceCache`` a server attaches, ``attach_choices``).
 
-    ``decisions`` maps ``(batch, channels, length, dtype, device, with Snake, kernels allowed)`` to a form name
+    ``decisions`` maps ``(batch, channels, length, dtype, device, epilogue, kernels allowed)`` to a form name
+    (epilogue: 0 none, 1 a Snake, 2 a Snake and a residual unit's rest; ``epilogue``)
     (``conv_forms.py``); ``timings_ms`` keeps every form's measurement for logs and the profile. A caller that can
     write the input either way asks ``wants_channels_last`` first; the other forms take it contiguous. ``name`` (the
     module's path), ``cache``, ``events`` and ``allowed`` (the form families, names less their tile index, a diagnostic
@@ -134,11 +135,11 @@ class ConvChoice(KernelChoice):
         self.events: ChoiceEvents = ChoiceEvents()
         self.allowed: tuple[str, ...] | None = None
 
-    def key(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, with_act: bool) -> tuple:
-        return (*shape, dtype, device, with_act, self.kernels_allowed())
+    def key(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, with_act: int) -> tuple:
+        return (*shape, dtype, device, int(with_act), self.kernels_allowed())
 
     def wants_channels_last(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                            with_act: bool) -> bool:
+                            with_act: int) -> bool:
         """Whether the form chosen for an input of ``shape`` reads it channels-last (False until measured)."""
         key = self.key(shape, dtype, device, with_act)
         form = self.decisions.get(key)
@@ -147,34 +148,36 @@ class ConvChoice(KernelChoice):
         return form is not None and reads_channels_last(form)
 
     def __call__(self, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool = True, act: Act | None = None,
-                 channels_last_ok: bool = False) -> Tensor:
+                 channels_last_ok: bool = False, residual: Residual | None = None) -> Tensor:
         """``conv(x)`` ``[B, C_out, T]`` (without its bias when ``with_bias`` is False: a caller that adds it later),
         or with ``act``, ``act(conv(x) + bias)``. ``channels_last_ok``: the caller writes ``x`` channels-last for
         free when ``wants_channels_last`` says so (then the channels-last forms are timed on such an input; else on
-        ``x`` as it comes, the copy included)."""
+        ``x`` as it comes, the copy included). ``residual`` (with ``act``: a residual unit's conv1): return the unit's
+        stream updated in place, ``x + W2 @ act(conv(x) + bias)`` (``conv_forms.Residual``)."""
         if not x.is_cuda or torch.compiler.is_compiling() or not plain(conv):
-            return self.forms.run("cudnn", x, conv, with_bias, act)
-        key = self.key(tuple(x.shape), x.dtype, x.device, act is not None)
+            return self.forms.run("cudnn", x, conv, with_bias, act, residual)
+        key = self.key(tuple(x.shape), x.dtype, x.device, epilogue(act, residual))
         form = self.decisions.get(key)
         if form is None:
-            form = self.decide(key, x, conv, with_bias, act, channels_last_ok)
-        return self.forms.run(form, x, conv, with_bias, act)
+            form = self.decide(key, x, conv, with_bias, act, channels_last_ok, residual)
+        return self.forms.run(form, x, conv, with_bias, act, residual)
 
-    def run(self, form: str, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None) -> Tensor:
+    def run(self, form: str, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None,
+            residual: Residual | None = None) -> Tensor:
         """``form``'s output (``ConvForms.run``), whatever was decided."""
-        return self.forms.run(form, x, conv, with_bias, act)
+        return self.forms.run(form, x, conv, with_bias, act, residual)
 
-    def offered(self, x: Tensor, conv: torch.nn.Conv1d) -> list[str]:
+    def offered(self, x: Tensor, conv: torch.nn.Conv1d, residual: bool = False) -> list[str]:
         """The forms that can run ``conv`` on ``x``, less those ``allowed`` leaves out (cuDNN always stays)."""
-        names = self.forms.offered(x, conv, self.kernels_allowed())
+        names = self.forms.offered(x, conv, self.kernels_allowed(), residual)
         if self.allowed is not None:
             names = [n for n in names if n == "cudnn" or n.rstrip("0123456789") in self.allowed]
         return names
 
     def decide(self, key: tuple, x: Tensor, conv: torch.nn.Conv1d, with_bias: bool, act: Act | None,
-               channels_last_ok: bool) -> str:
+               channels_last_ok: bool, residual: Residual | None = None) -> str:
         """The form for a shape seen the first time: cached, measured, or cuDNN where neither may happen (counted)."""
-        forms = self.offered(x, conv)
+        forms = self.offered(x, conv, residual is not None)
         cached = self.cache.lookup(self.name, geometry(conv), key) if self.cache is not None else None
         if cached is not None and cached[0] in forms:
             self.decisions[key], self.timings_ms[key] = cached
@@ -192,7 +195,7 @@ class ConvChoice(KernelChoice):
             if not capturing:
                 self.decisions[key] = "cudnn"  # past the cap: said and counted once per shape
             return "cudnn"
-        form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok)
+        form = self.measure(key, forms, x, conv, with_bias, act, channels_last_ok, residual)
         if self.cache is not None:
             self.cache.store(self.name, geometry(conv), key, form, self.timings_ms[key])
         return form
@@ -213,15 +216,18 @@ class ConvChoice(KernelChoice):
         return form
 
     def measure(self, key: tuple, forms: list[str], x: Tensor, conv: torch.nn.Conv1d, with_bias: bool,
-                act: Act | None, channels_last_ok: bool = False) -> str:
+                act: Act | None, channels_last_ok: bool = False, residual: Residual | None = None) -> str:
         timings: dict[str, float] = {}
+        if residual is not None:  # every form adds into the unit's stream: time them on a scratch copy of it
+            residual = (residual[0], residual[1].clone(), residual[2])
         # as it would come: channels-last where the caller writes it so (else a channels-last form's time has the
         # copy in it)
         x_cl = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_last_ok else x  # [B, C_in, L]
         with torch.cuda.device(x.device):  # events on x's device (a server may run on cuda:N)
             for form in forms:
                 try:
-                    timings[form] = min_device_ms(lambda t, f=form: self.forms.run(f, t, conv, with_bias, act),
+                    timings[form] = min_device_ms(lambda t, f=form: self.forms.run(f, t, conv, with_bias, act,
+                                                                                   residual),
                                                   x_cl if reads_channels_last(form) else x)
                 except Exception as exc:  # noqa: BLE001  (cuDNN, the first form, has no fallback: re-raised)
                     if form == "cudnn":
@@ -238,6 +244,12 @@ class ConvChoice(KernelChoice):
         log.info("conv %s %s %s: %s (%s)", self.name, tuple(x.shape), str(x.dtype).replace("torch.", ""), best,
                  ", ".join(f"{f} {ms * 1e3:.0f} us" for f, ms in ranked))
         return best
+
+
+def epilogue(act: object | None, residual: Residual | None) -> int:
+    """A decision key's epilogue: 0 the conv alone, 1 with the Snake after it (``act``: its parameters or module), 2
+    with the Snake and a residual unit's rest (``ConvChoice.__call__``'s ``residual``). Pure."""
+    return 2 if residual is not None else int(act is not None)
 
 
 def held_choices(obj: object, depth: int = 1):

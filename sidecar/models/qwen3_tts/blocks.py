@@ -74,7 +74,9 @@ class DenseResidualUnit(nn.Module):
     profile (3.73 ms); written back by the Snake kernel in the same pass, that kernel still reached half the
     bandwidth of the plain ``snake_cat`` (docs/performance.md). In float32 on a channels-last stream the GEMM is
     ``matmul_choice.residual_matmul_``'s (cuBLAS or the 3xTF32 kernel over ``[B T, C]`` rows, whichever measured
-    faster)."""
+    faster). In the fused form conv1's choice gets the rest of the unit too (``then_residual``): on a Hopper GPU at 96
+    and 192 channels one kernel (``kernels/unit_tma.py``) can then run conv1, act2, conv2 and the residual add
+    without writing ``h``, where it measured faster than conv1's best form followed by the GEMM."""
 
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
@@ -84,6 +86,10 @@ class DenseResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
         self.matmul_choice = matmul_choice.MatmulChoice()  # conv2's GEMM form in place (float32: 3xTF32 or cuBLAS)
         self.in_bias = BiasSum()  # the pending biases' sum, added by act1's kernel
+
+    def _finish(self, x: Tensor, h: Tensor) -> Tensor:
+        """``x += W2 @ h`` in place: the unit after its conv1 where that conv's form stops at ``h``."""
+        return matmul_choice.residual_matmul_(x, self.conv2.conv.weight[:, :, 0], h, self.matmul_choice)
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamContext,
                 pending: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
@@ -95,9 +101,9 @@ class DenseResidualUnit(nn.Module):
         # (Inductor plans the memory itself), and autograd any out=: there the same sum runs out of place.
         in_place = kernel_forms()
         if folds_biases(self.act1, x):  # implies in_place: act2(conv1(act1(x + pending))), conv2's bias pending
-            h, _ = self.conv1(x, lengths, ctx, act=self.act1, in_bias=self.in_bias(pending),
-                              then_act=self.act2)  # [B, C, T]
-            x = matmul_choice.residual_matmul_(x, conv.weight[:, :, 0], h, self.matmul_choice)  # [B, C, T]
+            w2 = conv.weight[:, :, 0]  # [C, C]
+            x, _ = self.conv1(x, lengths, ctx, act=self.act1, in_bias=self.in_bias(pending), then_act=self.act2,
+                              then_residual=(w2, x, self._finish))  # [B, C, T], x updated in place
             return x, lengths, (*pending, conv.bias)
         if pending:  # its skip path would need them too: only the fused form carries them on
             raise ValueError("pending biases need the fused form (folds_biases, autograd off)")

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels import depthwise, snake_conv
-from ...kernels.conv_choice import ConvChoice
+from ...kernels.conv_choice import ConvChoice, epilogue
+from ...kernels.conv_forms import Residual
 from .activation import StreamActivation, activated_join
 from .base import StatefulBlock, StreamContext
 
@@ -50,13 +51,17 @@ class CausalConv(StatefulBlock):
 
     def forward(self, x: Tensor, lengths: Tensor, ctx: StreamContext, act: StreamActivation | None = None,
                 in_bias: Tensor | None = None, bias_later: bool = False,
-                then_act: StreamActivation | None = None) -> tuple[Tensor, Tensor]:
+                then_act: StreamActivation | None = None, then_residual: Residual | None = None
+                ) -> tuple[Tensor, Tensor]:
         """``x`` ``[B, C_in, T]`` -> ``(y [B, C_out, T], lengths)``. ``act``: the activation before this conv,
         applied here (fused with the state join where it runs fused); ``in_bias`` ``[C_in]`` (fused ``act`` only):
         biases still pending on ``x`` (``pending.run_chain``), added before ``act``; ``bias_later`` (a conv with a
         ``choice``): the output without this conv's bias (the caller hands it on as pending); ``then_act``: return
         ``then_act(conv(x) + bias)``, in the conv's epilogue where its form has one (the GEMM kernel, the depthwise
-        kernel; the other forms of a ``choice`` then run the Snake kernel with the bias as its ``in_bias``)."""
+        kernel; the other forms of a ``choice`` then run the Snake kernel with the bias as its ``in_bias``);
+        ``then_residual`` (with ``then_act``, a conv with a ``choice``: a residual unit's conv1): return the unit's
+        stream updated in place, ``x + W2 @ then_act(conv(x) + bias)`` (``conv_forms.Residual``), in one kernel
+        where the form measured fastest is one."""
         conv = self.conv
         fused = act is not None and act.runs_fused(x)  # x_cat comes from a Snake kernel: either layout, same cost
         if fused and self.one_output:
@@ -65,13 +70,15 @@ class CausalConv(StatefulBlock):
                                                         log_params, conv.weight, conv.bias, in_bias)  # [B, 1, T]
             ctx.state_out[self.state_key] = tail  # [B, C, P]
             return y, lengths
-        channels_last = fused and self._wants_channels_last(x, then_act is not None)
+        if then_residual is not None and (self.choice is None or then_act is None):
+            raise ValueError("then_residual needs a conv with a ConvChoice and then_act")
+        channels_last = fused and self._wants_channels_last(x, epilogue(then_act, then_residual))
         x_cat = activated_join(act, x, lengths, ctx, self.state_key, self.num_state_cols, in_bias, channels_last,
                                join_op=self.kernels_on)  # [B, C_in, P + T]
         if self.choice is not None:
             if then_act is not None:
-                return self.choice(x_cat, conv, act=then_act.kernel_params(),
-                                   channels_last_ok=fused), lengths  # [B, C_out, T], activated
+                return self.choice(x_cat, conv, act=then_act.kernel_params(), channels_last_ok=fused,
+                                   residual=then_residual), lengths  # [B, C_out, T], activated (or the stream)
             return self.choice(x_cat, conv, with_bias=not bias_later, channels_last_ok=fused), lengths  # [B, C_out, T]
         if bias_later:
             raise ValueError("bias_later needs a conv with a ConvChoice (dense, k > 1)")
@@ -87,7 +94,7 @@ class CausalConv(StatefulBlock):
             y, _ = then_act(y, lengths, ctx)  # [B, C_out, T]
         return y, lengths
 
-    def _wants_channels_last(self, x: Tensor, with_act: bool) -> bool:
+    def _wants_channels_last(self, x: Tensor, with_act: int) -> bool:
         """Whether the fused activation writes ``x_cat`` channels-last: where the conv's measured form reads it so,
         and for a depthwise conv where ``x`` is (a channels-last residual stream stays channels-last: the cat, the
         depthwise op's output, the GEMM's operand after it)."""
