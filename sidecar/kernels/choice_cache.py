@@ -37,7 +37,7 @@ def identity(device: torch.device) -> dict:
     """What a measured choice depends on, for ``device`` (a CUDA device)."""
     from importlib import metadata
 
-    from . import conv_gemm, conv_gemm_cl, conv_gemm_tma, conv_im2col
+    from . import conv_gemm, conv_gemm_cl, conv_gemm_tma, conv_im2col, unit_tma
 
     def version(dist: str) -> str | None:
         try:
@@ -48,7 +48,8 @@ def identity(device: torch.device) -> dict:
     from . import conv_forms, snake_kernels, snake_math
 
     sources = hashlib.sha1()
-    for module in (conv_forms, conv_gemm, conv_gemm_cl, conv_gemm_tma, conv_im2col, snake_kernels, snake_math):
+    for module in (conv_forms, conv_gemm, conv_gemm_cl, conv_gemm_tma, conv_im2col, snake_kernels, snake_math,
+                   unit_tma):
         sources.update(Path(module.__file__).read_bytes())
     props = torch.cuda.get_device_properties(device)
     return {"format": FORMAT, "gpu": props.name, "capability": f"{props.major}.{props.minor}",
@@ -57,7 +58,8 @@ def identity(device: torch.device) -> dict:
             "forms_source": sources.hexdigest()[:16],
             "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32],
             "tiles": [list(map(list, conv_gemm.CONFIGS)), list(map(list, conv_gemm_cl.CONFIGS)),
-                      list(map(list, conv_gemm_tma.CONFIGS)), conv_im2col.MAX_COPY_NBYTES]}
+                      list(map(list, conv_gemm_tma.CONFIGS)), list(map(list, unit_tma.CONFIGS)),
+                      conv_im2col.MAX_COPY_NBYTES]}
 
 
 def geometry(conv: torch.nn.Conv1d) -> str:
