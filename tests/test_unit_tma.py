@@ -2,7 +2,8 @@
 
 CPU: which tiles fit which channel counts (pure); the kernel's indexing under Triton's interpreter equals the
 unfused expression (conv1 + Snake, rounded, then ``x + W2 @ h``) with partial tiles, channels past a tile part and
-one output column; the CPU op is the reference and writes in place. CUDA: at the decoder's 96- and 192-channel
+one output column; the CPU op is the reference and writes in place; a conv asked with the unit's rest returns the
+stream updated in place, and no TMA form is offered for a CPU tensor. CUDA: at the decoder's 96- and 192-channel
 shapes (batches 1, 3 and 64; 1, 4 and 25 frames) the kernel equals the float32 unit within bf16's tolerance, and
 equals the unfused bf16 forms run the same way (``conv_snake_cl`` then ``baddbmm``).
 """
@@ -115,3 +116,33 @@ def test_the_kernel_equals_the_unit_on_the_gpu(no_tf32, batch, channels, frames,
             scale = ref.abs().max().item()
             assert (got.float() - ref).abs().max().item() < 0.03 * scale, config
             assert (got.float() - unfused.float()).abs().max().item() < 0.01 * scale, config
+
+
+def test_a_conv_asked_with_the_units_rest_returns_the_stream_updated_in_place():
+    """``ConvChoice`` with ``residual`` (a unit's conv1): on the CPU cuDNN's form then the unit's own finish; the
+    stream itself comes back, equal to the unfused unit; the fused form refuses a call without the unit's rest."""
+    from code2wav.sidecar.kernels.conv_choice import ConvChoice, epilogue
+    from code2wav.sidecar.kernels.conv_forms import ConvForms
+
+    a, weight, bias, dilation, alpha, beta, log_params, w2, x = _inputs(CASES[0])
+    conv = torch.nn.Conv1d(weight.shape[1], weight.shape[0], weight.shape[2], dilation=dilation)
+    with torch.no_grad():
+        conv.weight.copy_(weight)
+        conv.bias.copy_(bias)
+    ref = unit_tma.reference(a, weight, bias, dilation, alpha, beta, log_params, w2, x)
+    calls = []
+
+    def finish(stream, h):
+        calls.append(h.shape)
+        return torch.baddbmm(stream, w2.expand(stream.shape[0], -1, -1), h, out=stream)
+
+    with torch.inference_mode():
+        stream = x.clone()
+        got = ConvChoice()(a, conv, act=(alpha, beta, log_params), residual=(w2, stream, finish))
+    assert got is stream and calls == [ref.shape] and (got - ref).abs().max().item() < 1e-5
+    assert [epilogue(None, None), epilogue((alpha, beta, log_params), None),
+            epilogue((alpha, beta, log_params), (w2, x, finish))] == [0, 1, 2]
+    with pytest.raises(ValueError, match="residual"):
+        ConvForms().run("unit_tma0", a, conv, True, (alpha, beta, log_params), None)
+    offered = ConvForms().offered(a.bfloat16(), conv.bfloat16(), True, residual=True)  # a CPU tensor: no TMA
+    assert "gemm_cl0" in offered and not any(f.startswith(("gemm_tma", "unit_tma")) for f in offered)
