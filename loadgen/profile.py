@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "achieved TFLOP/s and GB/s against the GPU's peaks, share, kernel names)")
     p.add_argument("--conv-forms", default=None,
                    help="comma-separated conv form families the dense convs may choose from (cuDNN always): "
-                        "cudnn_cl, polyphase, gemm, gemm_cl, gemm_tma, im2col; default: all (a before/after view)")
+                        "cudnn_cl, polyphase, gemm, gemm_cl, gemm_tma, im2col, unit_tma (a residual unit's conv1 "
+                        "with its rest); default: all (a before/after view)")
     p.add_argument("--json", dest="json_path", type=output_file(), help="write the whole profile here")
     return p
 

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .kernels.choice_cache import ChoiceEvents
 
 FALLBACK_REASONS = ("in_capture", "past_shape_cap", "cudnn_cl_failed", "polyphase_failed", "gemm_failed",
-                    "gemm_cl_failed", "gemm_tma_failed", "im2col_failed")
+                    "gemm_cl_failed", "gemm_tma_failed", "im2col_failed", "unit_tma_failed")
 
 
 class KernelChoiceCollector:

@@ -286,3 +286,18 @@ def test_a_second_start_reads_the_measured_choices(tmp_path, no_tf32):
         chosen.append((choice.decisions[key], choice.timings_ms[key]))
     assert chosen[1][0] == chosen[0][0] and chosen[1][1] == pytest.approx(chosen[0][1], abs=1e-6)  # read back
     assert torch.equal(outputs[0], outputs[1])  # the same form: the same kernels
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the CUDA wheel of torch ships it)")
+def test_the_tma_descriptors_read_a_misaligned_channels_last_view_from_a_fresh_copy():
+    """A channels-last view one element into its storage counts as contiguous once transposed, so only a fresh copy
+    gives the descriptors 16-byte aligned rows (``descriptors``); TMA's 32-bit row coordinates are checked."""
+    from code2wav.sidecar.kernels import conv_gemm_tma
+
+    flat = torch.randn(2 * 20 * 16 + 1, dtype=torch.bfloat16)
+    x = flat[1:].view(2, 20, 16).transpose(1, 2)  # [B, C, L] channels-last, base 2 bytes off 16
+    assert conv_gemm_tma.channels_last(x) and not conv_gemm_tma.tma_ok(x)
+    weight = conv_gemm_tma.kernel_weight(torch.randn(16, 16, 7, dtype=torch.bfloat16))
+    *_, read, _, rows_per_batch = conv_gemm_tma.descriptors(x, weight, conv_gemm_tma.TmaTile(16, 16, 16, 16, 1, 1))
+    assert conv_gemm_tma.tma_ok(read) and torch.equal(read, x) and rows_per_batch == 20
+    assert read.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()

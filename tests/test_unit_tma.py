@@ -146,3 +146,12 @@ def test_a_conv_asked_with_the_units_rest_returns_the_stream_updated_in_place():
         ConvForms().run("unit_tma0", a, conv, True, (alpha, beta, log_params), None)
     offered = ConvForms().offered(a.bfloat16(), conv.bfloat16(), True, residual=True)  # a CPU tensor: no TMA
     assert "gemm_cl0" in offered and not any(f.startswith(("gemm_tma", "unit_tma")) for f in offered)
+
+
+def test_an_input_sharing_the_residuals_memory_is_refused():
+    *args, x = _inputs(CASES[0])
+    a = args[0]
+    shared = torch.empty(a.numel() + x.numel())
+    a_view = shared[:a.numel()].view(a.shape[0], a.shape[2], a.shape[1]).transpose(1, 2)  # [B, C, P + T]
+    with pytest.raises(ValueError, match="share memory"):
+        torch.ops.code2wav.unit_tail_tma(a_view, *args[1:], shared[a.numel():].view(x.shape), [16, 16, 16, 16, 1, 1])

@@ -69,7 +69,7 @@ def geometry(conv: torch.nn.Conv1d) -> str:
 
 
 def shape_key(name: str, conv_geometry: str, key: tuple) -> str:
-    """A decision key (``ConvChoice.key``: shape, dtype, device, with Snake, kernels) of conv ``name`` of
+    """A decision key (``ConvChoice.key``: shape, dtype, device, epilogue as ``act<n>``, kernels) of conv ``name`` of
     ``conv_geometry`` as a file key, less the device index (one file per GPU model)."""
     *shape, dtype, _device, with_act, kernels = key
     return (f"{name}|{conv_geometry}|{'x'.join(map(str, shape))}|{str(dtype).replace('torch.', '')}"

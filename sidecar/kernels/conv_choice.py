@@ -63,7 +63,7 @@ lookups, no device work)."""
 
 def nearest_form(decisions: dict[tuple, str], key: tuple) -> str | None:
     """The form decided for the measured shape nearest ``key`` (``ConvChoice.key``: ``(*shape, dtype, device,
-    with Snake, kernels)``, shape ``(batch, channels, length)``): same channels, dtype, device, Snake and kernels,
+    epilogue, kernels)``, shape ``(batch, channels, length)``): same channels, dtype, device, epilogue and kernels,
     the closest number of columns (batch x length; on a tie the larger shape). None: no such shape (pure)."""
     (batch, channels, length), rest = key[:3], key[3:]
     columns = batch * length

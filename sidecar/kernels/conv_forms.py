@@ -17,9 +17,10 @@ or with ``act`` a Snake's ``(alpha, beta, log_params)``, ``act(conv(x) + bias)``
 epilogue, the other forms run the conv without its bias and then ``code2wav::snake_cat`` with ``in_bias`` (one
 pass). With ``residual`` (``Residual``: a residual unit's 1x1 weight, its stream ``x`` and the unfused finish), each
 form returns ``x`` updated in place to ``x + W2 @ act(conv(a) + bias)``: the ``unit_tma`` forms in one kernel, the
-others by the finish after their output. ``READS_CHANNELS_LAST`` forms read their input channels-last (a Snake kernel writes it so for free where the
-choice asks, ``ConvChoice.wants_channels_last``; another input is copied, the copy in the form's time). Derived
-weights (a kernel's layout) are kept per module as ``derived.py`` says, and dropped when no decision uses them.
+others by the finish after their output. ``READS_CHANNELS_LAST`` forms read their input channels-last (a Snake
+kernel writes it so for free where the choice asks, ``ConvChoice.wants_channels_last``; another input is copied, the
+copy in the form's time). Derived weights (a kernel's layout) are kept per module as ``derived.py`` says, and
+dropped when no decision uses them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class ConvForms:
             names += [f"gemm{i}" for i in range(len(conv_gemm.CONFIGS))]
             if conv.in_channels % 8 == 0:  # 16-byte rows: the pipelined loads' (and TMA's) alignment
                 names += [f"gemm_cl{i}" for i in range(len(conv_gemm_cl.CONFIGS))]
-                if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9:
+                if (x.is_cuda and conv_gemm_tma.triton is not None  # a Triton with host TMA descriptors
+                        and torch.cuda.get_device_capability(x.device)[0] >= 9):
                     names += [f"gemm_tma{i}" for i in range(len(conv_gemm_tma.CONFIGS))]
                     if residual and conv.in_channels == conv.out_channels and conv.bias is not None:
                         names += [f"unit_tma{i}" for i, config in enumerate(unit_tma.CONFIGS)

@@ -21,8 +21,8 @@ Two differences, both for Hopper (sm_90):
 
 The descriptors need 16-byte aligned rows: ``C_in`` a multiple of 8 (``ConvForms.offered`` offers the form only then,
 on a GPU of compute capability 9 or later) and an input whose batch stride is a whole number of rows (``tma_ok``;
-another input, such as a channels-first one, is copied to a contiguous channels-last one first). Registered as ``code2wav::conv_snake_tma``
-(CUDA: the kernel; CPU and meta: ``conv_gemm.reference``).
+another input, such as a channels-first one, is copied to a contiguous channels-last one first). Registered as
+``code2wav::conv_snake_tma`` (CUDA: the kernel; CPU and meta: ``conv_gemm.reference``).
 """
 
 from __future__ import annotations
@@ -130,12 +130,14 @@ def descriptors(x: Tensor, weight: Tensor, config: TmaTile) -> tuple:
     c_out, _, ksize = weight.shape
     if c_in % 8:
         raise ValueError(f"conv_snake_tma: {c_in} input channels; the descriptors need a multiple of 8")
-    if not channels_last(x) or not tma_ok(x):
-        x = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C_in, L], channels contiguous, 16-byte rows
+    if not channels_last(x) or not tma_ok(x):  # a fresh copy: a misaligned view may already count as contiguous
+        x = x.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)  # [B, C_in, L], 16-byte rows
     if weight.stride(1) != 1 or weight.stride(0) != c_in or weight.stride(2) != c_out * c_in:
         weight = kernel_weight(weight)
     rows_per_batch = x.stride(0) // x.stride(2) if batch > 1 else num_in
     num_rows = (batch - 1) * rows_per_batch + num_in
+    if num_rows >= 2**31:
+        raise ValueError(f"conv_snake_tma: {num_rows} input rows are past TMA's 32-bit coordinates")
     x_desc = TensorDescriptor(x, [num_rows, c_in], [x.stride(2), 1], [config.block_t, config.block_ci])
     w_rows = weight.permute(2, 0, 1)  # [K, C_out, C_in] contiguous
     w_desc = TensorDescriptor(w_rows, [ksize * c_out, c_in], [c_in, 1], [config.block_co, config.block_ci])

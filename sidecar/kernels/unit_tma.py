@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .conv_gemm import check_shapes, kernel_weight, reference as conv_reference
+from . import conv_gemm_tma
 from .conv_gemm_tma import TmaTile, descriptors
 
 try:  # optional, as for snake.py
@@ -57,7 +58,8 @@ def reference(a: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Ten
 if triton is not None:
     @triton.jit
     def _act_part(acc, co, b_ptr, alpha_ptr, beta_ptr, c, LOG_PARAMS: tl.constexpr, SINE: tl.constexpr):
-        """``act2(acc + b1)`` for channels ``co``, zero past ``c``, rounded to bf16 (the unfused ``h``)."""
+        """``act2(acc + b1)`` for channels ``co``, zero past ``c`` (the caller rounds it to the stream's dtype, as the
+        unfused form stores ``h``)."""
         co_in = co < c
         h = acc + tl.load(b_ptr + co, mask=co_in, other=0.0).to(tl.float32)[None, :]
         scale, inv = snake_scale_inv(tl.load(alpha_ptr + co, mask=co_in, other=0.0).to(tl.float32),
@@ -97,8 +99,8 @@ if triton is not None:
             acc2 = tl.dot(a, w2_desc.load([k * c + BLOCK_CO, ci0]).T, acc2)  # [BLOCK_T, BLOCK_CO2]
         co1 = tl.arange(0, BLOCK_CO)
         co2 = BLOCK_CO + tl.arange(0, BLOCK_CO2)
-        h1 = _act_part(acc, co1, b_ptr, alpha_ptr, beta_ptr, c, LOG_PARAMS, SINE).to(p_ptr.dtype.element_ty)
-        h2 = _act_part(acc2, co2, b_ptr, alpha_ptr, beta_ptr, c, LOG_PARAMS, SINE).to(p_ptr.dtype.element_ty)
+        h1 = _act_part(acc, co1, b_ptr, alpha_ptr, beta_ptr, c, LOG_PARAMS, SINE).to(x_ptr.dtype.element_ty)
+        h2 = _act_part(acc2, co2, b_ptr, alpha_ptr, beta_ptr, c, LOG_PARAMS, SINE).to(x_ptr.dtype.element_ty)
         out1 = tl.dot(h1, _w2_tile(p_ptr, co1, co1, c))  # [BLOCK_T, BLOCK_CO]: conv2's first output channels
         out1 = tl.dot(h2, _w2_tile(p_ptr, co2, co1, c), out1)
         out2 = tl.dot(h1, _w2_tile(p_ptr, co1, co2, c))  # [BLOCK_T, BLOCK_CO2]
@@ -116,7 +118,8 @@ def _launch(a: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
         raise ValueError(f"unit_tail_tma: tile {tuple(config)} does not cover {channels} channels in one program")
     a_desc, w_desc, w2_desc, a, weight, rows_per_batch = descriptors(a, weight, config)
     grid = (triton.cdiv(num_cols, config.block_t), batch)
-    _unit_tail_kernel[grid](a_desc, w_desc, w2_desc, bias, alpha, beta if log_params else alpha, w2.contiguous(), x,
+    _unit_tail_kernel[grid](a_desc, w_desc, w2_desc, bias, alpha, beta if log_params else alpha,
+                            w2.to(x.dtype).contiguous(), x,
                             channels, num_cols, rows_per_batch, weight.shape[2], dilation, x.stride(0), x.stride(1),
                             x.stride(2), LOG_PARAMS=log_params, SINE=sine_for(x), BLOCK_T=config.block_t,
                             BLOCK_CO=config.block_co, BLOCK_CO2=config.block_co2, BLOCK_CI=config.block_ci,
@@ -131,6 +134,9 @@ def _check(a: Tensor, weight: Tensor, bias: Tensor, dilation: int, w2: Tensor, x
         raise ValueError(f"unit_tail_tma needs a [B, C, P + T] input, [C, C, K] and [C, C] weights and a [B, C, T] "
                          f"residual, got {tuple(a.shape)}, {tuple(weight.shape)}, {tuple(w2.shape)}, "
                          f"{tuple(x.shape)}")
+    if a.device.type != "meta" and a.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("unit_tail_tma: the input and the residual share memory (the kernel writes the residual while "
+                         "other programs read the input)")
 
 
 @torch.library.custom_op("code2wav::unit_tail_tma", mutates_args=("x",))
@@ -140,7 +146,7 @@ def unit_tail_tma(a: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha:
     copied), ``weight`` ``[C, C, K]``, ``bias``/``alpha``/``beta`` ``[C]`` (``act2``), ``w2`` ``[C, C]``, ``x``
     ``[B, C, T]``, ``config`` the six fields of a ``TmaTile`` that ``fits`` ``C``."""
     _check(a, weight, bias, dilation, w2, x)
-    if x.is_cuda and triton is not None:
+    if x.is_cuda and conv_gemm_tma.triton is not None:  # host TMA descriptors (conv_gemm_tma's import)
         _launch(a, weight, bias, dilation, alpha, beta, log_params, w2, x, TmaTile(*config))
     else:
         x.copy_(reference(a, weight, bias, dilation, alpha, beta, log_params, w2, x))
