@@ -163,8 +163,35 @@ def test_the_channels_last_conv_kernel_pipelines_its_loads_into_wgmma(index):
     assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx
 
 
-TMA_ALIGNED_INTS = ("c_in", "c_out", "num_cols_out", "rows_per_batch")
-"""The TMA kernel's integer arguments a batch-16/64 launch at the decoders' shapes passes as multiples of 16."""
+TMA_ALIGNED_INTS = ("c_in", "c_out", "num_cols_out", "rows_per_batch", "c", "num_cols", "stride_xb", "stride_xc")
+"""The TMA kernels' integer arguments a batch-16/64 launch at the decoders' shapes passes as multiples of 16."""
+
+
+def _compile_tma(kernel, config, descriptors: dict[str, int], constexprs: dict):
+    """``kernel`` compiled for sm_90 in tile ``config`` (a ``TmaTile``), bf16: each named descriptor argument a
+    ``[rows, block_ci]`` tile (``descriptors``: name -> rows), pointers and ``TMA_ALIGNED_INTS`` 16-divisible, as a
+    launch at the decoders' shapes specializes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+        elif param.name in descriptors:
+            signature[param.name] = f"tensordesc<bf16[{descriptors[param.name]}, {config.block_ci}]>"
+        elif param.name.endswith("_ptr"):
+            signature[param.name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+        else:
+            signature[param.name] = "i32"
+            if param.name in TMA_ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = dict(constexprs, LOG_PARAMS=True, SINE=2, BLOCK_T=config.block_t, BLOCK_CO=config.block_co,
+                      BLOCK_CO2=config.block_co2, BLOCK_CI=config.block_ci)
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
 @pytest.mark.parametrize("index", range(4))
@@ -172,33 +199,13 @@ def test_the_tma_conv_kernel_loads_by_tma_into_wgmma_without_spilling(index):
     """``conv_gemm_tma``'s tiles come in by the tensor memory accelerator (``cp.async.bulk.tensor``) and feed
     ``wgmma``, in every tile shape offered, with no register spills (with the second accumulator and the Snake
     epilogue: its heaviest variant)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from code2wav.sidecar.kernels import conv_gemm_tma
 
     assert len(conv_gemm_tma.CONFIGS) == 4
     config = conv_gemm_tma.CONFIGS[index]
-    blocks = {"x_desc": (config.block_t, config.block_ci), "w_desc": (config.block_co, config.block_ci),
-              "w2_desc": (config.block_co2 or config.block_co, config.block_ci)}
-    signature, attrs = {}, {}
-    for i, param in enumerate(conv_gemm_tma._conv_tma_kernel.params):
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-        elif param.name in blocks:
-            signature[param.name] = "tensordesc<bf16[{}, {}]>".format(*blocks[param.name])
-        elif param.name.endswith("_ptr"):
-            signature[param.name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
-        else:
-            signature[param.name] = "i32"
-            if param.name in TMA_ALIGNED_INTS:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = dict(HAS_BIAS=True, ACTIVATE=True, LOG_PARAMS=True, SINE=2, BLOCK_T=config.block_t,
-                      BLOCK_CO=config.block_co, BLOCK_CO2=config.block_co2, BLOCK_CI=config.block_ci)
-    compiled = triton.compile(ASTSource(fn=conv_gemm_tma._conv_tma_kernel, signature=signature,
-                                        constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    compiled = _compile_tma(conv_gemm_tma._conv_tma_kernel, config,
+                            {"x_desc": config.block_t, "w_desc": config.block_co,
+                             "w2_desc": config.block_co2 or config.block_co}, dict(HAS_BIAS=True, ACTIVATE=True))
     ptx = compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert _registers(compiled)[1] == 0, config
@@ -209,33 +216,12 @@ def test_the_unit_kernel_loads_by_tma_and_runs_both_gemms_on_wgmma_without_spill
     """``unit_tma``'s kernel: conv1's tiles by TMA into ``wgmma``, the 1x1 conv of its epilogue on ``wgmma`` too (at
     least two more of them), in each tile shape offered. Spills are not asserted here: none with Triton 3.6 (the GPU
     machine's, where these tiles were measured), 36-48 bytes a thread with Triton 3.9 (CI's)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from code2wav.sidecar.kernels import unit_tma
 
     assert len(unit_tma.CONFIGS) == 2
     config = unit_tma.CONFIGS[index]
-    blocks = {"a_desc": (config.block_t, config.block_ci), "w_desc": (config.block_co, config.block_ci),
-              "w2_desc": (config.block_co2, config.block_ci)}
-    signature, attrs = {}, {}
-    for i, param in enumerate(unit_tma._unit_tail_kernel.params):
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-        elif param.name in blocks:
-            signature[param.name] = "tensordesc<bf16[{}, {}]>".format(*blocks[param.name])
-        elif param.name.endswith("_ptr"):
-            signature[param.name], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
-        else:
-            signature[param.name] = "i32"
-            if param.name in ("c", "num_cols", "rows_per_batch", "stride_xb", "stride_xc"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = dict(LOG_PARAMS=True, SINE=2, BLOCK_T=config.block_t, BLOCK_CO=config.block_co,
-                      BLOCK_CO2=config.block_co2, BLOCK_CI=config.block_ci)
-    compiled = triton.compile(ASTSource(fn=unit_tma._unit_tail_kernel, signature=signature, constexprs=constexprs,
-                                        attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    compiled = _compile_tma(unit_tma._unit_tail_kernel, config,
+                            {"a_desc": config.block_t, "w_desc": config.block_co, "w2_desc": config.block_co2}, {})
     ptx = compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and ptx.count("wgmma.mma_async") >= 4, config
 

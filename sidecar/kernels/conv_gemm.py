@@ -144,25 +144,6 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha
     return y
 
 
-@torch.library.custom_op("code2wav::conv_snake", mutates_args=())
-def conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
-               beta: Tensor | None, log_params: bool, config: list[int]) -> Tensor:
-    """``y`` ``[B, C_out, T]``, see the module docstring: ``x`` ``[B, C_in, P + T]`` (any strides), ``weight``
-    ``[C_out, C_in, K]`` (any strides: ``kernel_weight`` gives the layout the kernel reads best), ``bias``
-    ``[C_out]`` or None, ``alpha``/``beta`` ``[C_out]`` the Snake after the conv (``alpha`` None: none), ``config``
-    the five fields of a ``ConvGemmTile``."""
-    check_shapes(x, weight, bias, dilation)
-    if x.is_cuda and triton is not None:
-        return _launch(x, weight, bias, dilation, alpha, beta, log_params, ConvGemmTile(*config))
-    return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
-
-
-def fake_output(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
-    """The meta output ``[B, C_out, T]`` of a conv op of this form (``conv_snake``, ``conv_gemm_cl``'s op)."""
-    check_shapes(x, weight, bias, dilation)
-    return x.new_empty((x.shape[0], weight.shape[0], x.shape[2] - (weight.shape[2] - 1) * dilation))
-
-
 def conv_flops(w_shape, out_shape) -> int:
     """Multiply-adds of the conv (what ``FlopCounterMode`` counts for cuDNN's), so the bench's FLOP count and compute
     ceiling do not depend on the form a conv runs in."""
@@ -170,15 +151,37 @@ def conv_flops(w_shape, out_shape) -> int:
     return 2 * out_shape[0] * c_out * out_shape[2] * c_in * ksize
 
 
-@conv_snake.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None, beta: Tensor | None,
-      log_params: bool, config: list[int]) -> Tensor:
-    return fake_output(x, weight, bias, dilation)
+def register_conv_op(name: str, launch, tile: type):
+    """Register ``code2wav::<name>``, a conv op of this form (this module's, ``conv_gemm_cl``'s, ``conv_gemm_tma``'s):
+    ``op(x, weight, bias, dilation, alpha, beta, log_params, config) -> y`` ``[B, C_out, T]`` (``x`` ``[B, C_in,
+    P + T]``, ``weight`` ``[C_out, C_in, K]``, ``bias`` ``[C_out]`` or None, ``alpha``/``beta`` ``[C_out]`` the Snake
+    after the conv, ``alpha`` None: none; ``config`` a ``tile``'s fields). CUDA tensors run ``launch(x, weight, bias,
+    dilation, alpha, beta, log_params, tile(*config))`` (None: the module's Triton is missing); the CPU and the rest
+    run ``reference``, contiguous. Its meta output and FLOP count (``conv_flops``) are registered too."""
+
+    def op(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
+           beta: Tensor | None, log_params: bool, config: list[int]) -> Tensor:
+        check_shapes(x, weight, bias, dilation)
+        if x.is_cuda and launch is not None:
+            return launch(x, weight, bias, dilation, alpha, beta, log_params, tile(*config))
+        return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
+
+    def fake(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
+             beta: Tensor | None, log_params: bool, config: list[int]) -> Tensor:
+        check_shapes(x, weight, bias, dilation)
+        return x.new_empty((x.shape[0], weight.shape[0], x.shape[2] - (weight.shape[2] - 1) * dilation))
+
+    op.__name__ = op.__qualname__ = name
+    registered = torch.library.custom_op(f"code2wav::{name}", op, mutates_args=())
+    registered.register_fake(fake)
+    register_flop_formula(getattr(torch.ops.code2wav, name))(
+        lambda x_shape, w_shape, *args, out_shape=None, **kwargs: conv_flops(w_shape, out_shape))
+    return registered
 
 
-@register_flop_formula(torch.ops.code2wav.conv_snake)
-def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return conv_flops(w_shape, out_shape)
+conv_snake = register_conv_op("conv_snake", _launch if triton is not None else None, ConvGemmTile)
+"""``code2wav::conv_snake``: ``x`` in any strides, ``weight`` in any strides (``kernel_weight`` gives the layout the
+kernel reads best), ``config`` a ``ConvGemmTile``'s fields."""
 
 
 def kernel_weight(weight: Tensor) -> Tensor:

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
-from .conv_gemm import ConvGemmTile, check_shapes, conv_flops, fake_output, kernel_weight, reference
+from .conv_gemm import ConvGemmTile, check_shapes, kernel_weight, register_conv_op
 
 try:  # optional, as for snake.py
     import triton
@@ -124,28 +123,9 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha
     return y
 
 
-@torch.library.custom_op("code2wav::conv_snake_cl", mutates_args=())
-def conv_snake_cl(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
-                  beta: Tensor | None, log_params: bool, config: list[int]) -> Tensor:
-    """``y`` ``[B, C_out, T]`` contiguous: ``x`` ``[B, C_in, P + T]`` (channels-last is read in place, another layout
-    is copied first), ``weight`` ``[C_out, C_in, K]`` (``kernel_weight``'s layout, else made), ``bias`` ``[C_out]`` or
-    None, ``alpha``/``beta`` ``[C_out]`` the Snake after the conv (``alpha`` None: none), ``config`` the five fields
-    of a ``ConvGemmTile``."""
-    check_shapes(x, weight, bias, dilation)
-    if x.is_cuda and triton is not None:
-        return _launch(x, weight, bias, dilation, alpha, beta, log_params, ConvGemmTile(*config))
-    return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
-
-
-@conv_snake_cl.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None, beta: Tensor | None,
-      log_params: bool, config: list[int]) -> Tensor:
-    return fake_output(x, weight, bias, dilation)
-
-
-@register_flop_formula(torch.ops.code2wav.conv_snake_cl)
-def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return conv_flops(w_shape, out_shape)
+conv_snake_cl = register_conv_op("conv_snake_cl", _launch if triton is not None else None, ConvGemmTile)
+"""``code2wav::conv_snake_cl`` (``conv_gemm.register_conv_op``): ``x`` channels-last is read in place, another layout
+is copied first; ``weight`` in ``kernel_weight``'s layout, else made; ``config`` a ``ConvGemmTile``'s fields."""
 
 
 def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,

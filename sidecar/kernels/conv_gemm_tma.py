@@ -31,9 +31,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
-from .conv_gemm import check_shapes, conv_flops, fake_output, kernel_weight, reference
+from .conv_gemm import check_shapes, kernel_weight, register_conv_op
 from .conv_gemm_cl import channels_last
 
 try:  # optional, as for snake.py
@@ -167,26 +166,9 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha
     return y
 
 
-@torch.library.custom_op("code2wav::conv_snake_tma", mutates_args=())
-def conv_snake_tma(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
-                   beta: Tensor | None, log_params: bool, config: list[int]) -> Tensor:
-    """``y`` ``[B, C_out, T]`` contiguous, as ``code2wav::conv_snake_cl`` (its arguments), ``config`` the six fields
-    of a ``TmaTile``."""
-    check_shapes(x, weight, bias, dilation)
-    if x.is_cuda and triton is not None:
-        return _launch(x, weight, bias, dilation, alpha, beta, log_params, TmaTile(*config))
-    return reference(x, weight, bias, dilation, alpha, beta, log_params).contiguous()
-
-
-@conv_snake_tma.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None, beta: Tensor | None,
-      log_params: bool, config: list[int]) -> Tensor:
-    return fake_output(x, weight, bias, dilation)
-
-
-@register_flop_formula(torch.ops.code2wav.conv_snake_tma)
-def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return conv_flops(w_shape, out_shape)
+conv_snake_tma = register_conv_op("conv_snake_tma", _launch if triton is not None else None, TmaTile)
+"""``code2wav::conv_snake_tma`` (``conv_gemm.register_conv_op``), as ``conv_snake_cl``; ``config`` a ``TmaTile``'s
+fields."""
 
 
 def run_interpreted(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, alpha: Tensor | None,
