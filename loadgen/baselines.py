@@ -45,6 +45,7 @@ class BaselineResult:
     latency_ms_p95: float
     audio_s_per_s: float
     iters: int
+    slow_calls: list[list[float]]  # [index, ms] of the calls over 1.5x the median (timing.slow_calls)
 
 
 def _result(name: str, batch: int, new_frames: int, times_s: list[float], model: LoadedModel) -> BaselineResult:

@@ -17,6 +17,7 @@ import pytest
 from code2wav.loadgen.drive import FRAME_S
 from code2wav.loadgen.phases import Progress, Step
 from code2wav.loadgen.report import draw, load, print_table, upstream_twin
+from code2wav.loadgen.timing import baseline_row, slow_calls
 from conftest import ROOT, TINY
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -160,6 +161,20 @@ def test_no_sidecar_runs_only_the_baselines(tmp_path):
     names = {b["name"] for b in report["baselines"]}
     assert {"window-eager-b1", "exact-eager-b1"} <= names and not any("graph" in n for n in names)  # CPU: no graphs
     assert report["results"] == [] and "ready:" not in proc.stdout
+    assert all(isinstance(b["slow_calls"], list) for b in report["baselines"])
+
+
+def test_slow_calls_name_each_call_far_over_the_median_in_call_order():
+    """What a p95 hides: which of the timed calls were slow (the first ones: left to warm up; any: the machine)."""
+    times_s = [0.010, 0.031, 0.010, 0.011, 0.0149, 0.0151, 0.010]  # median 0.011 s: the limit is 16.5 ms
+    assert slow_calls(times_s) == [[1, 31.0]]
+    assert slow_calls([0.01] * 30) == []
+    row = baseline_row("exact-graph-b64", 64, 25, [0.01] * 28 + [0.03, 0.02], TinyRate())
+    assert row["slow_calls"] == [[28, 30.0], [29, 20.0]] and row["latency_ms_p95"] == pytest.approx(20.0)  # the second slowest of 30
+
+
+class TinyRate:
+    samples_per_frame, sample_rate_hz = 1920, 24000
 
 
 def test_inputs_on_the_device_needs_a_cuda_device_and_sidecar_levels(tmp_path):
