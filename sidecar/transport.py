@@ -31,6 +31,9 @@ from code2wav.proto.socket_dir import default_socket_root, level_problem, root_p
 log = logging.getLogger(__name__)
 
 ZERO_COPY_MIN_NBYTES = 64 * 1024  # below this a copy is cheaper than pinning the buffer
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+"""As plain ints: ``readable`` runs once per busy-poll turn, and pyzmq's enum arithmetic took a third of its time
+(2.2 against 1.5 us a call on the CPU machine)."""
 
 
 PROBE_TIMEOUT_S = 1.0
@@ -218,7 +221,7 @@ class Transport:
 
     def readable(self) -> bool:
         """A message is waiting (also re-arms the descriptor's signal)."""
-        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self.socket.getsockopt(EVENTS) & POLLIN)
 
     def recv_nowait(self) -> tuple[bytes, list] | None:
         """``(identity, frames)`` of the next message, or None when none is waiting; frames are zero-copy.
