@@ -42,7 +42,10 @@ class StreamRoutine:
         channels = model.num_channels
         self.scratch_slot = arena.scratch_slot if arena is not None else 0
         staged = model.input.staged_dtype(model.dtype)
-        self.inputs = torch.zeros((max_batch, channels, max_frames), dtype=staged, device=device)  # [Bmax, C, Tmax]
+        # flat, like its staging below: a bucket's inputs are the buffer's first B * C * T entries as [B, C, T]
+        # (``inputs``), so the copy in is one contiguous copy at any T (a [B, C, T] slice of a [Bmax, C, Tmax]
+        # tensor is strided for T < Tmax: the copy then went through a device temporary and a copy kernel)
+        self._inputs = torch.zeros(max_batch * channels * max_frames, dtype=staged, device=device)  # [Bmax C Tmax]
         self._defaults = [opt.default for opt in model.contract.stream_options]
         self._option_names = [opt.name for opt in model.contract.stream_options]
         self._meta_rows = META_OPTIONS + len(self._option_names)
@@ -59,6 +62,11 @@ class StreamRoutine:
                            for _ in range(STAGING_BUFFERS)]
         self._turn = 0  # the staging set the next copy_in fills
 
+    def inputs(self, batch: int, frames: int) -> Tensor:
+        """The static inputs of a bucket, ``[batch, C, frames]`` on the device, contiguous (each bucket's graph
+        captured the view of its own shape)."""
+        return self._inputs[: batch * self._channels * frames].view(batch, self._channels, frames)
+
     def meta(self, batch: int) -> Tensor:
         """The metadata of a batch of ``batch`` rows, ``[K, batch]`` on the device (rows ``META_*``)."""
         return self._meta[: self._meta_rows * batch].view(self._meta_rows, batch)
@@ -71,7 +79,7 @@ class StreamRoutine:
     def prime(self, batch: int, frames: int) -> None:
         """Safe inputs for warm-up and capture: every row on the scratch slot, zero inputs, default options, no row
         armed."""
-        self.inputs[:batch, :, :frames].zero_()
+        self.inputs(batch, frames).zero_()
         self.meta(batch).copy_(self._padding_meta(batch, frames))
 
     def _padding_meta(self, batch: int, frames: int) -> Tensor:
@@ -115,10 +123,11 @@ class StreamRoutine:
         if rows < batch:  # padding rows: no inputs, no valid frames, the scratch slot, default options
             host[rows:].zero_()
             meta[:, rows:].copy_(self._padding_meta(batch - rows, 0))
-        self.inputs[:batch, :, :frames].copy_(host, non_blocking=True)
+        inputs = self.inputs(batch, frames)  # [B, C, T]
+        inputs.copy_(host, non_blocking=True)
         device_meta = self.meta(batch)  # [K, B]
         device_meta.copy_(meta, non_blocking=True)
-        copy_device_rows(self.inputs, device_meta[META_GATE], items)  # behind the copies above, on the same stream
+        copy_device_rows(inputs, device_meta[META_GATE], items)  # behind the copies above, on the same stream
 
     def forward(self, batch: int, frames: int, num_slices: int = 1) -> Tensor:
         """Run on the static buffers (this is what a graph captures). Returns ``[batch, frames * U]``.
@@ -127,8 +136,8 @@ class StreamRoutine:
         state committed once at the end: the same audio, with the peak memory of the longest slice."""
         meta = self.meta(batch)  # [K, B]
         num_frames, slots = meta[META_FRAMES], meta[META_SLOT]  # [B], [B]
-        state, positions = rows_state(self.model, self.arena, slots, batch, self.inputs.device)
-        inputs, inputs_ok = self.model.input.check_rows(self.inputs[:batch, :, :frames])  # [B, C, T], [B]
+        state, positions = rows_state(self.model, self.arena, slots, batch, self._inputs.device)
+        inputs, inputs_ok = self.model.input.check_rows(self.inputs(batch, frames))  # [B, C, T], [B]
         wav, state, positions = forward_in_slices(self.model, inputs, num_frames, state, positions,
                                                   self.options(batch), time_slices(frames, num_slices))
         # the same checks and commit as an eager step: only rows that were ready (an armed row's doorbell reached
