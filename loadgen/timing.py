@@ -3,10 +3,14 @@ stock, upstream VoxCPM2) times and reports with, so their figures are taken the 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 
 import torch
+
+from code2wav.sidecar.gc_pauses import freeze_heap
 
 
 def sync_device(device: torch.device) -> None:
@@ -15,17 +19,31 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def heap_frozen():
+    """Python's heap frozen out of its garbage collector while calls are timed, as the sidecar serves
+    (``sidecar/gc_pauses.py``): otherwise a full collection over the loaded models (tens of ms) lands in one of the
+    timed calls, now and then, and the row times the collector. Unfrozen afterwards."""
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` (each waited for on the device), after ``warmup`` calls."""
+    """Seconds of each of ``iters`` calls of ``fn`` (each waited for on the device), after ``warmup`` calls, with the
+    heap frozen (``heap_frozen``)."""
     for _ in range(warmup):
         fn()
     sync_device(device)
     times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync_device(device)
-        times.append(time.perf_counter() - t0)
+    with heap_frozen():
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            sync_device(device)
+            times.append(time.perf_counter() - t0)
     return times
 
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.012, 0.016, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+GC_PAUSE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 STREAM_CLOSE_REASONS = ("final", "finish", "abort", "bye", "rehandshake", "ttl")
 """Why a stream closed (sessions.py): its final chunk, finish(), abort(), its client's bye or re-handshake, TTL."""
@@ -125,6 +126,13 @@ class Metrics:
                                             ["model"], registry=r)
         self.arena_slots = Gauge(p + "arena_slots", "State arena slots", ["model", "kind"], registry=r)
         self.ready = Gauge(p + "ready", "1 once the model is loaded and the socket bound", registry=r)
+        self.gc_pause_seconds = Histogram(p + "gc_pause_seconds", "Python garbage collections of the sidecar process "
+                                          "and how long each stopped it, by generation (2: a full one)",
+                                          ["generation"], buckets=GC_PAUSE_BUCKETS_S, registry=r)
+        for generation in range(3):  # every series from the first scrape
+            self.gc_pause_seconds.labels(str(generation))
+        self.gc_frozen_objects = Gauge(p + "gc_frozen_objects", "Objects frozen out of the collector once the "
+                                       "server was ready (gc.freeze): no collection walks them", registry=r)
         graph = ["component", "bucket"]
         self.graph_replays = Counter(p + "graph_replays", "CUDA graph replays", graph, registry=r)
         self.graph_misses = Counter(p + "graph_misses", "Batches that ran eager, by reason", ["component", "reason"],

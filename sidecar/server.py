@@ -13,7 +13,8 @@ socket stays open until every reply still queued has been sent to its connected 
 ``shutdown_timeout_s`` (what is left then is dropped: a warning and ``shutdown_replies_unsent_total``), and the
 process exits 0. A second SIGTERM or SIGINT during that shutdown exits at once with 128 + the signal's number,
 dropping what is queued. SIGHUP re-reads what can change while running (the CURVE allow-list) and is otherwise
-ignored with a log line. SIGUSR1 writes every thread's stack to the log.
+ignored with a log line. SIGUSR1 writes every thread's stack to the log. Once started, the process's heap is frozen
+out of Python's garbage collector and every collection is timed into ``gc_pause_seconds`` (``gc_pauses``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .loop_profile import LOOP_PROFILE_PATH, LOOP_PROFILE_START_PATH, LoopProfil
 from .config import ServerConfig, armed_wait_s, busy_poll_s, cpu_threads, steps_in_flight
 from .connlog import shutdown_summary
 from .engine import Engine
+from .gc_pauses import GcPauses, freeze_heap
 from .loop_io import SocketLoop
 from .metrics import HealthServer, Metrics
 from .models import FAMILIES, DecoderFamily, LoadedModel, configure_cuda, resolve_device
@@ -245,8 +247,17 @@ async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[Decode
     loop.add_signal_handler(signal.SIGHUP, server.reload)
     # `kill -USR1 <pid>`: every thread's Python stack to stderr (the log), even while one holds the GIL in C code
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    await server.start()
-    if on_ready is not None:
-        on_ready(server)
-    await server.serve()
+    pauses = GcPauses(lambda generation, seconds: server.metrics.gc_pause_seconds.labels(str(generation))
+                      .observe(seconds)).install()
+    try:
+        await server.start()
+        frozen, collect_s = freeze_heap()  # what start-up made: never walked again (sidecar/gc_pauses.py)
+        server.metrics.gc_frozen_objects.set(frozen)
+        log.info("heap frozen: %d objects out of the garbage collector (its last full pass took %.1f ms)", frozen,
+                 collect_s * 1e3)
+        if on_ready is not None:
+            on_ready(server)
+        await server.serve()
+    finally:
+        pauses.remove()
     return 0 if server.step_loop_error is None else 1

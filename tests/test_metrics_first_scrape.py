@@ -206,9 +206,11 @@ def test_labelled_series_start_at_zero_for_every_label_value(first_scrape):
     assert replays == {(k.mode, k.label): 0.0 for k in buckets}
     misses = {labels["component"] for labels, v in first_scrape[PREFIX + "graph_misses_total"] if v == 0.0}
     assert misses == set(STREAM_MODES)
-    # nothing has happened yet: every counter and histogram count is 0
+    # nothing has happened yet: every counter and histogram count is 0 (but the garbage collections of the start-up)
     moved = {name: rows for name, rows in first_scrape.items() if name.startswith(PREFIX)
-             and name.endswith(("_total", "_count")) and any(v != 0.0 for _, v in rows)}
+             and name.endswith(("_total", "_count")) and any(v != 0.0 for _, v in rows)
+             and name != PREFIX + "gc_pause_seconds_count"}
+    assert {labels["generation"] for labels, _ in first_scrape[PREFIX + "gc_pause_seconds_count"]} == {"0", "1", "2"}
     assert moved == {}
     assert first_scrape[PREFIX + "ready"] == [({}, 1.0)]
 
@@ -261,6 +263,15 @@ def test_build_info_and_process_metrics_are_in_the_first_scrape(first_scrape):
             ((labels, value),) = first_scrape[name]
             assert labels == {} and value > 0, name
         assert first_scrape["process_resident_memory_bytes"][0][1] > 50 * 2**20  # torch alone is larger
+
+
+def test_the_heap_is_frozen_and_its_collections_timed_from_the_start(first_scrape):
+    """``run_server`` froze start-up's objects out of the collector (sidecar/gc_pauses.py) and timed each collection
+    from the start: the freeze's own full collection is in the histogram."""
+    ((_, frozen),) = first_scrape[PREFIX + "gc_frozen_objects"]
+    assert frozen > 50_000  # torch, the model, the server: far more than the sidecar makes per stream
+    full = [value for labels, value in first_scrape[PREFIX + "gc_pause_seconds_count"] if labels["generation"] == "2"]
+    assert full and full[0] >= 1
 
 
 def test_build_info_names_the_models_dtype_and_gpu():
