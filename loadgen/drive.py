@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import statistics
 import time
@@ -15,6 +16,7 @@ from code2wav.client import SidecarClient, SidecarPool
 from code2wav.client.errors import Busy, SidecarError
 
 from .inputs import InputContract, synthetic_inputs
+from code2wav.sidecar.gc_pauses import freeze_heap
 from .traffic import chunk_sizes
 
 FRAME_S = 0.08  # 12.5 frames per second (Qwen3-TTS); open-loop levels use the served model's frame period
@@ -43,6 +45,7 @@ class LevelResult:
     chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
     first_chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
     mean_batch_size: float | None = None
+    loadgen_cpu_s: float | None = None  # CPU seconds of this (the load generator's) process over the level
     graph_hit_rate: float | None = None
     server_ms: dict = field(default_factory=dict)  # mean server-side times from /metrics (a profile)
     error_samples: list[str] = field(default_factory=list)
@@ -237,7 +240,11 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
             with torch.cuda.stream(cuda_stream):
                 torch.ones(1, device=input_device).add_(1)
         torch.cuda.synchronize(input_device)  # inputs there before any slot's CUDA stream reads them
+    # this process drives every stream: its heap is frozen for the level (sidecar/gc_pauses.py), so no full garbage
+    # collection of it (torch, the clients, thousands of streams) stalls them all at once
+    freeze_heap()
     t0 = time.perf_counter()
+    cpu0_s = time.process_time()
     stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
     tasks = []
     for i, stream in enumerate(streams):
@@ -247,8 +254,12 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
         tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, inputs[i],
                            sizes, arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1,
                            cuda_stream=cuda_streams[i], early_audio=early_audio))
-    await asyncio.gather(*tasks)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        gc.unfreeze()
     result.wall_s = time.perf_counter() - t0
+    result.loadgen_cpu_s = time.process_time() - cpu0_s
     for part in (result.by_sidecar or {}).values():
         part.wall_s = result.wall_s  # each sidecar's share of the same interval
     result.ipc_chunks = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients) - ipc_before
@@ -311,6 +322,10 @@ def summarize(result: LevelResult) -> dict:
         "mean_batch_size": _round(result.mean_batch_size, 2), "graph_hit_rate": _round(result.graph_hit_rate, 3),
         "server_mean_ms": {k: round(v, 3) for k, v in result.server_ms.items()},
         "wall_s": round(result.wall_s, 2),
+        # the load generator's own CPU (every thread of this process) per second of the level: near or over 1, its
+        # asyncio thread and the clients' I/O threads (one GIL) may be what the latencies measure
+        "loadgen_cpu_s_per_s": (_round(result.loadgen_cpu_s / result.wall_s, 2)
+                                if result.loadgen_cpu_s is not None and result.wall_s > 0 else None),
         "mean_chunk_latency_ms": _round(statistics.fmean(lat), 2) if lat else None,
         **({"sidecars": {address: _sidecar_row(part) for address, part in sorted(result.by_sidecar.items())}}
            if result.by_sidecar is not None else {}),

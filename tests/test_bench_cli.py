@@ -74,6 +74,7 @@ def test_busy_streams_are_recorded_as_refused_and_the_run_goes_on(tmp_path):
             assert _decimals(r[key]) <= 2, (key, r[key])
         assert len(repr(r["audio_s_per_s"]).replace(".", "").lstrip("0").rstrip("0")) <= 4  # 4 significant digits
         assert r["audio_s_per_s"] > 0 and _decimals(r["wall_s"]) <= 2
+        assert 0 < r["loadgen_cpu_s_per_s"] < 64  # the driving process's own CPU per second: it worked, it is a rate
 
 
 def test_ctrl_c_writes_the_partial_json(tmp_path):
