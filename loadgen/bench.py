@@ -41,6 +41,12 @@ DEVICE_DEFAULTS = {"concurrency": ("1,8,64", "1,4"), "frames": (101, 26), "min_s
                    "baseline_iters": (20, 2), "baseline_warmup": (3, 1)}
 
 
+def _is_pool(address: str) -> bool:
+    from code2wav.client.discovery import parse_pool_address
+
+    return len(parse_pool_address(address).addresses) != 1
+
+
 def pool_address_arg(text: str) -> str:
     """argparse type: one sidecar's address, several comma-separated, or ``dns://NAME:PORT`` (a pool)."""
     from code2wav.client.discovery import parse_pool_address
@@ -91,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="exact", choices=["exact", "window"])
     p.add_argument("--arrival", default="closed", choices=["closed", "realtime"],
                    help="closed: next chunk as soon as the reply is in; realtime: a frame every 80 ms per stream")
-    p.add_argument("--clients", type=int_at_least(1), default=4, help="client connections the streams are spread over")
+    p.add_argument("--clients", type=int_at_least(1), default=4, help="client connections the streams are spread over "
+                   "(per driving process with --drivers)")
+    p.add_argument("--drivers", type=int_at_least(1), default=1,
+                   help="processes that drive each level's streams (their shares, started together; one sidecar "
+                        "only): one bench process saturates its CPU at thousands of real-time streams "
+                        "(loadgen_cpu_s_per_s in each row)")
     p.add_argument("--inputs-on", default="host", choices=["host", "device"],
                    help="where each stream's codes/latents are: host (sent inline as bytes, audio back as bytes) or "
                         "device (CUDA: where a talker leaves them; sent by CUDA IPC, audio back in GPU memory)")
@@ -235,6 +246,10 @@ def run_once(argv: list[str], scenario: str | None) -> int:
         from .stages import run as run_stages
 
         return run_stages(args)
+    if args.drivers > 1 and args.address is not None and _is_pool(args.address):
+        print("error: --drivers drives one sidecar: a pool's per-sidecar figures need the streams in one process "
+              "(leave --drivers at 1 with a pool address)", file=sys.stderr)
+        return 2
     if args.early_audio and args.inputs_on != "device":
         print("error: --early-audio applies to CUDA IPC audio: add --inputs-on device", file=sys.stderr)
         return 2

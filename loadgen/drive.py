@@ -222,7 +222,7 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
                                            early_audio) for i in range(concurrency)))
     accepted = sum(stream is not None for stream in streams)
     rounds = 1 if arrival == "realtime" else max(1, -(-min_streams // max(1, accepted)))
-    before = _scrape(metrics_url)
+    before = scrape(metrics_url)
     ipc_before = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients)
     rng = random.Random(concurrency)
     frame_s = info.samples_per_frame / info.sample_rate  # the model's frame period
@@ -263,7 +263,14 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
     for part in (result.by_sidecar or {}).values():
         part.wall_s = result.wall_s  # each sidecar's share of the same interval
     result.ipc_chunks = sum(c.ipc_stats.get("ipc_chunks", 0) for c in clients) - ipc_before
-    after = _scrape(metrics_url)
+    fill_server_figures(result, before, scrape(metrics_url))
+    return result
+
+
+def fill_server_figures(result: LevelResult, before: dict[str, float] | None,
+                        after: dict[str, float] | None) -> None:
+    """The server's figures over a level, from its counters scraped before and after it (none without both): the
+    mean batch size, the server-side means, the graph hit rate."""
     if before is not None and after is not None:
         count = _delta(after, before, "code2wav_sidecar_batch_size_count")
         if count:
@@ -277,10 +284,9 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
         misses = _delta(after, before, "code2wav_sidecar_graph_misses_total")
         if hits + misses:
             result.graph_hit_rate = hits / (hits + misses)
-    return result
 
 
-def _scrape(metrics_url: str | None) -> dict[str, float] | None:
+def scrape(metrics_url: str | None) -> dict[str, float] | None:
     if metrics_url is None:
         return None
     import urllib.request

@@ -20,6 +20,7 @@ from code2wav.client import SidecarClient, SidecarPool
 from code2wav.client.discovery import parse_pool_address
 
 from .drive import realtime_level_s, run_level, significant, summarize
+from .drivers import Drivers, Level
 from .report import BenchReport
 from .spawn import SpawnedSidecar, spawn_sidecar
 from .traffic import chunk_sizes
@@ -203,6 +204,7 @@ class SidecarPhase(Phase):
         self.clients: list[SidecarClient] | list[SidecarPool] = []
         self.metrics_url = args.metrics_url
         self.runner = None  # asyncio.Runner: one event loop for every level (Ctrl-C cancels its task)
+        self.drivers: Drivers | None = None  # --drivers > 1: the processes that drive the streams instead
         self.input_device = device if args.inputs_on == "device" else None  # inputs by CUDA IPC (main checked)
 
     def plan(self) -> list[Step]:
@@ -225,12 +227,20 @@ class SidecarPhase(Phase):
         # and every level also reports each sidecar's figures ("sidecars" in its row)
         pooled = len(parse_pool_address(address).addresses) != 1
         connect = SidecarPool if pooled else SidecarClient
+        if a.drivers > 1:  # the streams driven from that many processes (loadgen/drivers.py), each warmed up
+            self.drivers = Drivers(a.drivers, address, max(1, a.clients), a.server_key, self._level("closed"))
+            return self
         self.clients = [connect(address, timeout_s=120, curve_server_key=a.server_key)
                         for _ in range(max(1, a.clients))]
         if hasattr(asyncio, "Runner"):  # Python 3.11+; 3.10 runs each level in its own asyncio.run
             self.runner = asyncio.Runner()
         self._warm_up()
         return self
+
+    def _level(self, arrival: str) -> Level:
+        a = self.args
+        return Level(a.mode, a.frames, a.first_chunk_frames, a.chunk_frames, arrival, a.min_streams,
+                     None if self.input_device is None else str(self.input_device), a.early_audio)
 
     def _warm_up(self) -> None:
         """One untimed closed-loop stream per client connection, of the levels' shape, before the first level: a
@@ -244,17 +254,26 @@ class SidecarPhase(Phase):
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
         a = self.args
+        if self.drivers is not None:
+            result = self.drivers.run_level(self._level(a.arrival), self.levels[index], self.metrics_url)
+            return self._row(result, report)
         run = self.runner.run if self.runner is not None else asyncio.run
         result = run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
                                        a.chunk_frames, a.arrival, self.metrics_url, tag="bench",
                                        min_streams=a.min_streams, input_device=self.input_device,
                                        early_audio=a.early_audio))
+        return self._row(result, report)
+
+    @staticmethod
+    def _row(result, report: BenchReport) -> str:
         row = summarize(result)
         report.results.append(row)
         return (f"{row['chunks']} chunks, {row['audio_s_per_s']:.4g} audio-s/s, p50 {row['chunk_latency_ms_p50']} ms, "
                 f"{row['refused_streams']} refused (busy), {row['errors']} errors")
 
     def __exit__(self, *exc) -> None:
+        if self.drivers is not None:
+            self.drivers.close()
         if self.runner is not None:
             self.runner.close()
         for client in self.clients:

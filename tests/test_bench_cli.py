@@ -77,6 +77,37 @@ def test_busy_streams_are_recorded_as_refused_and_the_run_goes_on(tmp_path):
         assert 0 < r["loadgen_cpu_s_per_s"] < 64  # the driving process's own CPU per second: it worked, it is a rate
 
 
+def test_several_driving_processes_share_a_level_and_merge_its_figures(tmp_path):
+    """``--drivers 2``: each level's streams split over two processes (3 and 2 of 5), warmed up and started
+    together against one sidecar; the row merges them (every stream run, every chunk counted, the server's batch
+    figures read around the whole level) and gives the busiest driver's CPU."""
+    report_path = tmp_path / "bench.json"
+    proc = subprocess.run([*BENCH, "--no-baselines", "--concurrency", "5", "--frames", "26", "--min-streams", "5",
+                           "--drivers", "2", "--clients", "1", "--json", str(report_path)],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (row,) = json.loads(report_path.read_text())["results"]
+    assert (row["streams"], row["chunks"], row["errors"], row["refused_streams"]) == (5, 10, 0, 0)
+    assert row["mean_batch_size"] >= 1 and 0 < row["loadgen_cpu_s_per_s"] < 64
+    assert row["chunk_latency_ms_p50"] > 0 and row["first_chunk_latency_ms_p50"] > 0
+
+
+def test_drivers_share_and_merge_as_documented():
+    from code2wav.loadgen.drive import LevelResult
+    from code2wav.loadgen.drivers import merge, shares
+
+    assert shares(5, 2) == [3, 2] and shares(2, 4) == [1, 1, 0, 0] and sum(shares(4096, 3)) == 4096
+    a = LevelResult(5, "exact", "realtime", 4, 0, 2.0, 3.0, [1.0, 2.0], [5.0], loadgen_cpu_s=1.5, streams=3,
+                    refused_streams=1, refused_samples=["Busy: a"])
+    b = LevelResult(2, "exact", "realtime", 2, 1, 2.5, 1.0, [3.0], [6.0], loadgen_cpu_s=0.5, streams=2,
+                    error_samples=["Internal: b"])
+    m = merge(7, [a, b])
+    assert (m.concurrency, m.chunks, m.errors, m.wall_s, m.audio_s, m.streams, m.refused_streams) == (
+        7, 6, 1, 2.5, 4.0, 5, 1)
+    assert m.chunk_latency_ms == [1.0, 2.0, 3.0] and m.first_chunk_latency_ms == [5.0, 6.0]
+    assert m.loadgen_cpu_s == 1.5 and m.refused_samples == ["Busy: a"] and m.error_samples == ["Internal: b"]
+
+
 def test_ctrl_c_writes_the_partial_json(tmp_path):
     """Open loop, so each level lasts at least its streams' staggered starts (the tiny model's 51 frames take 0.1 s):
     SIGINT, sent once the second level has started, lands inside it."""

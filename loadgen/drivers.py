@@ -1,0 +1,145 @@
+"""A level's streams driven from several processes (``bench --drivers N``), so the load generator is not what a level
+measures.
+
+One bench process drives every stream with one asyncio thread and its clients' I/O threads, all under one GIL: at
+thousands of real-time streams its own CPU (the ``loadgen_cpu_s_per_s`` of a level's row) reaches a core, and chunks
+then wait in the bench, not in the sidecar. ``Drivers`` starts ``N`` processes (``spawn``), each with its own clients
+to the same sidecar, warmed up like the bench's own; a level gives each its share of the streams (``shares``), they
+start together, and the parent merges their figures (``merge``) and reads the server's around the whole level.
+
+Only our own processes talk over these pipes (the level's parameters in, a result's plain fields out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+from dataclasses import dataclass
+
+import torch
+
+from .drive import LevelResult, fill_server_figures, run_level, scrape
+
+READY_TIMEOUT_S = 300.0
+"""How long a driver may take to connect and warm up (its first chunk may wait for the sidecar's own start)."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """What every driver of a level runs (its share of the streams apart)."""
+    mode: str
+    num_frames: int
+    first_chunk_frames: int
+    chunk_frames: int
+    arrival: str
+    min_streams: int
+    input_device: str | None  # a CUDA device's name: the streams' inputs there (CUDA IPC); None: on the host
+    early_audio: bool
+
+
+def shares(concurrency: int, count: int) -> list[int]:
+    """``concurrency`` streams over ``count`` drivers, as even as they go (the first ones take the remainder); a
+    driver with no stream sits the level out. Pure."""
+    return [concurrency // count + (i < concurrency % count) for i in range(count)]
+
+
+def merge(concurrency: int, parts: list[LevelResult]) -> LevelResult:
+    """One level's figures from its drivers': counts and audio summed, latencies joined, the longest wall time, the
+    busiest driver's CPU (the one that would saturate first), the first error and refusal samples."""
+    first = parts[0]
+    merged = LevelResult(concurrency, first.mode, first.arrival, sum(p.chunks for p in parts),
+                         sum(p.errors for p in parts), max(p.wall_s for p in parts), sum(p.audio_s for p in parts))
+    for p in parts:
+        merged.chunk_latency_ms += p.chunk_latency_ms
+        merged.first_chunk_latency_ms += p.first_chunk_latency_ms
+        merged.refused_streams += p.refused_streams
+        merged.streams += p.streams
+        merged.ipc_chunks += p.ipc_chunks
+        merged.error_samples = (merged.error_samples + p.error_samples)[:5]
+        merged.refused_samples = (merged.refused_samples + p.refused_samples)[:5]
+    cpu = [p.loadgen_cpu_s for p in parts if p.loadgen_cpu_s is not None]
+    merged.loadgen_cpu_s = max(cpu) if cpu else None
+    return merged
+
+
+def _driver_main(conn, index: int, address: str, num_clients: int, server_key: str | None, warm_up: Level) -> None:
+    """A driver process: its clients, one warm-up stream each, then one level per message until ``None``."""
+    from code2wav.client import SidecarClient
+
+    clients = [SidecarClient(address, timeout_s=120, curve_server_key=server_key) for _ in range(num_clients)]
+    runner = asyncio.Runner()
+    try:
+        device = None if warm_up.input_device is None else torch.device(warm_up.input_device)
+        runner.run(run_level(clients, len(clients), warm_up.mode, warm_up.num_frames, warm_up.first_chunk_frames,
+                             warm_up.chunk_frames, "closed", None, tag=f"warmup-d{index}", min_streams=1,
+                             input_device=device, early_audio=warm_up.early_audio))
+        conn.send("ready")
+        while (order := conn.recv()) is not None:
+            level, concurrency = order
+            device = None if level.input_device is None else torch.device(level.input_device)
+            result = runner.run(run_level(clients, concurrency, level.mode, level.num_frames,
+                                          level.first_chunk_frames, level.chunk_frames, level.arrival, None,
+                                          tag=f"bench-d{index}", min_streams=level.min_streams, input_device=device,
+                                          early_audio=level.early_audio))
+            conn.send(dataclasses.asdict(result))
+    finally:
+        runner.close()
+        for client in clients:
+            client.close()
+        conn.close()
+
+
+class Drivers:
+    """``count`` driving processes for one sidecar at ``address``, each with ``num_clients`` connections."""
+
+    def __init__(self, count: int, address: str, num_clients: int, server_key: str | None, warm_up: Level) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and a CUDA context
+        self._conns, self._procs = [], []
+        try:
+            for index in range(count):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_driver_main, args=(child, index, address, num_clients, server_key, warm_up),
+                                   name=f"bench-driver-{index}", daemon=True)
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+            for index, conn in enumerate(self._conns):
+                if not conn.poll(READY_TIMEOUT_S) or conn.recv() != "ready":
+                    raise RuntimeError(f"bench driver {index} did not warm up within {READY_TIMEOUT_S:g} s (its "
+                                       "output above says why)")
+        except BaseException:
+            self.close()
+            raise
+
+    def run_level(self, level: Level, concurrency: int, metrics_url: str | None) -> LevelResult:
+        """The level over every driver at once; the server's figures read around all of it."""
+        before = scrape(metrics_url)
+        running = []
+        for conn, share in zip(self._conns, shares(concurrency, len(self._conns))):
+            if share:  # closed loop: its share of the streams to run at least, too
+                own = dataclasses.replace(level, min_streams=max(1, -(-level.min_streams * share // concurrency)))
+                conn.send((own, share))
+                running.append(conn)
+        parts = []
+        for conn in running:
+            fields = conn.recv()
+            parts.append(LevelResult(**{k: v for k, v in fields.items() if k != "by_sidecar"}))
+        result = merge(concurrency, parts)
+        fill_server_figures(result, before, scrape(metrics_url))
+        return result
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
