@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,7 +16,7 @@ from code2wav.client import SidecarClient, SidecarPool
 from code2wav.client.errors import Busy, SidecarError
 
 from .inputs import InputContract, synthetic_inputs
-from code2wav.sidecar.gc_pauses import freeze_heap
+from code2wav.sidecar.gc_pauses import FrozenWhile
 from .traffic import chunk_sizes
 
 FRAME_S = 0.08  # 12.5 frames per second (Qwen3-TTS); open-loop levels use the served model's frame period
@@ -46,6 +46,8 @@ class LevelResult:
     first_chunk_latency_ms: list[float] = field(default_factory=list, repr=False)
     mean_batch_size: float | None = None
     loadgen_cpu_s: float | None = None  # CPU seconds of this (the load generator's) process over the level
+    started_s: float = 0.0  # the level's clock (time.perf_counter: one clock for every process of a Linux host)
+    ended_s: float = 0.0
     graph_hit_rate: float | None = None
     server_ms: dict = field(default_factory=dict)  # mean server-side times from /metrics (a profile)
     error_samples: list[str] = field(default_factory=list)
@@ -206,12 +208,15 @@ async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode
 async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrency: int, mode: str, num_frames: int,
                     first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
                     tag: str, min_streams: int = MIN_STREAMS,
-                    input_device: torch.device | None = None, early_audio: bool = False) -> LevelResult:
+                    input_device: torch.device | None = None, early_audio: bool = False,
+                    before_clock: Callable[[], None] | None = None) -> LevelResult:
     """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / accepted)`` in turn per
     slot the server accepted (a refused reopen in a later round counts as refused too). ``input_device``: a CUDA
     device puts every stream's inputs there, as a talker leaves them (the client then sends them by CUDA IPC and the
     audio comes back on that device; latency counts until it is ready there); None keeps them on the host (inline
-    bytes both ways). ``early_audio``: streams opened with early audio (their CUDA IPC chunks answered at launch)."""
+    bytes both ways). ``early_audio``: streams opened with early audio (their CUDA IPC chunks answered at launch).
+    ``before_clock``: called once the streams are open and their inputs made, right before the level's clock starts
+    (``drivers.py``: the processes of one level start together)."""
     info = clients[0].models[0]
     sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
@@ -240,25 +245,25 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
             with torch.cuda.stream(cuda_stream):
                 torch.ones(1, device=input_device).add_(1)
         torch.cuda.synchronize(input_device)  # inputs there before any slot's CUDA stream reads them
+    if before_clock is not None:  # several driving processes: each waits here until all have opened theirs
+        before_clock()
     # this process drives every stream: its heap is frozen for the level (sidecar/gc_pauses.py), so no full garbage
     # collection of it (torch, the clients, thousands of streams) stalls them all at once
-    freeze_heap()
-    t0 = time.perf_counter()
-    cpu0_s = time.process_time()
-    stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
-    tasks = []
-    for i, stream in enumerate(streams):
-        start_at_s = t0 + rng.random() * stagger_s
-        if stream is None:
-            continue
-        tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode, inputs[i],
-                           sizes, arrival, start_at_s, info.sample_rate, result, frame_s, spin=accepted == 1,
-                           cuda_stream=cuda_streams[i], early_audio=early_audio))
-    try:
+    with FrozenWhile():
+        t0 = result.started_s = time.perf_counter()
+        cpu0_s = time.process_time()
+        stagger_s = REALTIME_STAGGER_S if arrival == "realtime" else 0.0
+        tasks = []
+        for i, stream in enumerate(streams):
+            start_at_s = t0 + rng.random() * stagger_s
+            if stream is None:
+                continue
+            tasks.append(_slot(clients[i % len(clients)], f"{tag}-{concurrency}-{i}", stream, rounds, mode,
+                               inputs[i], sizes, arrival, start_at_s, info.sample_rate, result, frame_s,
+                               spin=accepted == 1, cuda_stream=cuda_streams[i], early_audio=early_audio))
         await asyncio.gather(*tasks)
-    finally:
-        gc.unfreeze()
-    result.wall_s = time.perf_counter() - t0
+    result.ended_s = time.perf_counter()
+    result.wall_s = result.ended_s - t0
     result.loadgen_cpu_s = time.process_time() - cpu0_s
     for part in (result.by_sidecar or {}).values():
         part.wall_s = result.wall_s  # each sidecar's share of the same interval

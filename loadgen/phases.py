@@ -216,6 +216,13 @@ class SidecarPhase(Phase):
                 for n in self.levels]
 
     def __enter__(self) -> SidecarPhase:
+        try:
+            return self._start()
+        except BaseException:  # a failed start still stops what it started (``with`` does not call __exit__ then)
+            self.__exit__(*sys.exc_info())
+            raise
+
+    def _start(self) -> SidecarPhase:
         a = self.args
         address = a.address
         if address is None:

@@ -3,14 +3,12 @@ stock, upstream VoxCPM2) times and reports with, so their figures are taken the 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import statistics
 import time
 
 import torch
 
-from code2wav.sidecar.gc_pauses import freeze_heap
+from code2wav.sidecar.gc_pauses import FrozenWhile
 
 
 def sync_device(device: torch.device) -> None:
@@ -19,16 +17,11 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextlib.contextmanager
-def heap_frozen():
+def heap_frozen() -> FrozenWhile:
     """Python's heap frozen out of its garbage collector while calls are timed, as the sidecar serves
     (``sidecar/gc_pauses.py``): otherwise a full collection over the loaded models (tens of ms) lands in one of the
-    timed calls, now and then, and the row times the collector. Unfrozen afterwards."""
-    freeze_heap()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    timed calls, now and then, and the row times the collector. Thawed afterwards (unless frozen before)."""
+    return FrozenWhile()
 
 
 def time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]:

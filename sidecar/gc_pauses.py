@@ -32,6 +32,21 @@ def freeze_heap() -> tuple[int, float]:
     return gc.get_freeze_count(), took_s
 
 
+class FrozenWhile:
+    """A context that freezes the heap for its length (``freeze_heap``) and thaws it after, unless it was frozen
+    already on entry (a process that froze for good, or an outer context): then it leaves the freeze alone."""
+
+    def __enter__(self) -> FrozenWhile:
+        self._owner = gc.get_freeze_count() == 0
+        if self._owner:
+            freeze_heap()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owner:
+            gc.unfreeze()
+
+
 class GcPauses:
     """Times each collection of the process: ``install()`` adds it to ``gc.callbacks``, ``remove()`` takes it out.
     ``observe(generation, seconds)`` is called at each collection's end (a Prometheus histogram's

@@ -129,8 +129,8 @@ class Metrics:
         self.gc_pause_seconds = Histogram(p + "gc_pause_seconds", "Python garbage collections of the sidecar process "
                                           "and how long each stopped it, by generation (2: a full one)",
                                           ["generation"], buckets=GC_PAUSE_BUCKETS_S, registry=r)
-        for generation in range(3):  # every series from the first scrape
-            self.gc_pause_seconds.labels(str(generation))
+        # every series from the first scrape, looked up once: ``observe_gc_pause`` runs inside collections
+        self._gc_pauses = [self.gc_pause_seconds.labels(str(generation)) for generation in range(3)]
         self.gc_frozen_objects = Gauge(p + "gc_frozen_objects", "Objects frozen out of the collector once the "
                                        "server was ready (gc.freeze): no collection walks them", registry=r)
         graph = ["component", "bucket"]
@@ -162,6 +162,12 @@ class Metrics:
         self.ipc_codes_in = self.ipc_chunks.labels(direction="codes_in")
         self.ipc_audio_out = self.ipc_chunks.labels(direction="audio_out")
         self._mode_series: dict[tuple[str, str], ModeSeries] = {}
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        """One garbage collection of the process (``gc_pauses.GcPauses``' observer). It runs inside the collection,
+        which may have started in a scrape holding the histogram's own lock: so no ``labels`` here (that lock is not
+        reentrant), only the series looked up at start."""
+        self._gc_pauses[generation].observe(seconds)
 
     def mode_series(self, model: str, mode: str) -> ModeSeries:
         """``(model, mode)``'s per-chunk and per-step children (made on first use, then reused)."""

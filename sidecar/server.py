@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import zmq
@@ -78,6 +78,7 @@ class Server:
         self._stop = asyncio.Event()
         self._zmq = zmq.Context()
         self.step_loop_error: BaseException | None = None  # why the step loop died, if it did (``serve`` then ends)
+        self.before_ready: Callable[[], None] | None = None  # the process's last word before ready (``run_server``)
 
     async def start(self) -> None:
         cfg, sec = self.cfg, self.cfg.security
@@ -104,6 +105,8 @@ class Server:
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
                                cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type), self.trace,
                                armed_wait_s=armed_wait_s(cfg))
+        if self.before_ready is not None:
+            self.before_ready()
         self.ready = True
         self.metrics.ready.set(1)
 
@@ -239,6 +242,15 @@ def install_uvloop() -> str:
     return "uvloop"
 
 
+def _freeze_heap(server: Server) -> None:
+    """What start-up made, out of the garbage collector for good (sidecar/gc_pauses.py): before the server says ready,
+    so no first request waits for the collection."""
+    frozen, collect_s = freeze_heap()
+    server.metrics.gc_frozen_objects.set(frozen)
+    log.info("heap frozen: %d objects out of the garbage collector (its last full pass took %.1f ms)", frozen,
+             collect_s * 1e3)
+
+
 async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[DecoderFamily] = FAMILIES) -> int:
     server = Server(cfg, families=families)
     loop = asyncio.get_running_loop()
@@ -247,14 +259,10 @@ async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[Decode
     loop.add_signal_handler(signal.SIGHUP, server.reload)
     # `kill -USR1 <pid>`: every thread's Python stack to stderr (the log), even while one holds the GIL in C code
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    pauses = GcPauses(lambda generation, seconds: server.metrics.gc_pause_seconds.labels(str(generation))
-                      .observe(seconds)).install()
+    pauses = GcPauses(server.metrics.observe_gc_pause).install()
+    server.before_ready = lambda: _freeze_heap(server)
     try:
         await server.start()
-        frozen, collect_s = freeze_heap()  # what start-up made: never walked again (sidecar/gc_pauses.py)
-        server.metrics.gc_frozen_objects.set(frozen)
-        log.info("heap frozen: %d objects out of the garbage collector (its last full pass took %.1f ms)", frozen,
-                 collect_s * 1e3)
         if on_ready is not None:
             on_ready(server)
         await server.serve()

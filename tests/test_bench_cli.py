@@ -98,12 +98,12 @@ def test_drivers_share_and_merge_as_documented():
 
     assert shares(5, 2) == [3, 2] and shares(2, 4) == [1, 1, 0, 0] and sum(shares(4096, 3)) == 4096
     a = LevelResult(5, "exact", "realtime", 4, 0, 2.0, 3.0, [1.0, 2.0], [5.0], loadgen_cpu_s=1.5, streams=3,
-                    refused_streams=1, refused_samples=["Busy: a"])
+                    refused_streams=1, refused_samples=["Busy: a"], started_s=100.0, ended_s=102.0)
     b = LevelResult(2, "exact", "realtime", 2, 1, 2.5, 1.0, [3.0], [6.0], loadgen_cpu_s=0.5, streams=2,
-                    error_samples=["Internal: b"])
+                    error_samples=["Internal: b"], started_s=100.25, ended_s=102.75)
     m = merge(7, [a, b])
     assert (m.concurrency, m.chunks, m.errors, m.wall_s, m.audio_s, m.streams, m.refused_streams) == (
-        7, 6, 1, 2.5, 4.0, 5, 1)
+        7, 6, 1, 2.75, 4.0, 5, 1)  # the first clock's start to the last one's end
     assert m.chunk_latency_ms == [1.0, 2.0, 3.0] and m.first_chunk_latency_ms == [5.0, 6.0]
     assert m.loadgen_cpu_s == 1.5 and m.refused_samples == ["Busy: a"] and m.error_samples == ["Internal: b"]
 
@@ -256,3 +256,39 @@ def test_a_baseline_at_the_history_length_also_times_it_as_a_replay():
     assert {f"replay-eager-b1-t{history}", f"exact-eager-b1-t{history}", "exact-eager-b1-t3"} <= set(rows)
     assert not any(name.startswith("replay") and name.endswith("-t3") for name in rows)
     assert rows[f"replay-eager-b1-t{history}"].new_frames == history
+
+
+def test_a_sidecar_phase_that_fails_to_start_stops_the_sidecar_it_spawned(monkeypatch):
+    """``with phase:`` does not call ``__exit__`` when ``__enter__`` raises: the phase stops what it started itself
+    (here the driving processes fail to warm up after the sidecar was spawned; both are stand-ins, recorded)."""
+    import argparse
+
+    import torch
+
+    from code2wav.loadgen import phases
+
+    stopped = []
+
+    class Spawned:
+        address, metrics_url = "ipc:///nowhere/sidecar.sock", None
+
+        def banner(self) -> str:
+            return "spawned"
+
+        def stop(self, log_copy=None) -> None:
+            stopped.append(log_copy)
+
+    def failing_drivers(*args, **kwargs):
+        raise RuntimeError("bench driver 0 did not warm up")
+
+    monkeypatch.setattr(phases, "spawn_sidecar", lambda *a, **k: Spawned())
+    monkeypatch.setattr(phases, "Drivers", failing_drivers)
+    args = argparse.Namespace(concurrency="4", metrics_url=None, inputs_on="host", address=None, model="m",
+                              dtype="float32", serve_arg=[], drivers=2, clients=1, server_key=None, mode="exact",
+                              frames=26, first_chunk_frames=1, chunk_frames=25, min_streams=4, early_audio=False,
+                              sidecar_log="kept.log")
+    phase = phases.SidecarPhase(args, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="did not warm up"):
+        with phase:
+            pass
+    assert stopped == ["kept.log"]

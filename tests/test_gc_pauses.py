@@ -59,3 +59,25 @@ def test_each_collection_is_timed_by_generation():
     assert [g for g, _ in seen] == [0, 2] and all(0 <= s < 5 for _, s in seen)
     assert registry.get_sample_value("gc_pause_seconds_count", {"generation": "2"}) == 1
     assert registry.get_sample_value("gc_pause_seconds_count", {"generation": "0"}) == 1
+
+
+def test_a_collection_inside_a_scrape_is_observed_without_the_histograms_lock():
+    """A collection can start in the thread of a scrape that holds the histogram's lock (its children's copy): the
+    sidecar's observer must not take that lock again (it is not reentrant: the thread would wait on itself for good,
+    and with the collector's flag still set no collection would run again)."""
+    import threading
+
+    from code2wav.sidecar.metrics import Metrics
+
+    metrics = Metrics()
+    done = threading.Event()
+
+    def in_scrape() -> None:
+        with metrics.gc_pause_seconds._lock:  # what the scrape holds while it copies the children
+            metrics.observe_gc_pause(2, 0.004)
+        done.set()
+
+    thread = threading.Thread(target=in_scrape, daemon=True)
+    thread.start()
+    assert done.wait(5.0), "the observer waited on the histogram's lock"
+    assert metrics.registry.get_sample_value("code2wav_sidecar_gc_pause_seconds_count", {"generation": "2"}) == 1
