@@ -81,3 +81,19 @@ def test_a_collection_inside_a_scrape_is_observed_without_the_histograms_lock():
     thread.start()
     assert done.wait(5.0), "the observer waited on the histogram's lock"
     assert metrics.registry.get_sample_value("code2wav_sidecar_gc_pause_seconds_count", {"generation": "2"}) == 1
+
+
+def test_a_freeze_for_a_while_leaves_an_earlier_freeze_alone(unfrozen):
+    """``FrozenWhile`` thaws only what it froze: inside a process (or an outer context) that froze its heap already,
+    leaving the context must not thaw it."""
+    from code2wav.sidecar.gc_pauses import FrozenWhile
+
+    with FrozenWhile():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0  # it froze, so it thawed
+    freeze_heap()  # a serving process's freeze for good
+    before = gc.get_freeze_count()
+    with FrozenWhile():
+        with FrozenWhile():
+            pass
+    assert gc.get_freeze_count() == before > 0
