@@ -39,6 +39,11 @@ class PoolAddress:
     name: str | None = None
     port: int = 0
 
+    @property
+    def pooled(self) -> bool:
+        """More than one sidecar, or a DNS name (any number of them): a pool, not one sidecar."""
+        return len(self.addresses) != 1
+
     def resolve(self, resolver: Resolver) -> list[str]:
         """The sidecar addresses now (fixed ones as given; a DNS name's records as ``tcp://`` addresses)."""
         if self.name is None:

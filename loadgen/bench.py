@@ -41,12 +41,6 @@ DEVICE_DEFAULTS = {"concurrency": ("1,8,64", "1,4"), "frames": (101, 26), "min_s
                    "baseline_iters": (20, 2), "baseline_warmup": (3, 1)}
 
 
-def _is_pool(address: str) -> bool:
-    from code2wav.client.discovery import parse_pool_address
-
-    return len(parse_pool_address(address).addresses) != 1
-
-
 def pool_address_arg(text: str) -> str:
     """argparse type: one sidecar's address, several comma-separated, or ``dns://NAME:PORT`` (a pool)."""
     from code2wav.client.discovery import parse_pool_address
@@ -246,7 +240,9 @@ def run_once(argv: list[str], scenario: str | None) -> int:
         from .stages import run as run_stages
 
         return run_stages(args)
-    if args.drivers > 1 and args.address is not None and _is_pool(args.address):
+    from code2wav.client.discovery import parse_pool_address
+
+    if args.drivers > 1 and args.address is not None and parse_pool_address(args.address).pooled:
         print("error: --drivers drives one sidecar: a pool's per-sidecar figures need the streams in one process "
               "(leave --drivers at 1 with a pool address)", file=sys.stderr)
         return 2

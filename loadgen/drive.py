@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import statistics
 import time
@@ -47,7 +48,6 @@ class LevelResult:
     mean_batch_size: float | None = None
     loadgen_cpu_s: float | None = None  # CPU seconds of this (the load generator's) process over the level
     started_s: float = 0.0  # the level's clock (time.perf_counter: one clock for every process of a Linux host)
-    ended_s: float = 0.0
     graph_hit_rate: float | None = None
     server_ms: dict = field(default_factory=dict)  # mean server-side times from /metrics (a profile)
     error_samples: list[str] = field(default_factory=list)
@@ -205,20 +205,37 @@ async def _slot(client: SidecarClient, stream_id: str, stream, rounds: int, mode
                           cuda_stream)
 
 
-async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrency: int, mode: str, num_frames: int,
-                    first_chunk_frames: int, chunk_frames: int, arrival: str, metrics_url: str | None,
-                    tag: str, min_streams: int = MIN_STREAMS,
-                    input_device: torch.device | None = None, early_audio: bool = False,
-                    before_clock: Callable[[], None] | None = None) -> LevelResult:
-    """``min_streams`` (closed loop): streams the level runs at least, ``ceil(min_streams / accepted)`` in turn per
-    slot the server accepted (a refused reopen in a later round counts as refused too). ``input_device``: a CUDA
-    device puts every stream's inputs there, as a talker leaves them (the client then sends them by CUDA IPC and the
-    audio comes back on that device; latency counts until it is ready there); None keeps them on the host (inline
-    bytes both ways). ``early_audio``: streams opened with early audio (their CUDA IPC chunks answered at launch).
-    ``before_clock``: called once the streams are open and their inputs made, right before the level's clock starts
-    (``drivers.py``: the processes of one level start together)."""
+@dataclass(frozen=True)
+class Level:
+    """What a level runs, but for how many streams: the bench's flags (``SidecarPhase``), one value for the bench's
+    own levels, its warm-up and every driving process (``drivers.py``)."""
+    mode: str
+    num_frames: int
+    first_chunk_frames: int
+    chunk_frames: int
+    arrival: str
+    min_streams: int  # closed loop: streams the level runs at least, ``ceil(min_streams / accepted)`` per slot
+    input_device: torch.device | None  # a CUDA device: the streams' inputs there (CUDA IPC); None: on the host
+    early_audio: bool
+
+    def warm_up(self) -> Level:
+        """One untimed closed-loop stream per slot, of this level's shape."""
+        return dataclasses.replace(self, arrival="closed", min_streams=1)
+
+
+async def run_level(clients: list[SidecarClient] | list[SidecarPool], level: Level, concurrency: int,
+                    metrics_url: str | None, tag: str, before_clock: Callable[[], None] | None = None) -> LevelResult:
+    """``concurrency`` streams of ``level``. ``min_streams`` (closed loop): streams the level runs at least,
+    ``ceil(min_streams / accepted)`` in turn per slot the server accepted (a refused reopen in a later round counts as
+    refused too). ``input_device``: a CUDA device puts every stream's inputs there, as a talker leaves them (the
+    client then sends them by CUDA IPC and the audio comes back on that device; latency counts until it is ready
+    there); None keeps them on the host (inline bytes both ways). ``early_audio``: streams opened with early audio
+    (their CUDA IPC chunks answered at launch). ``before_clock``: called once the streams are open and their inputs
+    made, right before the level's clock starts (``drivers.py``: the processes of one level start together)."""
+    mode, num_frames, arrival, min_streams = level.mode, level.num_frames, level.arrival, level.min_streams
+    input_device, early_audio = level.input_device, level.early_audio
     info = clients[0].models[0]
-    sizes = chunk_sizes(num_frames, first_chunk_frames, chunk_frames)
+    sizes = chunk_sizes(num_frames, level.first_chunk_frames, level.chunk_frames)
     result = LevelResult(concurrency=concurrency, mode=mode, arrival=arrival, chunks=0, errors=0, wall_s=0.0,
                          audio_s=0.0, by_sidecar={} if isinstance(clients[0], SidecarPool) else None)
     # every stream of the level is opened first, so the streams the server refuses (busy: no arena slot) are
@@ -262,8 +279,7 @@ async def run_level(clients: list[SidecarClient] | list[SidecarPool], concurrenc
                                inputs[i], sizes, arrival, start_at_s, info.sample_rate, result, frame_s,
                                spin=accepted == 1, cuda_stream=cuda_streams[i], early_audio=early_audio))
         await asyncio.gather(*tasks)
-    result.ended_s = time.perf_counter()
-    result.wall_s = result.ended_s - t0
+    result.wall_s = time.perf_counter() - t0
     result.loadgen_cpu_s = time.process_time() - cpu0_s
     for part in (result.by_sidecar or {}).values():
         part.wall_s = result.wall_s  # each sidecar's share of the same interval

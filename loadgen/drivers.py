@@ -16,27 +16,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
-from dataclasses import dataclass
 
-import torch
-
-from .drive import LevelResult, fill_server_figures, run_level, scrape
+from .drive import Level, LevelResult, fill_server_figures, run_level, scrape
 
 READY_TIMEOUT_S = 300.0
 """How long a driver may take to connect and warm up (its first chunk may wait for the sidecar's own start)."""
-
-
-@dataclass(frozen=True)
-class Level:
-    """What every driver of a level runs (its share of the streams apart)."""
-    mode: str
-    num_frames: int
-    first_chunk_frames: int
-    chunk_frames: int
-    arrival: str
-    min_streams: int
-    input_device: str | None  # a CUDA device's name: the streams' inputs there (CUDA IPC); None: on the host
-    early_audio: bool
 
 
 def shares(concurrency: int, count: int) -> list[int]:
@@ -50,10 +34,11 @@ def merge(concurrency: int, parts: list[LevelResult]) -> LevelResult:
     first clock's start to the last one's end (one clock for every process), the busiest driver's CPU (the one that
     would saturate first), the first error and refusal samples."""
     first = parts[0]
-    started_s, ended_s = min(p.started_s for p in parts), max(p.ended_s for p in parts)
+    started_s = min(p.started_s for p in parts)
+    ended_s = max(p.started_s + p.wall_s for p in parts)
     merged = LevelResult(concurrency, first.mode, first.arrival, sum(p.chunks for p in parts),
                          sum(p.errors for p in parts), ended_s - started_s, sum(p.audio_s for p in parts),
-                         started_s=started_s, ended_s=ended_s)
+                         started_s=started_s)
     for p in parts:
         merged.chunk_latency_ms += p.chunk_latency_ms
         merged.first_chunk_latency_ms += p.first_chunk_latency_ms
@@ -74,14 +59,10 @@ def _driver_main(conn, index: int, address: str, num_clients: int, server_key: s
     clients = [SidecarClient(address, timeout_s=120, curve_server_key=server_key) for _ in range(num_clients)]
     runner = asyncio.Runner()
     try:
-        device = None if warm_up.input_device is None else torch.device(warm_up.input_device)
-        runner.run(run_level(clients, len(clients), warm_up.mode, warm_up.num_frames, warm_up.first_chunk_frames,
-                             warm_up.chunk_frames, "closed", None, tag=f"warmup-d{index}", min_streams=1,
-                             input_device=device, early_audio=warm_up.early_audio))
+        runner.run(run_level(clients, warm_up, len(clients), None, tag=f"warmup-d{index}"))
         conn.send("ready")
         while (order := conn.recv()) is not None:
             level, concurrency = order
-            device = None if level.input_device is None else torch.device(level.input_device)
 
             def opened() -> None:  # every driver's streams open before any clock starts
                 conn.send("opened")
@@ -89,10 +70,7 @@ def _driver_main(conn, index: int, address: str, num_clients: int, server_key: s
                     raise RuntimeError("the bench stopped the level")
 
             try:
-                result = runner.run(run_level(clients, concurrency, level.mode, level.num_frames,
-                                              level.first_chunk_frames, level.chunk_frames, level.arrival, None,
-                                              tag=f"bench-d{index}", min_streams=level.min_streams,
-                                              input_device=device, early_audio=level.early_audio,
+                result = runner.run(run_level(clients, level, concurrency, None, tag=f"bench-d{index}",
                                               before_clock=opened))
             except Exception as exc:  # noqa: BLE001 - told to the parent, which fails the level with it
                 conn.send(("failed", f"{type(exc).__name__}: {exc}"))

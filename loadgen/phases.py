@@ -19,8 +19,8 @@ import torch
 from code2wav.client import SidecarClient, SidecarPool
 from code2wav.client.discovery import parse_pool_address
 
-from .drive import realtime_level_s, run_level, significant, summarize
-from .drivers import Drivers, Level
+from .drive import Level, realtime_level_s, run_level, significant, summarize
+from .drivers import Drivers
 from .report import BenchReport
 from .spawn import SpawnedSidecar, spawn_sidecar
 from .traffic import chunk_sizes
@@ -205,7 +205,9 @@ class SidecarPhase(Phase):
         self.metrics_url = args.metrics_url
         self.runner = None  # asyncio.Runner: one event loop for every level (Ctrl-C cancels its task)
         self.drivers: Drivers | None = None  # --drivers > 1: the processes that drive the streams instead
-        self.input_device = device if args.inputs_on == "device" else None  # inputs by CUDA IPC (main checked)
+        input_device = device if args.inputs_on == "device" else None  # inputs by CUDA IPC (main checked)
+        self.level = Level(args.mode, args.frames, args.first_chunk_frames, args.chunk_frames, args.arrival,
+                           args.min_streams, input_device, args.early_audio)
 
     def plan(self) -> list[Step]:
         a = self.args
@@ -232,10 +234,10 @@ class SidecarPhase(Phase):
             print(self.spawned.banner(), flush=True)
         # several sidecars (a comma-separated list, or dns://NAME:PORT): each connection is a pool over them all,
         # and every level also reports each sidecar's figures ("sidecars" in its row)
-        pooled = len(parse_pool_address(address).addresses) != 1
+        pooled = parse_pool_address(address).pooled
         connect = SidecarPool if pooled else SidecarClient
         if a.drivers > 1:  # the streams driven from that many processes (loadgen/drivers.py), each warmed up
-            self.drivers = Drivers(a.drivers, address, max(1, a.clients), a.server_key, self._level("closed"))
+            self.drivers = Drivers(a.drivers, address, max(1, a.clients), a.server_key, self.level.warm_up())
             return self
         self.clients = [connect(address, timeout_s=120, curve_server_key=a.server_key)
                         for _ in range(max(1, a.clients))]
@@ -244,31 +246,19 @@ class SidecarPhase(Phase):
         self._warm_up()
         return self
 
-    def _level(self, arrival: str) -> Level:
-        a = self.args
-        return Level(a.mode, a.frames, a.first_chunk_frames, a.chunk_frames, arrival, a.min_streams,
-                     None if self.input_device is None else str(self.input_device), a.early_audio)
-
     def _warm_up(self) -> None:
         """One untimed closed-loop stream per client connection, of the levels' shape, before the first level: a
         server's first requests pay one-time costs (allocator growth, first replay of each bucket, lazy imports on
         both sides) that a serving sidecar paid long ago; without this, c=1's single first chunk measured them."""
-        a = self.args
         run = self.runner.run if self.runner is not None else asyncio.run
-        run(run_level(self.clients, len(self.clients), a.mode, a.frames, a.first_chunk_frames, a.chunk_frames,
-                      "closed", None, tag="warmup", min_streams=1, input_device=self.input_device,
-                      early_audio=a.early_audio))
+        run(run_level(self.clients, self.level.warm_up(), len(self.clients), None, tag="warmup"))
 
     def run_step(self, index: int, step: Step, report: BenchReport) -> str:
-        a = self.args
         if self.drivers is not None:
-            result = self.drivers.run_level(self._level(a.arrival), self.levels[index], self.metrics_url)
-            return self._row(result, report)
-        run = self.runner.run if self.runner is not None else asyncio.run
-        result = run(run_level(self.clients, self.levels[index], a.mode, a.frames, a.first_chunk_frames,
-                                       a.chunk_frames, a.arrival, self.metrics_url, tag="bench",
-                                       min_streams=a.min_streams, input_device=self.input_device,
-                                       early_audio=a.early_audio))
+            result = self.drivers.run_level(self.level, self.levels[index], self.metrics_url)
+        else:
+            run = self.runner.run if self.runner is not None else asyncio.run
+            result = run(run_level(self.clients, self.level, self.levels[index], self.metrics_url, tag="bench"))
         return self._row(result, report)
 
     @staticmethod

@@ -20,8 +20,9 @@ import time
 import torch
 
 from code2wav.sidecar.cli_checks import int_list
+from code2wav.sidecar.gc_pauses import FrozenWhile
 
-from .timing import baseline_row, heap_frozen, print_row
+from .timing import baseline_row, print_row
 from .traffic import synthetic_codes
 
 NAME = "vllm-omni-stock"
@@ -98,7 +99,7 @@ def _timed_step(stock, chunks) -> float:
 
 def _first_chunk_row(stock, codes: torch.Tensor, model, iters: int, warmup: int) -> dict:
     times = []
-    with torch.no_grad(), heap_frozen():
+    with torch.no_grad(), FrozenWhile():  # as time_calls times
         for i in range(warmup + iters):
             rid = f"stock-t1-{i}"
             elapsed = _timed_step(stock, [(rid, codes, 0, False)])
@@ -112,7 +113,7 @@ def _steady_row(stock, codes: torch.Tensor, batch: int, first: int, chunk: int, 
                 warmup: int) -> dict:
     rids = [f"stock-b{batch}-{j}" for j in range(batch)]
     times = []
-    with torch.no_grad(), heap_frozen():
+    with torch.no_grad(), FrozenWhile():  # as time_calls times
         stock.step([(rid, codes[:, :first], 0, False) for rid in rids])
         start = first
         for i in range(PRIME_CHUNKS + warmup + iters):

@@ -17,21 +17,16 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def heap_frozen() -> FrozenWhile:
-    """Python's heap frozen out of its garbage collector while calls are timed, as the sidecar serves
-    (``sidecar/gc_pauses.py``): otherwise a full collection over the loaded models (tens of ms) lands in one of the
-    timed calls, now and then, and the row times the collector. Thawed afterwards (unless frozen before)."""
-    return FrozenWhile()
-
-
 def time_calls(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` (each waited for on the device), after ``warmup`` calls, with the
-    heap frozen (``heap_frozen``)."""
+    """Seconds of each of ``iters`` calls of ``fn`` (each waited for on the device), after ``warmup`` calls, with
+    Python's heap frozen out of its garbage collector, as the sidecar serves (``sidecar/gc_pauses.py``): otherwise a
+    full collection over the loaded models (tens of ms) lands in one of the timed calls now and then, and the row
+    times the collector."""
     for _ in range(warmup):
         fn()
     sync_device(device)
     times = []
-    with heap_frozen():
+    with FrozenWhile():
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()

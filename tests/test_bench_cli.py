@@ -98,9 +98,9 @@ def test_drivers_share_and_merge_as_documented():
 
     assert shares(5, 2) == [3, 2] and shares(2, 4) == [1, 1, 0, 0] and sum(shares(4096, 3)) == 4096
     a = LevelResult(5, "exact", "realtime", 4, 0, 2.0, 3.0, [1.0, 2.0], [5.0], loadgen_cpu_s=1.5, streams=3,
-                    refused_streams=1, refused_samples=["Busy: a"], started_s=100.0, ended_s=102.0)
+                    refused_streams=1, refused_samples=["Busy: a"], started_s=100.0)
     b = LevelResult(2, "exact", "realtime", 2, 1, 2.5, 1.0, [3.0], [6.0], loadgen_cpu_s=0.5, streams=2,
-                    error_samples=["Internal: b"], started_s=100.25, ended_s=102.75)
+                    error_samples=["Internal: b"], started_s=100.25)
     m = merge(7, [a, b])
     assert (m.concurrency, m.chunks, m.errors, m.wall_s, m.audio_s, m.streams, m.refused_streams) == (
         7, 6, 1, 2.75, 4.0, 5, 1)  # the first clock's start to the last one's end
@@ -285,7 +285,7 @@ def test_a_sidecar_phase_that_fails_to_start_stops_the_sidecar_it_spawned(monkey
     monkeypatch.setattr(phases, "Drivers", failing_drivers)
     args = argparse.Namespace(concurrency="4", metrics_url=None, inputs_on="host", address=None, model="m",
                               dtype="float32", serve_arg=[], drivers=2, clients=1, server_key=None, mode="exact",
-                              frames=26, first_chunk_frames=1, chunk_frames=25, min_streams=4, early_audio=False,
+                              frames=26, first_chunk_frames=1, chunk_frames=25, min_streams=4, early_audio=False, arrival="closed",
                               sidecar_log="kept.log")
     phase = phases.SidecarPhase(args, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="did not warm up"):
