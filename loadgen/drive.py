@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from code2wav.client import SidecarClient, SidecarPool
 from code2wav.client.errors import Busy, SidecarError
 
-from .inputs import InputContract, synthetic_inputs
 from code2wav.sidecar.gc_pauses import FrozenWhile
+
+from .inputs import InputContract, synthetic_inputs
+from .server_metrics import counter_delta, scrape
 from .traffic import chunk_sizes
 
 FRAME_S = 0.08  # 12.5 frames per second (Qwen3-TTS); open-loop levels use the served model's frame period
@@ -86,34 +87,6 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def scrape_counters(text: str) -> dict[str, float]:
-    """Sum every sample of the metrics the bench reads, by sample name (labels summed over)."""
-    wanted = ("code2wav_sidecar_batch_size", "code2wav_sidecar_graph_replays", "code2wav_sidecar_graph_misses",
-              "code2wav_sidecar_chunk_latency_seconds", "code2wav_sidecar_engine_step_seconds",
-              "code2wav_sidecar_batch_wait_seconds")
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if not family.name.startswith(wanted):
-            continue
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    return sums
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples named ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
-def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 async def _open(client: SidecarClient, stream_id: str, mode: str, result: LevelResult, early_audio: bool = False):
@@ -293,30 +266,18 @@ def fill_server_figures(result: LevelResult, before: dict[str, float] | None,
     """The server's figures over a level, from its counters scraped before and after it (none without both): the
     mean batch size, the server-side means, the graph hit rate."""
     if before is not None and after is not None:
-        count = _delta(after, before, "code2wav_sidecar_batch_size_count")
+        count = counter_delta(after, before, "code2wav_sidecar_batch_size_count")
         if count:
-            result.mean_batch_size = _delta(after, before, "code2wav_sidecar_batch_size_sum") / count
+            result.mean_batch_size = counter_delta(after, before, "code2wav_sidecar_batch_size_sum") / count
         for name, key in (("chunk_latency_seconds", "server_chunk_latency"), ("engine_step_seconds", "engine_step"),
                           ("batch_wait_seconds", "batch_wait")):
-            n = _delta(after, before, f"code2wav_sidecar_{name}_count")
+            n = counter_delta(after, before, f"code2wav_sidecar_{name}_count")
             if n:
-                result.server_ms[key] = 1e3 * _delta(after, before, f"code2wav_sidecar_{name}_sum") / n
-        hits = _delta(after, before, "code2wav_sidecar_graph_replays_total")
-        misses = _delta(after, before, "code2wav_sidecar_graph_misses_total")
+                result.server_ms[key] = 1e3 * counter_delta(after, before, f"code2wav_sidecar_{name}_sum") / n
+        hits = counter_delta(after, before, "code2wav_sidecar_graph_replays_total")
+        misses = counter_delta(after, before, "code2wav_sidecar_graph_misses_total")
         if hits + misses:
             result.graph_hit_rate = hits / (hits + misses)
-
-
-def scrape(metrics_url: str | None) -> dict[str, float] | None:
-    if metrics_url is None:
-        return None
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-            return scrape_counters(resp.read().decode())
-    except OSError:
-        return None
 
 
 def _round(value: float | None, digits: int) -> float | None:

@@ -17,7 +17,8 @@ import asyncio
 import dataclasses
 import multiprocessing
 
-from .drive import Level, LevelResult, fill_server_figures, run_level, scrape
+from .drive import Level, LevelResult, fill_server_figures, run_level
+from .server_metrics import scrape
 
 READY_TIMEOUT_S = 300.0
 """How long a driver may take to connect and warm up (its first chunk may wait for the sidecar's own start)."""

@@ -40,7 +40,7 @@ def server_means(sidecar: SpawnedSidecar) -> dict[str, float] | None:
     """Cumulative sums and counts of the sidecar's chunk latency (arrival -> reply), engine step and batch wait
     (``/metrics``); means over an interval are differences of two samples. None if the sidecar does not answer
     (down, draining, a cut-off reply): the soak goes on."""
-    from .drive import scrape_counters  # noqa: PLC0415
+    from .server_metrics import scrape_counters  # noqa: PLC0415
 
     try:
         return scrape_counters(sidecar.scrape(timeout_s=1.0))

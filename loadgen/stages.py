@@ -32,7 +32,7 @@ from code2wav.client import SidecarClient
 from code2wav.client.call_trace import CallTrace
 from code2wav.sidecar.chunk_trace import CHUNK_STAGES_PATH
 
-from .drive import metric_value
+from .server_metrics import metric_value
 from .handoff import format_handoff, measure_handoff
 from .inputs import InputContract, synthetic_inputs
 from .loop_table import LoopProfileWindow, format_loop_profile, per_chunk

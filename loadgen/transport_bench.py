@@ -36,7 +36,7 @@ import torch
 
 from code2wav.client import SidecarClient
 
-from .drive import metric_value
+from .server_metrics import metric_value
 from .phases import Progress, Step
 from .spawn import spawn_sidecar
 from .traffic import synthetic_codes

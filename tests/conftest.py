@@ -92,7 +92,7 @@ def gpu_sidecar(tmp_path_factory):
 
 def counter_total(running: SpawnedSidecar, name: str) -> float:
     """The sidecar's counter ``code2wav_sidecar_<name>_total``, scraped now (0 before its first increment)."""
-    from code2wav.loadgen.drive import metric_value
+    from code2wav.loadgen.server_metrics import metric_value
 
     return metric_value(running.scrape(), f"code2wav_sidecar_{name}_total")
 

@@ -18,7 +18,7 @@ import zmq
 from code2wav import proto
 from code2wav.client import SidecarClient
 from code2wav.client.cuda_ipc.channel import IpcChannel
-from code2wav.loadgen.drive import metric_value as _metric
+from code2wav.loadgen.server_metrics import metric_value as _metric
 from code2wav.proto import CudaIpcLoc, ErrorCode, TensorDesc
 
 from conftest import ROOT, start_sidecar

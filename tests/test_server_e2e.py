@@ -15,7 +15,7 @@ from code2wav import proto
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
 from conftest import start_sidecar
-from code2wav.loadgen.drive import metric_value as _metric
+from code2wav.loadgen.server_metrics import metric_value as _metric
 
 TOL = 1e-5
 

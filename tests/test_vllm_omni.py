@@ -28,7 +28,7 @@ from code2wav.proto.address import default_address
 from code2wav.client.vllm_omni.settings import DelegateSettings, connector_extra
 from code2wav.client.vllm_omni.step import DUMMY_REQUEST_PREFIX, parse_step
 from conftest import TINY
-from code2wav.loadgen.drive import metric_value
+from code2wav.loadgen.server_metrics import metric_value
 
 Q, U = 4, 48  # the tiny golden model: 4 quantizers, codebook 64, 48 samples per frame
 HAVE_VLLM_OMNI = importlib.util.find_spec("vllm_omni") is not None

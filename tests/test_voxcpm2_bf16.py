@@ -21,7 +21,7 @@ from code2wav import proto
 from code2wav.client import SidecarClient
 from code2wav.client import errors as cerr
 from code2wav.client.wire_tensors import HostBfloat16, InlineTransport, as_wire_codes, audio_from_frames, host_wire
-from code2wav.loadgen.drive import metric_value
+from code2wav.loadgen.server_metrics import metric_value
 from conftest import VOXCPM2_TINY, start_sidecar
 from test_server_e2e import RawPeer
 
