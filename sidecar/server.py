@@ -78,9 +78,9 @@ class Server:
         self._stop = asyncio.Event()
         self._zmq = zmq.Context()
         self.step_loop_error: BaseException | None = None  # why the step loop died, if it did (``serve`` then ends)
-        self.before_ready: Callable[[], None] | None = None  # the process's last word before ready (``run_server``)
 
-    async def start(self) -> None:
+    async def start(self, before_ready: Callable[[], None] | None = None) -> None:
+        """Build every part, then (``before_ready``: the process's last word first, ``run_server``'s) say ready."""
         cfg, sec = self.cfg, self.cfg.security
         check_bind_security(cfg.address, sec.curve_secret_key_file, sec.insecure)  # fail fast
         self.metrics_port = await self.health.start(cfg.metrics_host, cfg.metrics_port)
@@ -105,8 +105,8 @@ class Server:
         self.stepper = Stepper(parts.engine, self.sessions, parts.scheduler, self.metrics, self._pool, self.io,
                                cfg.codes_event_timeout_s, steps_in_flight(cfg, device.type), self.trace,
                                armed_wait_s=armed_wait_s(cfg))
-        if self.before_ready is not None:
-            self.before_ready()
+        if before_ready is not None:
+            before_ready()
         self.ready = True
         self.metrics.ready.set(1)
 
@@ -260,9 +260,8 @@ async def run_server(cfg: ServerConfig, on_ready=None, families: Sequence[Decode
     # `kill -USR1 <pid>`: every thread's Python stack to stderr (the log), even while one holds the GIL in C code
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     pauses = GcPauses(server.metrics.observe_gc_pause).install()
-    server.before_ready = lambda: _freeze_heap(server)
     try:
-        await server.start()
+        await server.start(before_ready=lambda: _freeze_heap(server))
         if on_ready is not None:
             on_ready(server)
         await server.serve()
